@@ -1,0 +1,1 @@
+"""colibri-convert: Hugging Face safetensors checkpoint -> Colibri pack."""

@@ -1,0 +1,73 @@
+"""``colibri-convert SRC OUT``: the command-line front of the converter."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from colibrid.convert.converter import ConversionError, convert
+from colibrid.convert.quant_spec import DEFAULT_QUANT, TENSOR_CLASSES, TYPE_NAMES, parse_quant
+from colibrid.models import supported_names
+from colibrid.native import ColibriError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    defaults = ",".join(f"{c}={DEFAULT_QUANT[c]}" for c in TENSOR_CLASSES)
+    parser = argparse.ArgumentParser(
+        prog="colibri-convert",
+        description="Convert a Hugging Face MoE checkpoint (safetensors) into a Colibri pack.",
+        epilog=(
+            f"Supported architectures: {', '.join(supported_names())}. "
+            f"Types: {', '.join(TYPE_NAMES)}. Tensor classes: {', '.join(TENSOR_CLASSES)} "
+            "(norms, biases and routers always stay f32). "
+            f"Default: --quant {defaults}. Example: colibri-convert ./OLMoE-1B-7B ./olmoe.pack --quant experts=q8_0"
+        ),
+    )
+    parser.add_argument("src", help="checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    parser.add_argument("out", help="pack directory to create")
+    parser.add_argument("--quant", metavar="SPEC", default=None,
+                        help=f"TYPE for every class, or CLASS=TYPE,... overriding the defaults ({defaults})")
+    parser.add_argument("--align", type=int, default=4096, metavar="BYTES",
+                        help="alignment of tensors and expert records, a power of two >= 4096 (default 4096)")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="colibri-convert: warning: %(message)s")
+    try:
+        quant = parse_quant(args.quant)
+    except ValueError as exc:
+        print(f"colibri-convert: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    started = time.monotonic()
+    try:
+        report = convert(args.src, args.out, quant, align=args.align, force=args.force,
+                         progress=False if args.quiet else None)
+    except (ConversionError, ColibriError, ValueError) as exc:
+        print(f"colibri-convert: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print("colibri-convert: interrupted; nothing was written to the destination", file=sys.stderr)
+        return 130
+    if not args.quiet:
+        seconds = time.monotonic() - started
+        print(
+            f"wrote {report.out}: {report.architecture}, {report.num_expert_records} experts, "
+            f"dense {report.dense_bytes / 1e6:.1f} MB + experts {report.experts_bytes / 1e6:.1f} MB "
+            f"({quant.to_json()}) in {seconds:.1f}s",
+            file=sys.stderr,
+        )
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Convert a Hugging Face MoE checkpoint directory into a Colibri pack.
+
+Order of work: read and check everything that can be checked cheaply (config,
+architecture, every tensor's presence and shape) before writing a byte; then stream
+tensor by tensor (memory-mapped source, one tensor in RAM at a time) into a temporary
+directory that is renamed into place only when the manifest is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from colibrid import __version__, native
+from colibrid.convert.progress import Progress
+from colibrid.convert.quant_spec import QuantSpec
+from colibrid.convert.safetensors import Checkpoint, CheckpointError
+from colibrid.models import Architecture, UnsupportedArchitecture, UnsupportedConfig, architecture_for
+from colibrid.models.config import ModelConfig
+from colibrid.pack.manifest import EXPERT_PARTS
+from colibrid.pack.writer import PackWriter
+
+log = logging.getLogger(__name__)
+
+REQUIRED_TOKENIZER_FILES = ("tokenizer.json",)
+OPTIONAL_TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+ALWAYS_F32 = ("router", "shared_gate")  # pack-name suffixes kept in f32 whatever --quant says
+
+
+class ConversionError(Exception):
+    """A conversion failed; the message is one line that says why."""
+
+
+@dataclass
+class ConversionReport:
+    out: Path
+    architecture: str
+    dense_bytes: int = 0
+    experts_bytes: int = 0
+    num_expert_records: int = 0
+    fallbacks: list[str] = field(default_factory=list)  # tensors stored wider than asked
+
+
+def tensor_class(pack_name: str) -> str:
+    if pack_name in ("embed", "lm_head"):
+        return "embeddings"
+    return "dense"
+
+
+def expected_dense_shape(name: str, c: ModelConfig) -> tuple[int, ...]:
+    """The shape every pack tensor must have, from the normalised config."""
+    D, V, Hd = c.hidden_size, c.vocab_size, c.head_dim
+    q_out, kv_out = c.num_heads * Hd, c.num_kv_heads * Hd
+    leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    ffn = c.shared_expert_ffn if leaf.startswith("shared.") else c.dense_ffn
+    shapes = {
+        "embed": (V, D), "lm_head": (V, D), "final_norm": (D,),
+        "attn_norm": (D,), "ffn_norm": (D,),
+        "attn.q": (q_out, D), "attn.k": (kv_out, D), "attn.v": (kv_out, D), "attn.o": (D, q_out),
+        "attn.q_bias": (q_out,), "attn.k_bias": (kv_out,), "attn.v_bias": (kv_out,), "attn.o_bias": (D,),
+        "attn.q_norm": (q_out,) if c.qk_norm == "full" else (Hd,),
+        "attn.k_norm": (kv_out,) if c.qk_norm == "full" else (Hd,),
+        "router": (c.num_experts, D), "shared_gate": (1, D),
+        "shared.gate": (ffn, D), "shared.up": (ffn, D), "shared.down": (D, ffn),
+        "mlp.gate": (ffn, D), "mlp.up": (ffn, D), "mlp.down": (D, ffn),
+    }
+    return shapes[leaf]
+
+
+def expected_expert_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    D, F = c.hidden_size, c.expert_ffn
+    return {"gate": (F, D), "up": (F, D), "down": (D, F)}
+
+
+class Converter:
+    def __init__(self, src: Path, out: Path, quant: QuantSpec, align: int, force: bool, progress: bool | None = None) -> None:
+        self.src, self.out, self.quant, self.align, self.force = src, out, quant, align, force
+        self.progress_enabled = progress
+        self.hf_config = self._read_config()
+        try:
+            self.arch: Architecture = architecture_for(self.hf_config)
+            self.config: ModelConfig = self.arch.model_config(self.hf_config)
+        except (UnsupportedArchitecture, UnsupportedConfig) as exc:
+            raise ConversionError(str(exc)) from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConversionError(f"{src / 'config.json'}: cannot read the model configuration ({exc!r})") from None
+        self.checkpoint = self._open_checkpoint()
+        self.dense_names = self.arch.dense_tensor_names(self.config)
+        self.report = ConversionReport(out, self.arch.name)
+
+    def _read_config(self) -> dict:
+        path = self.src / "config.json"
+        if not self.src.is_dir():
+            raise ConversionError(f"{self.src} is not a directory")
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConversionError(f"{path} is missing; SRC must be a Hugging Face checkpoint directory") from None
+        except (OSError, ValueError) as exc:
+            raise ConversionError(f"{path}: unreadable ({exc})") from None
+
+    def _open_checkpoint(self) -> Checkpoint:
+        try:
+            return Checkpoint(self.src)
+        except CheckpointError as exc:
+            raise ConversionError(str(exc)) from None
+
+    # --- checks before writing ---
+
+    def check(self) -> None:
+        """Fail on the first missing tensor or wrong shape, naming it."""
+        for pack_name, hf_name in self.dense_names.items():
+            self._check_shape(hf_name, expected_dense_shape(pack_name, self.config))
+        expert_shapes = expected_expert_shapes(self.config)
+        for layer in self.config.moe_layer_ids:
+            for expert in range(self.config.num_experts):
+                names = self.arch.expert_tensor_names(layer, expert)
+                for part in EXPERT_PARTS:
+                    self._check_shape(getattr(names, part), expert_shapes[part])
+        for name in REQUIRED_TOKENIZER_FILES:
+            if not (self.src / name).is_file():
+                raise ConversionError(f"{self.src / name} is missing: Colibri needs the fast tokenizer file (tokenizer.json)")
+
+    def _check_shape(self, hf_name: str, expected: tuple[int, ...]) -> None:
+        info = self.checkpoint.tensors.get(hf_name)
+        if info is None:
+            raise ConversionError(f"checkpoint {self.src} lacks tensor {hf_name}")
+        if info.shape != expected:
+            raise ConversionError(f"tensor {hf_name} has shape {list(info.shape)}, expected {list(expected)} from config.json")
+
+    # --- encoding ---
+
+    def _encode(self, name: str, array: np.ndarray, wanted: native.TensorType) -> tuple[native.TensorType, np.ndarray]:
+        if array.ndim == 1:
+            return native.TensorType.F32, np.ascontiguousarray(array, dtype=np.float32)
+        if array.shape[1] % wanted.block_elems:
+            # A block type cannot represent a row length that is not a whole number of blocks.
+            self.report.fallbacks.append(f"{name}: {wanted.name_in_pack} needs rows of a multiple of {wanted.block_elems}, stored as f32")
+            wanted = native.TensorType.F32
+        return wanted, native.quantize(wanted, np.ascontiguousarray(array, dtype=np.float32))
+
+    # --- the conversion ---
+
+    def run(self) -> ConversionReport:
+        self.check()
+        total = sum(info.end - info.begin for info in self.checkpoint.tensors.values())
+        progress = Progress(total, f"converting {self.src.name}", enabled=self.progress_enabled)
+        try:
+            with PackWriter(self.out, self.align, self.force) as writer:
+                self._write_dense(writer, progress)
+                self._write_experts(writer, progress)
+                tokenizer_files = self._copy_tokenizer(writer)
+                writer.commit(
+                    dict(
+                        model=self.config,
+                        quantization=self.quant.to_json(),
+                        tokenizer_files=tokenizer_files,
+                        source=self._source_description(),
+                        producer=f"colibri-convert {__version__}",
+                    )
+                )
+                self.report.dense_bytes = sum(e.nbytes for e in writer.dense_entries.values())
+                self.report.experts_bytes = sum(r.length for r in writer.expert_records)
+                self.report.num_expert_records = len(writer.expert_records)
+        except FileExistsError as exc:
+            raise ConversionError(str(exc)) from None
+        except OSError as exc:
+            raise ConversionError(f"writing {self.out}: {exc.strerror or exc}") from None
+        finally:
+            progress.close()
+        for line in self.report.fallbacks:
+            log.warning("%s", line)
+        return self.report
+
+    def _write_dense(self, writer: PackWriter, progress: Progress) -> None:
+        for pack_name, hf_name in self.dense_names.items():
+            array = self.checkpoint.read_f32(hf_name)
+            leaf = pack_name.rsplit(".", 1)[-1]
+            wanted = native.TensorType.F32 if leaf in ALWAYS_F32 else self.quant.for_class(tensor_class(pack_name))
+            type_, data = self._encode(pack_name, array, wanted)
+            writer.add_dense(pack_name, type_, array.shape, data)
+            progress.advance(self.checkpoint.info(hf_name).end - self.checkpoint.info(hf_name).begin, pack_name)
+
+    def _write_experts(self, writer: PackWriter, progress: Progress) -> None:
+        for layer in self.config.moe_layer_ids:
+            for expert in range(self.config.num_experts):
+                names = self.arch.expert_tensor_names(layer, expert)
+                parts = {}
+                for part in EXPERT_PARTS:
+                    hf_name = getattr(names, part)
+                    array = self.checkpoint.read_f32(hf_name)
+                    type_, data = self._encode(f"layers.{layer}.experts.{expert}.{part}", array, self.quant.experts)
+                    parts[part] = (type_, array.shape, data)
+                    progress.advance(self.checkpoint.info(hf_name).end - self.checkpoint.info(hf_name).begin, f"layer {layer} expert {expert}")
+                writer.add_expert(layer, expert, parts)
+
+    def _copy_tokenizer(self, writer: PackWriter) -> list[str]:
+        copied = []
+        for name in REQUIRED_TOKENIZER_FILES + OPTIONAL_TOKENIZER_FILES:
+            if (self.src / name).is_file():
+                writer.add_file(self.src / name, name)
+                copied.append(name)
+        writer.add_file(self.src / "config.json", "source_config.json")
+        return copied
+
+    def _source_description(self) -> dict:
+        return {
+            "model_type": self.hf_config.get("model_type"),
+            "architectures": self.hf_config.get("architectures"),
+            "dtypes": self.checkpoint.source_dtypes,
+            "path": str(self.src.resolve()),
+        }
+
+
+def convert(src: str | Path, out: str | Path, quant: QuantSpec, align: int = 4096, force: bool = False,
+            progress: bool | None = None) -> ConversionReport:
+    """Convert ``src`` (a Hugging Face checkpoint directory) into a pack at ``out``."""
+    return Converter(Path(src), Path(out), quant, align, force, progress).run()

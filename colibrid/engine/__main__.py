@@ -1,0 +1,51 @@
+"""Run a pack directly, without the daemon — for trying a conversion and for debugging.
+
+    python -m colibrid.engine PACK "prompt"        (or the prompt on stdin)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from colibrid.engine import load
+from colibrid.engine.generate import GenerationDone
+from colibrid.engine.sampling import SamplingParams
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m colibrid.engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("pack", help="pack directory written by colibri-convert")
+    parser.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--system", default=None, help="system prompt (chat models)")
+    parser.add_argument("--raw", action="store_true", help="no chat template")
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    engine = load(args.pack)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens)
+    try:
+        ids = engine.prompt_ids(prompt=prompt, system=args.system, raw=args.raw)
+        for event in engine.generate(ids, params):
+            if isinstance(event, GenerationDone):
+                print(f"\n[{event.finish_reason}: {event.prompt_tokens} prompt tokens, {event.generated_tokens} generated, "
+                      f"{event.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
+            else:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

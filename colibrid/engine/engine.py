@@ -1,0 +1,89 @@
+"""The engine: a loaded pack (model + tokenizer) and the sessions that run on it."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from colibrid.engine.experts import ExpertSource, PreadExpertSource
+from colibrid.engine.generate import GenerationDone, GenerationEvent, generate
+from colibrid.engine.kv_cache import KVCache
+from colibrid.engine.model import Model
+from colibrid.engine.sampling import SamplingParams
+from colibrid.engine.tokenizer import Tokenizer
+from colibrid.models.config import parameter_counts
+from colibrid.pack.reader import Pack
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONTEXT = 4096
+
+
+class Session:
+    """One sequence: its KV cache and the model it runs on."""
+
+    def __init__(self, model: Model, max_context: int) -> None:
+        self.model = model
+        self.max_context = max_context
+        self.kv = KVCache(model.config, max_context)
+
+    @property
+    def n_past(self) -> int:
+        return self.kv.length
+
+    def forward(self, token_ids: Sequence[int] | np.ndarray, all_logits: bool = True) -> np.ndarray:
+        """Append tokens; return their logits (T, V), or the last token's (1, V)."""
+        return self.model.forward(np.asarray(token_ids, dtype=np.int64), self.kv, all_logits=all_logits)
+
+
+class Engine:
+    def __init__(self, pack: Pack, experts: ExpertSource | None = None, max_context: int | None = None) -> None:
+        self.pack = pack
+        self.config = pack.manifest.model
+        self.experts = experts if experts is not None else PreadExpertSource(pack)
+        self.model = Model(pack, self.experts)
+        self.tokenizer = Tokenizer.from_dir(pack.path)
+        self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.config.max_position_embeddings)
+        self.parameters_total, self.parameters_active = parameter_counts(self.config)
+
+    def new_session(self, max_context: int | None = None) -> Session:
+        return Session(self.model, min(max_context or self.max_context, self.max_context))
+
+    def forward(self, token_ids: Sequence[int], session: Session | None = None) -> np.ndarray:
+        """Logits (T, V) for ``token_ids`` appended to ``session`` (a fresh one by default)."""
+        return (session or self.new_session()).forward(token_ids)
+
+    def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None,
+                   system: str | None = None, raw: bool = False) -> list[int]:
+        """Token ids for a raw prompt or a chat; chats go through the model's template."""
+        if messages is None:
+            if raw or not self.tokenizer.has_chat_template:
+                text = prompt if system is None else f"{system}\n\n{prompt}"
+                return self.tokenizer.encode(text or "", add_special_tokens=True)
+            messages = [{"role": "user", "content": prompt or ""}]
+        return self.tokenizer.encode_chat(messages, system=system)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 session: Session | None = None) -> Iterator[GenerationEvent | GenerationDone]:
+        params.validate()
+        return generate(session or self.new_session(), self.tokenizer, prompt_ids, params)
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        """Token ids of a greedy continuation (ignores EOS), for tests and tools."""
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return [e.token_id for e in self.generate(prompt_ids, params) if isinstance(e, GenerationEvent)]
+
+
+def load(path: str | Path, max_context: int | None = None) -> Engine:
+    """Open the pack at ``path`` and build an engine on it."""
+    pack = Pack.open(path)
+    engine = Engine(pack, max_context=max_context)
+    log.info(
+        "loaded %s: %s, %.2fB parameters (%.2fB active), quantization %s",
+        path, engine.config.architecture, engine.parameters_total / 1e9, engine.parameters_active / 1e9,
+        pack.manifest.quantization,
+    )
+    return engine

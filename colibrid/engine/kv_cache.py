@@ -1,0 +1,53 @@
+"""Per-sequence key/value cache: one growable buffer per layer."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from colibrid.models.config import ModelConfig
+
+
+class KVCache:
+    """Keys and values of every past token, per layer, in float32.
+
+    Buffers grow by doubling up to ``max_tokens``, so a short chat does not reserve
+    the model's whole context.
+    """
+
+    def __init__(self, config: ModelConfig, max_tokens: int, initial_tokens: int = 256) -> None:
+        self.max_tokens = max_tokens
+        self.length = 0  # tokens stored (the same for every layer after a full forward)
+        capacity = min(initial_tokens, max_tokens)
+        shape = (capacity, config.num_kv_heads, config.head_dim)  # (S, K, Hd)
+        self._keys = [np.empty(shape, np.float32) for _ in range(config.num_layers)]
+        self._values = [np.empty(shape, np.float32) for _ in range(config.num_layers)]
+
+    def append(self, layer: int, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store (T, K, Hd) keys/values after the current length; return all (S, K, Hd) so far."""
+        start, end = self.length, self.length + keys.shape[0]
+        if end > self.max_tokens:
+            raise ValueError(f"context full: {end} tokens > {self.max_tokens}")
+        if end > self._keys[layer].shape[0]:
+            self._grow(layer, end)
+        self._keys[layer][start:end] = keys
+        self._values[layer][start:end] = values
+        return self._keys[layer][:end], self._values[layer][:end]
+
+    def advance(self, n_tokens: int) -> None:
+        """Commit ``n_tokens`` appended to every layer."""
+        self.length += n_tokens
+
+    def _grow(self, layer: int, needed: int) -> None:
+        capacity = self._keys[layer].shape[0]
+        while capacity < needed:
+            capacity *= 2
+        capacity = min(capacity, self.max_tokens)
+        for buffers in (self._keys, self._values):
+            old = buffers[layer]
+            new = np.empty((capacity,) + old.shape[1:], np.float32)
+            new[: self.length] = old[: self.length]
+            buffers[layer] = new
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values))

@@ -1,0 +1,72 @@
+"""The transformer forward pass over a pack: embeddings, N x (attention, MoE or dense
+MLP), final norm, output head. Knows features, never architecture names."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from colibrid import native
+from colibrid.engine.attention import Attention
+from colibrid.engine.experts import ExpertSource
+from colibrid.engine.kv_cache import KVCache
+from colibrid.engine.layers import linear, rms_norm
+from colibrid.engine.moe import DenseMlp, MoeBlock
+from colibrid.engine.rope import Rotary
+from colibrid.pack.reader import Pack
+from colibrid.pack.tensor import PackedTensor
+
+
+def _layer_weights(pack: Pack, layer: int, prefix: str) -> dict[str, PackedTensor]:
+    """Every dense tensor of ``layer`` whose name starts with ``prefix``, keyed by the rest."""
+    start = f"layers.{layer}.{prefix}"
+    return {name[len(start):]: pack.dense(name) for name in pack.manifest.dense_tensors if name.startswith(start)}
+
+
+class Layer:
+    def __init__(self, pack: Pack, layer: int, rotary: Rotary, experts: ExpertSource) -> None:
+        c = pack.manifest.model
+        self.eps = c.rms_norm_eps
+        self.attn_norm = pack.dense(f"layers.{layer}.attn_norm")
+        self.ffn_norm = pack.dense(f"layers.{layer}.ffn_norm")
+        self.attention = Attention(c, layer, _layer_weights(pack, layer, "attn."), rotary)
+        ffn_weights = _layer_weights(pack, layer, "")
+        self.ffn = MoeBlock(c, layer, ffn_weights, experts) if c.moe_layers[layer] else DenseMlp(ffn_weights)
+
+    def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
+        x = x + self.attention(rms_norm(x, self.attn_norm, self.eps), positions, cos, sin, kv)
+        return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+
+
+class Model:
+    """Weights are read-only views into the pack; all mutable state lives in the KVCache."""
+
+    def __init__(self, pack: Pack, experts: ExpertSource) -> None:
+        self.pack = pack
+        self.config = c = pack.manifest.model
+        self.experts = experts
+        self.rotary = Rotary(c.rope, c.head_dim)
+        self.embed = pack.dense("embed")  # (V, D)
+        self.lm_head = pack.dense("lm_head") if not c.tie_word_embeddings else self.embed  # (V, D)
+        self.final_norm = pack.dense("final_norm")
+        self.layers = [Layer(pack, layer, self.rotary, experts) for layer in range(c.num_layers)]
+
+    def embed_tokens(self, token_ids: np.ndarray) -> np.ndarray:
+        if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size):
+            raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
+        if self.embed.type is native.TensorType.F32:
+            return self.embed.data[token_ids].astype(np.float32)
+        return native.get_rows(self.embed.type, self.embed.data, self.config.hidden_size, token_ids.astype(np.int32))
+
+    def forward(self, token_ids: np.ndarray, kv: KVCache, all_logits: bool = True) -> np.ndarray:
+        """Run ``token_ids`` (T,) after the tokens already in ``kv``; return logits
+        (T, V), or (1, V) for the last token only when ``all_logits`` is False."""
+        token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        positions = np.arange(kv.length, kv.length + token_ids.shape[0])
+        cos, sin = self.rotary.cos_sin(positions)
+        x = self.embed_tokens(token_ids)  # (T, D)
+        for layer in self.layers:
+            x = layer(x, positions, cos, sin, kv)
+        kv.advance(token_ids.shape[0])
+        if not all_logits:
+            x = x[-1:]
+        return linear(rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head)

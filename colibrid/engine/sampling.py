@@ -1,0 +1,318 @@
+"""Choosing the next token from the model's logits, and watching the text for stop strings.
+
+The processing follows transformers' generate() so that a request means the same thing here
+as there: repetition penalty (a logits processor, applied even when greedy), then - only when
+sampling - temperature, top-k, top-p and min-p, in that order, then one draw from the
+softmax of what is left.
+
+Everything is vectorised over the vocabulary with numpy (V up to ~256k); the only Python loops
+are over stop strings and their lengths.
+
+Legend: V vocabulary size, K candidate tokens still in play.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+# OpenAI and vLLM cap alternatives per token at 20; more is rarely useful and costs a sort.
+MAX_TOP_LOGPROBS = 20
+# Top-p first looks for its nucleus among this many best tokens (one partial sort), then among
+# 16 times as many, and sorts the whole vocabulary only when their mass still falls short of top_p.
+TOP_P_FIRST_CANDIDATES = 1024
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. Defaults mean: plain sampling at temperature 1."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; >1 discourages tokens already in prompt or output
+    seed: int | None = None  # None = a fresh, unpredictable seed
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None = no alternatives; n = the n most likely tokens per step
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that is out of range and what it accepts."""
+        _check_real("temperature", self.temperature, "a number >= 0 (0 = greedy)", lambda v: v >= 0)
+        _check_int("top_k", self.top_k, "an integer >= 0 (0 = off)", lambda v: v >= 0)
+        _check_real("top_p", self.top_p, "a number in (0, 1] (1 = off)", lambda v: 0 < v <= 1)
+        _check_real("min_p", self.min_p, "a number in [0, 1] (0 = off)", lambda v: 0 <= v <= 1)
+        _check_real("repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)", lambda v: v > 0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, "null or an integer >= 0", lambda v: v >= 0)
+        _check_int("max_tokens", self.max_tokens, "an integer >= 1", lambda v: v >= 1)
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if self.logprobs is not None:
+            allowed = f"null or an integer in [0, {MAX_TOP_LOGPROBS}]"
+            _check_int("logprobs", self.logprobs, allowed, lambda v: 0 <= v <= MAX_TOP_LOGPROBS)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check_real(name: str, value: object, allowed: str, in_range) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and in_range(value)
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _check_int(name: str, value: object, allowed: str, in_range) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and in_range(value)):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float  # log-softmax of the raw model logits at token_id
+    top_logprobs: list[tuple[int, float]] | None  # (id, logprob), most likely first; None if not asked
+
+
+# --------------------------------------------------------------------------------------------
+# The processing steps, each a plain function of arrays so tests can hold them against a
+# straightforward reference.
+# --------------------------------------------------------------------------------------------
+
+
+def apply_repetition_penalty(scores: np.ndarray, previous_ids: np.ndarray, penalty: float) -> np.ndarray:
+    """CTRL's penalty on every id seen before (prompt included): positive scores / penalty, others * penalty.
+
+    scores (V,) is changed in place and returned. Each id is penalised once however often it
+    occurred: duplicate ids gather the same original score and scatter the same result.
+    Ids outside the vocabulary are ignored, as transformers ignores them.
+    """
+    ids = previous_ids[(previous_ids >= 0) & (previous_ids < scores.shape[0])]
+    seen = scores[ids]
+    scores[ids] = np.where(seen < 0, seen * penalty, seen / penalty)
+    return scores
+
+
+def top_k_candidates(scores: np.ndarray, top_k: int) -> np.ndarray:
+    """Ids whose score is at least the k-th best (ties at the edge kept, as transformers keeps them)."""
+    vocab_size = scores.shape[0]
+    if top_k <= 0 or top_k >= vocab_size:
+        return np.arange(vocab_size)
+    kth_best = np.partition(scores, vocab_size - top_k)[vocab_size - top_k]
+    return np.flatnonzero(scores >= kth_best)
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = np.exp(scores - scores.max())
+    return shifted / shifted.sum()
+
+
+def _order_by_score(ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+    """Positions of `ids` sorted by score descending, equal scores by lower id first."""
+    by_id = np.argsort(ids, kind="stable")
+    return by_id[np.argsort(-scores[by_id], kind="stable")]
+
+
+def top_p_keep(scores: np.ndarray, top_p: float) -> np.ndarray:
+    """Positions (into `scores`, (K,)) of the nucleus: the best tokens whose mass reaches top_p.
+
+    transformers removes a token when the probability mass of the tokens ranked above it is
+    already >= top_p; the best token always stays. Sorting 150k scores costs milliseconds, so
+    the nucleus is first looked for among the best TOP_P_FIRST_CANDIDATES (then 16x as many),
+    which is enough whenever their mass reaches top_p: every token outside them has at least
+    that much mass above it.
+    """
+    probs = _softmax(scores)
+    for n_candidates in (TOP_P_FIRST_CANDIDATES, 16 * TOP_P_FIRST_CANDIDATES):
+        if probs.shape[0] <= n_candidates:
+            break
+        best = np.argpartition(-probs, n_candidates - 1)[:n_candidates]
+        if probs[best].sum() >= top_p:
+            return _nucleus(best, probs, top_p)
+    return _nucleus(np.arange(probs.shape[0]), probs, top_p)
+
+
+def _nucleus(positions: np.ndarray, probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The leading part of `positions`, by probability, whose mass above each member is < top_p."""
+    # Default (unstable) sort: several times faster than a stable one at this size, and still
+    # deterministic, so seeded runs repeat; only the order among exactly equal probabilities is arbitrary.
+    ordered = positions[np.argsort(-probs[positions])]
+    mass_above = np.cumsum(probs[ordered]) - probs[ordered]
+    keep = mass_above < top_p
+    keep[0] = True
+    return ordered[keep]
+
+
+def min_p_keep(scores: np.ndarray, min_p: float) -> np.ndarray:
+    """Positions (into `scores`, (K,)) whose probability is >= min_p times the best probability."""
+    probs = _softmax(scores)
+    keep = probs >= min_p * probs.max()
+    return np.flatnonzero(keep)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """(V,) float64 log-probabilities."""
+    scores = logits.astype(np.float64)
+    top = scores.max()
+    return scores - (top + np.log(np.exp(scores - top).sum()))
+
+
+def top_logprobs(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The n most likely (id, logprob), most likely first, equal logprobs by lower id first."""
+    n = min(n, logprobs.shape[0])
+    if n <= 0:
+        return []
+    best = np.argpartition(-logprobs, n - 1)[:n]
+    best = best[_order_by_score(best, logprobs[best])]
+    return [(int(i), float(logprobs[i])) for i in best]
+
+
+def penalized_scores(
+    logits: np.ndarray, previous_ids: Sequence[int] | np.ndarray, repetition_penalty: float
+) -> np.ndarray:
+    """(V,) float64 scores after the repetition penalty - what greedy decoding takes the argmax of.
+
+    transformers applies the penalty as a logits processor, so it changes greedy choices too.
+    """
+    scores = logits.astype(np.float64)  # a copy: the penalty writes in place
+    if repetition_penalty != 1.0 and len(previous_ids) > 0:
+        apply_repetition_penalty(scores, np.asarray(previous_ids, dtype=np.int64), repetition_penalty)
+    return scores
+
+
+def sampling_candidates(scores: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens sampling may pick from (K,) and their scores (K,), softmax of which is the distribution.
+
+    `scores` (V,) are penalized_scores(); then temperature, top-k, top-p, min-p, in
+    transformers' order. Each step only removes tokens, so later steps work on fewer.
+    """
+    if params.temperature != 1.0:
+        scores = scores / params.temperature
+    candidate_ids = top_k_candidates(scores, params.top_k)  # (K,)
+    candidate_scores = scores[candidate_ids]
+    if params.top_p < 1.0:
+        kept = top_p_keep(candidate_scores, params.top_p)
+        candidate_ids, candidate_scores = candidate_ids[kept], candidate_scores[kept]
+    if params.min_p > 0.0:
+        kept = min_p_keep(candidate_scores, params.min_p)
+        candidate_ids, candidate_scores = candidate_ids[kept], candidate_scores[kept]
+    return candidate_ids, candidate_scores
+
+
+class Sampler:
+    """Picks tokens for one request; owns the request's random generator.
+
+    With a seed, the same sequence of (logits, previous ids) always yields the same tokens.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        params.validate()
+        self.params = params
+        self._rng = np.random.default_rng(params.seed)
+
+    def sample(self, logits: np.ndarray, previous_ids: Sequence[int] | np.ndarray) -> SampledToken:
+        """Choose the next token from `logits` (V,) given every id so far (prompt and output).
+
+        The reported logprob (and top_logprobs) is the log-softmax of the raw model logits,
+        before repetition penalty, temperature and truncation: it describes the model, not the
+        sampling settings, so it is comparable across requests and with transformers'
+        output_logits. (Sampling-adjusted logprobs would be -inf for truncated alternatives.)
+        """
+        logits = np.asarray(logits)
+        if logits.ndim != 1:
+            raise ValueError(f"logits must be one row (V,), got shape {logits.shape}")
+        if not np.isfinite(logits.max()):
+            # The max is NaN if any logit is, +inf if any is, -inf if all are: the forward pass
+            # is broken, and sampling from it would hide that.
+            raise ValueError("logits contain NaN or +inf, or are all -inf")
+        logprobs = log_softmax(logits)
+        token_id = self._choose(logits, previous_ids)
+        alternatives = None if self.params.logprobs is None else top_logprobs(logprobs, self.params.logprobs)
+        return SampledToken(token_id=token_id, logprob=float(logprobs[token_id]), top_logprobs=alternatives)
+
+    def _choose(self, logits: np.ndarray, previous_ids: Sequence[int] | np.ndarray) -> int:
+        scores = penalized_scores(logits, previous_ids, self.params.repetition_penalty)
+        if self.params.is_greedy:
+            # np.argmax returns the first maximum, i.e. the lowest id on ties, like torch.argmax.
+            return int(np.argmax(scores))
+        candidate_ids, candidate_scores = sampling_candidates(scores, self.params)
+        return int(candidate_ids[self._draw(candidate_scores)])
+
+    def _draw(self, scores: np.ndarray) -> int:
+        """One position drawn from softmax(scores) (K,), by inverting the cumulative distribution."""
+        cumulative = np.cumsum(_softmax(scores))
+        position = int(np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right"))
+        return min(position, scores.shape[0] - 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Stop strings
+# --------------------------------------------------------------------------------------------
+
+
+class StopMatcher:
+    """Watches streamed text for stop strings.
+
+    `push(delta)` returns the text that is safe to emit now and whether a stop string has
+    appeared. Text that could be the start of a stop string is held back until the next
+    deltas decide it; on a match, the emitted text ends right before the stop string, and
+    everything after is dropped. When several stop strings complete in the same delta, the
+    one that completes first wins (as if the text had arrived one character at a time).
+    """
+
+    def __init__(self, stop_strings: Sequence[str]) -> None:
+        if any(not s for s in stop_strings):
+            raise ValueError("stop strings must not be empty")
+        self._stops = tuple(dict.fromkeys(stop_strings))
+        self._max_held_chars = max((len(s) for s in self._stops), default=1) - 1
+        self._held = ""
+        self.matched: str | None = None  # the stop string that matched, once one has
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        if self.matched is not None:
+            return "", True
+        text = self._held + delta
+        match = self._first_match(text)
+        if match is not None:
+            start, stop = match
+            self.matched = stop
+            self._held = ""
+            return text[:start], True
+        held_chars = self._longest_stop_prefix_suffix(text)
+        self._held = text[len(text) - held_chars :]
+        return text[: len(text) - held_chars], False
+
+    def flush(self) -> str:
+        """The held-back text, once no more text will come."""
+        held, self._held = self._held, ""
+        return "" if self.matched is not None else held
+
+    def _first_match(self, text: str) -> tuple[int, str] | None:
+        best: tuple[int, int, str] | None = None  # (end, start, stop string)
+        for stop in self._stops:
+            start = text.find(stop)
+            if start < 0:
+                continue
+            candidate = (start + len(stop), start, stop)
+            if best is None or candidate[:2] < best[:2]:
+                best = candidate
+        return None if best is None else (best[1], best[2])
+
+    def _longest_stop_prefix_suffix(self, text: str) -> int:
+        """Length of the longest end of `text` that some stop string starts with."""
+        for length in range(min(len(text), self._max_held_chars), 0, -1):
+            tail = text[len(text) - length :]
+            if any(stop.startswith(tail) for stop in self._stops):
+                return length
+        return 0

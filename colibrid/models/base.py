@@ -1,0 +1,171 @@
+"""What an architecture module provides, and the Hugging Face config readers they share.
+
+An architecture is described at conversion time only: how to read its ``config.json``
+into a :class:`ModelConfig`, and where each tensor lives in its checkpoint. The pack
+stores tensors under architecture-neutral names (listed in ``docs/format.md``), so the
+engine runs every architecture through the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from colibrid.models.config import ModelConfig, RopeConfig
+
+
+class UnsupportedConfig(ValueError):
+    """The checkpoint's config uses a feature Colibri does not implement."""
+
+
+@dataclass(frozen=True)
+class ExpertTensorNames:
+    """Checkpoint names of one routed expert's three projections."""
+
+    gate: str  # (F, D)
+    up: str  # (F, D)
+    down: str  # (D, F)
+
+
+class Architecture:
+    """Base class: Llama-style tensor naming shared by every supported MoE family."""
+
+    name: str = ""
+    hf_model_types: tuple[str, ...] = ()
+    router_name = "mlp.gate"  # under model.layers.{l}.
+    experts_prefix = "mlp.experts"  # under model.layers.{l}.
+    expert_projections = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+
+    def model_config(self, hf: dict[str, Any]) -> ModelConfig:
+        raise NotImplementedError
+
+    def expert_tensor_names(self, layer: int, expert: int) -> ExpertTensorNames:
+        base = f"model.layers.{layer}.{self.experts_prefix}.{expert}"
+        gate, up, down = self.expert_projections
+        return ExpertTensorNames(f"{base}.{gate}.weight", f"{base}.{up}.weight", f"{base}.{down}.weight")
+
+    def dense_tensor_names(self, config: ModelConfig) -> dict[str, str]:
+        """Pack name -> checkpoint name for every non-routed tensor the model uses."""
+        names = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
+        if not config.tie_word_embeddings:
+            names["lm_head"] = "lm_head.weight"
+        for layer in range(config.num_layers):
+            names.update(self.layer_tensor_names(config, layer))
+        return names
+
+    def layer_tensor_names(self, config: ModelConfig, layer: int) -> dict[str, str]:
+        hf, pk = f"model.layers.{layer}.", f"layers.{layer}."
+        names = {
+            pk + "attn_norm": hf + "input_layernorm.weight",
+            pk + "ffn_norm": hf + "post_attention_layernorm.weight",
+        }
+        for proj in "qkvo":
+            names[pk + f"attn.{proj}"] = hf + f"self_attn.{proj}_proj.weight"
+        if config.qkv_bias:
+            for proj in "qkv":
+                names[pk + f"attn.{proj}_bias"] = hf + f"self_attn.{proj}_proj.bias"
+        if config.o_bias:
+            names[pk + "attn.o_bias"] = hf + "self_attn.o_proj.bias"
+        if config.qk_norm != "none":
+            names[pk + "attn.q_norm"] = hf + "self_attn.q_norm.weight"
+            names[pk + "attn.k_norm"] = hf + "self_attn.k_norm.weight"
+        if config.moe_layers[layer]:
+            names[pk + "router"] = hf + self.router_name + ".weight"
+            if config.shared_expert_ffn:
+                for part in ("gate", "up", "down"):
+                    names[pk + f"shared.{part}"] = hf + f"mlp.shared_expert.{part}_proj.weight"
+            if config.shared_expert_gated:
+                names[pk + "shared_gate"] = hf + "mlp.shared_expert_gate.weight"
+        else:
+            for part in ("gate", "up", "down"):
+                names[pk + f"mlp.{part}"] = hf + f"mlp.{part}_proj.weight"
+        return names
+
+
+# --- readers for Hugging Face config.json values, shared by the architecture modules ---
+
+
+def require(hf: dict[str, Any], key: str) -> Any:
+    if hf.get(key) is None:
+        raise UnsupportedConfig(f"config.json lacks required key {key!r}")
+    return hf[key]
+
+
+def head_dim(hf: dict[str, Any]) -> int:
+    return hf.get("head_dim") or require(hf, "hidden_size") // require(hf, "num_attention_heads")
+
+
+def rope_config(hf: dict[str, Any], default_theta: float) -> RopeConfig:
+    """Read RoPE settings from either transformers 5 ``rope_parameters`` or the older
+    ``rope_theta`` + ``rope_scaling`` keys that most published checkpoints carry."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy_scaling = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
+    for key, value in legacy_scaling.items():
+        params.setdefault(key, value)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfig("partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta))
+    if rope_type == "linear":
+        return RopeConfig(theta=float(theta), type="linear", factor=float(params["factor"]))
+    if rope_type == "yarn":
+        original = params.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+        return RopeConfig(
+            theta=float(theta),
+            type="yarn",
+            factor=float(params.get("factor") or hf["max_position_embeddings"] / original),
+            original_max_position_embeddings=int(original),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            attention_factor=params.get("attention_factor"),
+            truncate=bool(params.get("truncate", True)),
+        )
+    raise UnsupportedConfig(f"rope type {rope_type!r} is not supported (supported: default, linear, yarn)")
+
+
+def eos_token_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def num_experts(hf: dict[str, Any]) -> int:
+    """Expert count; transformers 5 writes some families' count as num_local_experts."""
+    count = hf.get("num_experts", hf.get("num_local_experts"))
+    if not count:
+        raise UnsupportedConfig("config.json has no num_experts / num_local_experts: not an MoE model")
+    return int(count)
+
+
+def sparse_layer_flags(hf: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
+    """Qwen-style layer plan: MoE where (l+1) % decoder_sparse_step == 0, except mlp_only_layers."""
+    step = hf.get("decoder_sparse_step") or 1
+    dense_only = set(hf.get("mlp_only_layers") or [])
+    return tuple(
+        layer not in dense_only and (layer + 1) % step == 0 for layer in range(num_layers)
+    )
+
+
+def common_fields(hf: dict[str, Any], architecture: str, default_theta: float) -> dict[str, Any]:
+    """The ModelConfig fields every supported family reads the same way."""
+    num_heads = require(hf, "num_attention_heads")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedConfig(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    return dict(
+        architecture=architecture,
+        vocab_size=require(hf, "vocab_size"),
+        hidden_size=require(hf, "hidden_size"),
+        num_layers=require(hf, "num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=head_dim(hf),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        rope=rope_config(hf, default_theta),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_token_ids(hf),
+    )

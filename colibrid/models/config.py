@@ -1,0 +1,117 @@
+"""The normalised model configuration stored in a pack's manifest.
+
+Every architecture module translates its Hugging Face ``config.json`` into this one
+shape at conversion time, so the engine never reads architecture-specific keys and
+never branches on an architecture's name: it branches on features (``qk_norm``,
+``shared_expert_ffn`` ...). Adding an architecture means describing it here.
+
+Dimension legend used across the engine:
+  T tokens, S context length, D hidden, H query heads, K kv heads, Hd head dim,
+  E experts, A active experts per token, F expert ffn, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+QK_NORM_KINDS = ("none", "full", "head")
+ROPE_TYPES = ("default", "linear", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"  # one of ROPE_TYPES
+    factor: float = 1.0  # linear / yarn scaling factor
+    original_max_position_embeddings: int | None = None  # yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None = derived from factor
+    truncate: bool = True  # yarn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # registry name of the source architecture (informational)
+    vocab_size: int  # V
+    hidden_size: int  # D
+    num_layers: int
+    num_heads: int  # H
+    num_kv_heads: int  # K
+    head_dim: int  # Hd
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    # Attention features.
+    qkv_bias: bool = False  # biases on q, k, v projections
+    o_bias: bool = False  # bias on the output projection
+    qk_norm: str = "none"  # "full": RMSNorm over all heads (OLMoE); "head": per head (Qwen3)
+    clip_qkv: float | None = None  # clamp q, k, v to +-clip_qkv (OLMoE option)
+    sliding_window: tuple[int | None, ...] = ()  # per layer: window in tokens, None = full causal
+    # Mixture of experts.
+    num_experts: int = 0  # E
+    num_experts_per_tok: int = 0  # A
+    expert_ffn: int = 0  # F
+    norm_topk_prob: bool = False  # renormalise the top-A probabilities to sum to 1
+    moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP (False)
+    dense_ffn: int = 0  # ffn width of the dense-MLP layers
+    shared_expert_ffn: int = 0  # 0 = no shared expert
+    shared_expert_gated: bool = False  # shared expert output scaled by sigmoid(x . w)
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.qk_norm not in QK_NORM_KINDS:
+            raise ValueError(f"qk_norm must be one of {QK_NORM_KINDS}, got {self.qk_norm!r}")
+        if self.rope.type not in ROPE_TYPES:
+            raise ValueError(f"rope type must be one of {ROPE_TYPES}, got {self.rope.type!r}")
+        if len(self.moe_layers) != self.num_layers or len(self.sliding_window) != self.num_layers:
+            raise ValueError("moe_layers and sliding_window need one entry per layer")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [layer for layer, is_moe in enumerate(self.moe_layers) if is_moe]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ModelConfig":
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+        data["rope"] = RopeConfig(**data["rope"])
+        for key in ("sliding_window", "moe_layers", "eos_token_ids"):
+            data[key] = tuple(data.get(key, ()))
+        return cls(**data)
+
+
+def parameter_counts(config: ModelConfig) -> tuple[int, int]:
+    """(total, active per token) parameter counts, embeddings and head included."""
+    D, V = config.hidden_size, config.vocab_size
+    attn = D * config.num_heads * config.head_dim * 2 + D * config.num_kv_heads * config.head_dim * 2
+    norms = 2 * D
+    embed = V * D * (1 if config.tie_word_embeddings else 2) + D
+    expert = 3 * D * config.expert_ffn
+    shared = 3 * D * config.shared_expert_ffn + (D if config.shared_expert_gated else 0)
+    total = active = embed
+    for is_moe in config.moe_layers:
+        total += attn + norms
+        active += attn + norms
+        if is_moe:
+            router = config.num_experts * D
+            total += router + shared + config.num_experts * expert
+            active += router + shared + config.num_experts_per_tok * expert
+        else:
+            total += 3 * D * config.dense_ffn
+            active += 3 * D * config.dense_ffn
+    return total, active
+

@@ -1,0 +1,33 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): RMSNorm per head on q and k, explicit
+head_dim, no shared expert, decoder_sparse_step / mlp_only_layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from colibrid.models.base import Architecture, common_fields, num_experts, sparse_layer_flags
+from colibrid.models.config import ModelConfig
+
+
+class Qwen3Moe(Architecture):
+    name = "qwen3_moe"
+    hf_model_types = ("qwen3_moe",)
+
+    def model_config(self, hf: dict[str, Any]) -> ModelConfig:
+        fields = common_fields(hf, self.name, default_theta=10000.0)
+        layers = fields["num_layers"]
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+        bias = bool(hf.get("attention_bias", False))
+        return ModelConfig(
+            **fields,
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm="head",
+            sliding_window=(window,) * layers,
+            num_experts=num_experts(hf),
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            expert_ffn=hf["moe_intermediate_size"],
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+            moe_layers=sparse_layer_flags(hf, layers),
+            dense_ffn=hf.get("intermediate_size") or 0,
+        )

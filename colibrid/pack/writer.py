@@ -1,0 +1,159 @@
+"""Write a pack into a temporary directory beside its destination and rename it into
+place only when complete, so an interrupted conversion never leaves a loadable pack."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from colibrid import native
+from colibrid.pack.manifest import (
+    DENSE_FILE,
+    EXPERT_PART_ALIGN_BYTES,
+    EXPERT_PARTS,
+    EXPERTS_FILE,
+    ExpertRecord,
+    Manifest,
+    TensorEntry,
+)
+
+log = logging.getLogger(__name__)
+
+PARTIAL_MARK = ".partial-"  # temporary directories are named .{OUT}.partial-{pid}
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_partials(out: Path) -> None:
+    """Delete temporary directories left by conversions to ``out`` that were killed."""
+    prefix = f".{out.name}{PARTIAL_MARK}"
+    for candidate in out.parent.glob(prefix + "*"):
+        pid_text = candidate.name[len(prefix) :]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)) and candidate.is_dir():
+            log.info("removing %s left by an interrupted conversion", candidate)
+            shutil.rmtree(candidate, ignore_errors=True)
+
+
+class PackWriter:
+    """Append dense tensors and expert records; ``commit`` publishes the pack.
+
+    Use as a context manager: leaving the block with an exception deletes the
+    temporary directory; ``commit`` must be called explicitly on success.
+    """
+
+    def __init__(self, out: Path, alignment: int, force: bool) -> None:
+        if alignment < 4096 or alignment & (alignment - 1):
+            raise ValueError(f"--align must be a power of two >= 4096, got {alignment}")
+        self.out = out
+        self.alignment = alignment
+        self.force = force
+        self.tmp = out.parent / f".{out.name}{PARTIAL_MARK}{os.getpid()}"
+        self.dense_entries: dict[str, TensorEntry] = {}
+        self.expert_parts: dict[str, TensorEntry] | None = None
+        self.expert_records: list[ExpertRecord] = []
+        self._dense = None
+        self._experts = None
+
+    def __enter__(self) -> "PackWriter":
+        remove_stale_partials(self.out)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self._dense = open(self.tmp / DENSE_FILE, "wb")
+        self._experts = open(self.tmp / EXPERTS_FILE, "wb")
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        for f in (self._dense, self._experts):
+            if f is not None and not f.closed:
+                f.close()
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def add_dense(self, name: str, type_: native.TensorType, shape: tuple[int, ...], data: np.ndarray) -> None:
+        """Append one tensor's encoded bytes, starting on an alignment boundary."""
+        offset = _round_up(self._dense.tell(), self.alignment)
+        self._dense.seek(offset)
+        self._dense.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+        self.dense_entries[name] = TensorEntry(type_.name_in_pack, tuple(shape), offset, int(data.nbytes))
+
+    def add_expert(self, layer: int, expert: int, parts: dict[str, tuple[native.TensorType, tuple[int, int], np.ndarray]]) -> None:
+        """Append one expert record: gate, up, down contiguous, padded to the alignment."""
+        layout = self._record_layout(parts)
+        length = _round_up(max(e.offset + e.nbytes for e in layout.values()), self.alignment)
+        record = np.zeros(length, dtype=np.uint8)
+        for name in EXPERT_PARTS:
+            entry, data = layout[name], parts[name][2]
+            record[entry.offset : entry.offset + entry.nbytes] = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
+        offset = self._experts.tell()  # always aligned: every record is padded
+        self._experts.write(memoryview(record))
+        crc = native.crc32c(record)
+        self.expert_records.append(ExpertRecord(layer, expert, offset, length, crc))
+
+    def _record_layout(self, parts) -> dict[str, TensorEntry]:
+        layout, cursor = {}, 0
+        for name in EXPERT_PARTS:
+            type_, shape, data = parts[name]
+            layout[name] = TensorEntry(type_.name_in_pack, tuple(shape), cursor, int(data.nbytes))
+            cursor = _round_up(cursor + int(data.nbytes), EXPERT_PART_ALIGN_BYTES)
+        if self.expert_parts is None:
+            self.expert_parts = layout
+        elif layout != self.expert_parts:
+            raise ValueError(f"expert record layout differs between experts: {layout} vs {self.expert_parts}")
+        return layout
+
+    def add_file(self, src: Path, name: str) -> None:
+        shutil.copyfile(src, self.tmp / name)
+
+    def commit(self, manifest_fields: dict) -> Manifest:
+        """Flush everything, write the manifest last and rename the pack into place."""
+        for f in (self._dense, self._experts):
+            f.flush()
+            os.fsync(f.fileno())
+        dense_size = self._dense.tell()
+        experts_size = self._experts.tell()
+        self._dense.close()
+        self._experts.close()
+        manifest = Manifest(
+            alignment=self.alignment,
+            dense_tensors=self.dense_entries,
+            dense_size=dense_size,
+            expert_parts=self.expert_parts or {},
+            expert_records=self.expert_records,
+            experts_size=experts_size,
+            **manifest_fields,
+        )
+        manifest.write(self.tmp)
+        self._publish()
+        return manifest
+
+    def _publish(self) -> None:
+        old = None
+        if self.out.exists():
+            if not self.force:
+                raise FileExistsError(f"{self.out} exists; pass --force to replace it")
+            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+            os.rename(self.out, old)
+        os.rename(self.tmp, self.out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        dir_fd = os.open(self.out.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny checkpoints and their packs, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+class PackFactory:
+    """Builds (and caches) tiny checkpoints and converted packs under one temp dir."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._checkpoints: dict = {}
+        self._packs: dict = {}
+
+    def checkpoint(self, spec) -> Path:
+        from tests.tiny_checkpoints import build_checkpoint
+
+        if spec.name not in self._checkpoints:
+            self._checkpoints[spec.name] = build_checkpoint(spec, self.root / "ckpt" / spec.name)
+        return self._checkpoints[spec.name]
+
+    def pack(self, spec, quant: str = "f32") -> Path:
+        from colibrid.convert.converter import convert
+        from colibrid.convert.quant_spec import parse_quant
+
+        key = (spec.name, quant)
+        if key not in self._packs:
+            out = self.root / "packs" / f"{spec.name}-{quant.replace(',', '_').replace('=', '-')}"
+            convert(self.checkpoint(spec), out, parse_quant(quant), progress=False)
+            self._packs[key] = out
+        return self._packs[key]
+
+
+@pytest.fixture(scope="session")
+def packs(tmp_path_factory) -> PackFactory:
+    pytest.importorskip("transformers")
+    return PackFactory(tmp_path_factory.mktemp("colibri"))

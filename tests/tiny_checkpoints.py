@@ -1,0 +1,155 @@
+"""Build tiny random Hugging Face MoE checkpoints with transformers (the oracle), no network.
+
+Each spec names an architecture and config overrides; :func:`build_checkpoint` writes a
+checkpoint directory exactly as ``save_pretrained`` does (optionally sharded, optionally
+bf16), with a small byte-level BPE tokenizer and a ChatML template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Mixture-of-Experts models route each token to a few experts.",
+    "Colibri streams experts from NVMe into a page cache. Café, naïve, 中文, emoji 🙂.",
+    "import os\nimport sys\nprint(sys.argv)\n",
+] * 4
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+ARCH_CLASSES = {
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+}
+
+# Sizes keep every matrix row a multiple of 64 so every quantized type applies.
+BASE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, rms_norm_eps=1e-5)
+EXPERTS = {
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128, intermediate_size=128),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128),
+}
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    arch: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+    dtype: str = "float32"  # dtype the checkpoint is saved in: float32 or bfloat16
+    max_shard_size: str | None = None  # e.g. "40KB" to force a sharded checkpoint
+    seed: int = 0
+    train_steps: int = 0  # > 0: briefly train on CORPUS so predictions are confident, as in real models
+
+    @property
+    def name(self) -> str:
+        extra = "-".join(f"{k}={v}" for k, v in sorted(self.overrides.items()))
+        shard = "-sharded" if self.max_shard_size else ""
+        trained = f"-t{self.train_steps}" if self.train_steps else ""
+        return f"{self.arch}-{self.dtype}{shard}-s{self.seed}{trained}-{extra}".replace(" ", "").replace("[", "").replace("]", "").replace(",", "_")
+
+
+def build_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>", chat_template=CHATML
+    )
+    fast.save_pretrained(directory)
+    return fast
+
+
+def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
+    """Give every parameter, norms and biases included, a random value, so the oracle
+    test exercises each of them (transformers initialises norms to exactly 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.ndim == 1 and "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif p.ndim == 1:
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(std * noise)
+
+
+def corpus_token_ids(tokenizer) -> list[int]:
+    return tokenizer("".join(CORPUS), add_special_tokens=False)["input_ids"]
+
+
+def train_on_corpus(model: torch.nn.Module, ids: list[int], steps: int, seed: int, seq_len: int = 48) -> float:
+    """A few hundred AdamW steps of next-token prediction on the tiny corpus: enough for
+    the peaked, confident distributions of a trained model. Returns the final loss."""
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.tensor(ids)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        starts = torch.randint(0, len(ids) - seq_len - 1, (8,), generator=gen)
+        batch = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
+        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    return loss.item()
+
+
+def build_checkpoint(spec: CheckpointSpec, directory: Path, init_std: float = 0.1) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(directory)
+    config_cls, model_cls = ARCH_CLASSES[spec.arch]
+    kwargs = {**BASE, **EXPERTS[spec.arch], **spec.overrides}
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = config_cls(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=eos, bos_token_id=None, **kwargs)
+    torch.manual_seed(spec.seed)
+    model = model_cls(config)
+    if spec.train_steps:
+        train_on_corpus(model, corpus_token_ids(tokenizer), spec.train_steps, spec.seed)
+    else:
+        _randomize(model, init_std, spec.seed)
+    if spec.dtype == "bfloat16":
+        model = model.to(torch.bfloat16)
+    save_kwargs = {"max_shard_size": spec.max_shard_size} if spec.max_shard_size else {}
+    model.save_pretrained(directory, **save_kwargs)
+    return directory
+
+
+def load_reference(directory: Path) -> torch.nn.Module:
+    """The transformers model in float32 (bf16 checkpoints are widened exactly)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    return model.eval()
+
+
+def reference_logits(model: torch.nn.Module, ids: list[int]):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+def reference_greedy(model: torch.nn.Module, ids: list[int], n_tokens: int) -> list[int]:
+    """Greedy continuation by full re-evaluation each step (no KV cache in the oracle)."""
+    seq = list(ids)
+    for _ in range(n_tokens):
+        seq.append(int(reference_logits(model, seq)[-1].argmax()))
+    return seq[len(ids):]

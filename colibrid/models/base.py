@@ -149,6 +149,19 @@ def sparse_layer_flags(hf: dict[str, Any], num_layers: int) -> tuple[bool, ...]:
     )
 
 
+def qwen_moe_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Expert fields of the Qwen MoE families: a separate moe_intermediate_size, and
+    dense MLP layers (of intermediate_size) placed by decoder_sparse_step / mlp_only_layers."""
+    return dict(
+        num_experts=num_experts(hf),
+        num_experts_per_tok=require(hf, "num_experts_per_tok"),
+        expert_ffn=require(hf, "moe_intermediate_size"),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        moe_layers=sparse_layer_flags(hf, num_layers),
+        dense_ffn=hf.get("intermediate_size") or 0,
+    )
+
+
 def common_fields(hf: dict[str, Any], architecture: str, default_theta: float) -> dict[str, Any]:
     """The ModelConfig fields every supported family reads the same way."""
     num_heads = require(hf, "num_attention_heads")

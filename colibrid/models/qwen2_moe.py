@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from colibrid.models.base import Architecture, common_fields, num_experts, sparse_layer_flags
+from colibrid.models.base import Architecture, common_fields, qwen_moe_fields
 from colibrid.models.config import ModelConfig
 
 
@@ -34,12 +34,7 @@ class Qwen2Moe(Architecture):
             **fields,
             qkv_bias=bool(hf.get("qkv_bias", True)),
             sliding_window=_layer_windows(hf, layers),
-            num_experts=num_experts(hf),
-            num_experts_per_tok=hf["num_experts_per_tok"],
-            expert_ffn=hf["moe_intermediate_size"],
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            moe_layers=sparse_layer_flags(hf, layers),
-            dense_ffn=hf.get("intermediate_size") or 0,
+            **qwen_moe_fields(hf, layers),
             shared_expert_ffn=hf.get("shared_expert_intermediate_size") or 0,
             shared_expert_gated=bool(hf.get("shared_expert_intermediate_size")),
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from colibrid.models.base import Architecture, common_fields, num_experts, sparse_layer_flags
+from colibrid.models.base import Architecture, common_fields, qwen_moe_fields
 from colibrid.models.config import ModelConfig
 
 
@@ -24,10 +24,5 @@ class Qwen3Moe(Architecture):
             o_bias=bias,
             qk_norm="head",
             sliding_window=(window,) * layers,
-            num_experts=num_experts(hf),
-            num_experts_per_tok=hf["num_experts_per_tok"],
-            expert_ffn=hf["moe_intermediate_size"],
-            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-            moe_layers=sparse_layer_flags(hf, layers),
-            dense_ffn=hf.get("intermediate_size") or 0,
+            **qwen_moe_fields(hf, layers),
         )

@@ -64,4 +64,6 @@ def test_specs_exercise_the_features_they_claim(packs):
     assert any(any(w for w in c.sliding_window) for c in configs)
     assert any(c.qk_norm == "full" for c in configs) and any(c.qk_norm == "head" for c in configs)
     assert any(c.rope.type == "linear" for c in configs)
-    assert any(s.max_shard_size for s in SPECS) and any(s.dtype == "bfloat16" for s in SPECS)
+    sharded = [s for s in SPECS if s.max_shard_size]
+    assert sharded and all(len(list(packs.checkpoint(s).glob("model-*-of-*.safetensors"))) > 1 for s in sharded)
+    assert any(s.dtype == "bfloat16" for s in SPECS)

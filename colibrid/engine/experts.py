@@ -11,7 +11,8 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from contextlib import contextmanager
+from typing import ContextManager, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -34,6 +35,19 @@ class ExpertChecksumError(ExpertLoadError):
 
 
 class ExpertSource(Protocol):
+    """Where expert weights come from.
+
+    ``acquire`` is what the model uses for a layer step: every expert it names is
+    loaded (or found) and stays valid — never evicted or reused — until the context
+    exits. ``get`` is a one-off convenience for tools and tests. ``max_pinned`` is
+    how many experts one ``acquire`` may name (a cache's slot count); callers with
+    more split the work into waves.
+    """
+
+    max_pinned: int
+
+    def acquire(self, layer: int, experts: Sequence[int]) -> ContextManager[dict[int, ExpertWeights]]: ...
+
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
 
 
@@ -50,7 +64,13 @@ class PreadExpertSource:
         self.pack = pack
         self.path = pack.experts_path
         self.stats = ExpertReadStats()
+        self.max_pinned = pack.manifest.model.num_experts  # nothing is pinned: any number at once
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+    @contextmanager
+    def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[dict[int, ExpertWeights]]:
+        # Each record is its own bytes object: nothing to pin or release.
+        yield {expert: self.get(layer, expert) for expert in experts}
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         record = self.pack.expert_record(layer, expert)

@@ -42,11 +42,17 @@ class MoeBlock:
     def __call__(self, x: np.ndarray) -> np.ndarray:
         routing = route(x, self.w["router"], self.c.num_experts_per_tok, self.c.norm_topk_prob)
         out = np.zeros_like(x)  # (T, D)
-        for expert in np.unique(routing.experts):
-            tokens, slots = np.nonzero(routing.experts == expert)
-            ew = self.experts.get(self.layer, int(expert))
-            y = swiglu_mlp(x[tokens], ew.gate, ew.up, ew.down)  # (n, D)
-            out[tokens] += y * routing.weights[tokens, slots][:, None]
+        selected = [int(e) for e in np.unique(routing.experts)]  # batch-union: each expert once per step
+        # A long prompt may touch more experts than the cache can pin at once: run them in waves.
+        wave_size = max(1, getattr(self.experts, "max_pinned", len(selected)))
+        for start in range(0, len(selected), wave_size):
+            wave = selected[start : start + wave_size]
+            with self.experts.acquire(self.layer, wave) as weights:
+                for expert in wave:
+                    tokens, slots = np.nonzero(routing.experts == expert)
+                    ew = weights[expert]
+                    y = swiglu_mlp(x[tokens], ew.gate, ew.up, ew.down)  # (n, D)
+                    out[tokens] += y * routing.weights[tokens, slots][:, None]
         if self.c.shared_expert_ffn:
             shared = swiglu_mlp(x, self.w["shared.gate"], self.w["shared.up"], self.w["shared.down"])
             if self.c.shared_expert_gated:

@@ -1,0 +1,361 @@
+"""The ``colibrictl`` command: ask, status, models.
+
+The command is a pipe citizen: the answer (and nothing else) goes to stdout, streamed and
+flushed per token; diagnostics go to stderr; the exit code says what happened (see EPILOG).
+When the reader of stdout goes away (``| head``) or the user presses Ctrl-C, the open request
+is cancelled on the daemon, so an abandoned question stops costing disk and CPU at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+from typing import Any
+
+from colibrictl import display
+from colibrictl.connection import (
+    DEFAULT_SOCKET_PATH,
+    ClientError,
+    Connection,
+    DaemonUnreachable,
+    ProtocolViolation,
+    RequestError,
+)
+
+SOCKET_ENV = "COLIBRI_SOCKET"
+
+# Exit codes (sysexits.h where one fits), documented in EPILOG.
+EXIT_OK = 0
+EXIT_REQUEST_ERROR = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE
+EXIT_PROTOCOL = 76  # EX_PROTOCOL
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+
+START_HINT = "start it with `systemctl start colibrid` or `colibrid --model PACK --socket PATH`"
+
+EPILOG = f"""\
+socket:
+  --socket PATH, else ${SOCKET_ENV}, else {DEFAULT_SOCKET_PATH}.
+
+ask:
+  The prompt is the words after `ask`; with none it is read from stdin (verbatim),
+  so `cat notes.txt | colibrictl ask --system "Summarize this"` works. The answer
+  is written to stdout as it is generated (flushed per token; --no-stream: once, at
+  the end). Always, on a terminal or not, it ends with a newline unless it is empty
+  or already ends with one -- also when an error or Ctrl-C cuts it short.
+  --json writes one JSON object per event per line: token events (token_ids, text;
+  with --logprobs N also logprob and top_logprobs), then the done event
+  (finish_reason, text, usage), or an error event.
+
+exit status:
+  0    ok (also when stdout was closed early, e.g. `| head`; the request is cancelled)
+  1    the daemon refused or failed the request: "colibrictl: error [code]: message"
+  2    usage error (bad option, empty prompt)
+  69   daemon not reachable (EX_UNAVAILABLE); the message names the socket tried
+       and how to start the daemon
+  76   the daemon broke the protocol (EX_PROTOCOL)
+  130  interrupted by Ctrl-C; the open request is cancelled first
+"""
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+
+def _common_options() -> argparse.ArgumentParser:
+    """Options accepted both before and after the command (`colibrictl --json status` and
+    `colibrictl status --json`). SUPPRESS keeps a subcommand's absent option from
+    overwriting the value given before the command."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--socket", metavar="PATH", default=argparse.SUPPRESS,
+        help=f"daemon socket (default: ${SOCKET_ENV} or {DEFAULT_SOCKET_PATH})",
+    )
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS,
+        help="machine-readable output: JSON, one object per line",
+    )
+    return common
+
+
+def _add_ask_options(ask: argparse.ArgumentParser) -> None:
+    ask.add_argument("prompt", nargs="*", help="the prompt (default: read from stdin)")
+    ask.add_argument("--system", metavar="TEXT", help="system prompt")
+    ask.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
+    ask.add_argument("--no-stream", dest="stream", action="store_false",
+                     help="print the answer once, when it is complete "
+                          "(with --json: only the done event)")
+    sampling = ask.add_argument_group("generation (omitted: the daemon's defaults)")
+    sampling.add_argument("--max-tokens", type=int, metavar="N", help="generate at most N tokens")
+    sampling.add_argument("--temperature", type=float, metavar="T", help="0 picks the likeliest")
+    sampling.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest")
+    sampling.add_argument("--top-p", type=float, metavar="P",
+                          help="sample among the likeliest tokens whose probabilities sum to P")
+    sampling.add_argument("--min-p", type=float, metavar="P",
+                          help="drop tokens less likely than P times the likeliest")
+    sampling.add_argument("--repeat-penalty", type=float, metavar="R",
+                          help="penalise tokens already seen (the protocol's repetition_penalty)")
+    sampling.add_argument("--seed", type=int, metavar="S", help="make sampling reproducible")
+    sampling.add_argument("--stop", action="append", metavar="TEXT",
+                          help="end the answer at this text (repeatable)")
+    sampling.add_argument("--logprobs", type=int, metavar="N",
+                          help="report the top N alternatives per token (shown with --json)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _common_options()
+    parser = argparse.ArgumentParser(
+        prog="colibrictl",
+        description="Talk to colibrid, the Colibri Mixture-of-Experts daemon.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[common],
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ask = commands.add_parser("ask", parents=[common], help="ask the model; stream the answer",
+                              epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_ask_options(ask)
+    ask.set_defaults(run=run_ask, parser=ask)
+    status = commands.add_parser("status", parents=[common], help="the daemon's state")
+    status.set_defaults(run=run_status, parser=status)
+    models = commands.add_parser("models", parents=[common], help="the models the daemon serves")
+    models.set_defaults(run=run_models, parser=models)
+    return parser
+
+
+def socket_path(args: argparse.Namespace) -> str:
+    """The one place the socket is chosen: --socket, then the environment, then the default."""
+    return getattr(args, "socket", None) or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET_PATH
+
+
+def connect(args: argparse.Namespace) -> Connection:
+    return Connection.open(socket_path(args))
+
+
+def wants_json(args: argparse.Namespace) -> bool:
+    return bool(getattr(args, "json", False))
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def _emit(text: str) -> None:
+    """Write to stdout and flush now: a reader sees each token when it is generated."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _emit_json(message: Any) -> None:
+    # default=str: a future field msgpack can carry but JSON cannot (bytes) still prints.
+    _emit(json.dumps(message, ensure_ascii=False, default=str) + "\n")
+
+
+def _error(message: str) -> None:
+    print(f"colibrictl: {message}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# ask
+# --------------------------------------------------------------------------------------------
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt from the command line, or else all of stdin (verbatim, as UTF-8)."""
+    if args.prompt:
+        prompt = " ".join(args.prompt)
+    elif sys.stdin is None:
+        args.parser.error("no prompt given and no stdin to read one from")
+    else:
+        if sys.stdin.isatty():  # otherwise a bare `colibrictl ask` would seem to hang
+            _error("reading the prompt from stdin; end it with Ctrl-D")
+        prompt = sys.stdin.buffer.read().decode("utf-8", errors="replace")
+    if not prompt.strip():
+        args.parser.error("the prompt is empty")
+    return prompt
+
+
+# argparse destination → protocol field, for the options that are sent only when given.
+_ASK_FIELDS = {
+    "system": "system",
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repeat_penalty": "repetition_penalty",
+    "seed": "seed",
+    "stop": "stop",
+    "logprobs": "logprobs",
+}
+
+
+def ask_fields(args: argparse.Namespace, prompt: str) -> dict:
+    """The ask request's fields; options left out are not sent, so the daemon's defaults
+    (documented in one place, the daemon's config) apply."""
+    fields: dict = {"prompt": prompt}
+    for option, field in _ASK_FIELDS.items():
+        value = getattr(args, option)
+        if value is not None:
+            fields[field] = value
+    if args.raw:
+        fields["raw"] = True
+    return fields
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    # The prompt is read before connecting: a usage error needs no daemon, and the daemon
+    # does not hold a connection open while someone types.
+    fields = ask_fields(args, read_prompt(args))
+    with connect(args) as connection:
+        request_id = None
+        try:
+            request_id = connection.send("ask", **fields)
+            if wants_json(args):
+                _print_events_as_json(connection, request_id, args.stream)
+            else:
+                _print_answer(connection, request_id, args.stream)
+        except (KeyboardInterrupt, BrokenPipeError):
+            # Nobody will read the rest: stop the generation before we go (main picks the
+            # exit code). The cancel is sent before the connection closes.
+            if request_id is not None:
+                connection.cancel(request_id)
+            raise
+    return EXIT_OK
+
+
+def _print_answer(connection: Connection, request_id: int, stream: bool) -> None:
+    shown = ""  # what stdout has received so far
+    try:
+        for event in connection.events(request_id):
+            if event["event"] == "token" and stream:
+                text = event.get("text") or ""
+                if text:
+                    _emit(text)
+                    shown += text
+            elif event["event"] == "done":
+                final = event.get("text")
+                if isinstance(final, str) and final.startswith(shown) and final != shown:
+                    # --no-stream prints it all here; streaming prints a tail it was not sent.
+                    _emit(final[len(shown):])
+                    shown = final
+    except (ClientError, KeyboardInterrupt):
+        # Cut short: still end the line, so the error message (or the shell's prompt) starts
+        # on a line of its own. A failure to write must not hide the real reason we stop.
+        try:
+            _end_line(shown)
+        except OSError:
+            pass
+        raise
+    _end_line(shown)
+
+
+def _end_line(shown: str) -> None:
+    """The documented rule: a final newline unless the answer is empty or has one."""
+    if shown and not shown.endswith("\n"):
+        _emit("\n")
+
+
+def _print_events_as_json(connection: Connection, request_id: int, stream: bool) -> None:
+    try:
+        for event in connection.events(request_id):
+            if stream or event["event"] != "token":
+                _emit_json(event)
+    except RequestError as error:
+        # A machine reading stdout learns of the failure in the same format as the rest.
+        _emit_json({"event": "error", "id": error.request_id,
+                    "code": error.code, "message": error.message})
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# status, models
+# --------------------------------------------------------------------------------------------
+
+
+def run_status(args: argparse.Namespace) -> int:
+    with connect(args) as connection:
+        status = connection.request("status")
+    if wants_json(args):
+        _emit_json(status)
+    else:
+        _emit(display.format_status(status) + "\n")
+    return EXIT_OK
+
+
+def run_models(args: argparse.Namespace) -> int:
+    with connect(args) as connection:
+        reply = connection.request("models")
+    if wants_json(args):
+        _emit_json(reply)
+        return EXIT_OK
+    models = reply.get("models")
+    if not isinstance(models, list):
+        raise ProtocolViolation("the models event has no list of models")
+    _emit(display.format_models([m for m in models if isinstance(m, dict)]) + "\n")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------
+# main
+# --------------------------------------------------------------------------------------------
+
+
+def _silence_stdout() -> None:
+    """After the reader of stdout is gone: point stdout at /dev/null, so the interpreter's
+    final flush does not fail again (the recipe in Python's signal module docs)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass  # stdout is not a file descriptor (an embedding caller's stream); nothing to do
+
+
+def _report_unreachable(error: DaemonUnreachable) -> None:
+    _error(str(error))
+    if isinstance(error.__cause__, PermissionError):
+        _error("ask for access to that socket (its group), or use another with --socket")
+    else:
+        _error(f"is colibrid running? {START_HINT}; "
+               f"or point --socket / ${SOCKET_ENV} at a running daemon")
+
+
+def main(argv: list[str] | None = None) -> int:
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # Model text is Unicode; a terminal with a narrower encoding gets '?' rather than a crash.
+        sys.stdout.reconfigure(errors="replace")
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        return args.run(args)
+    except SystemExit as exit_request:  # argparse: --help (0) and usage errors (2)
+        code = exit_request.code
+        return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)
+    except DaemonUnreachable as error:
+        _report_unreachable(error)
+        return EXIT_UNAVAILABLE
+    except RequestError as error:
+        _error(f"error [{error.code}]: {error.message}")
+        return EXIT_REQUEST_ERROR
+    except ProtocolViolation as error:
+        _error(f"protocol error: {error} (is that socket really colibrid's?)")
+        return EXIT_PROTOCOL
+    except ClientError as error:  # a future subclass: still a clean message, never a traceback
+        _error(str(error))
+        return EXIT_REQUEST_ERROR
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_OK
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

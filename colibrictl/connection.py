@@ -1,0 +1,284 @@
+"""One client connection to colibrid: framing, the hello handshake, request ids, and the
+events that belong to each request (docs/protocol.md is the contract).
+
+A frame is a 4-byte big-endian length followed by exactly one msgpack map. Requests carry an
+``id`` we choose; the daemon tags every event with the id it answers, so several requests may
+be open at once and their events interleave. ``Connection`` keeps events that arrive for a
+request nobody is currently reading in a per-id queue, so callers can read one request at a
+time without losing the others.
+
+This module imports only msgpack and the standard library: the client must install and start
+without anything the daemon needs (numpy, the C library, the model).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import socket
+import struct
+from typing import Any, Iterator
+
+import msgpack
+
+from colibrictl import __version__
+
+PROTOCOL_VERSION = 1
+CLIENT_NAME = f"colibrictl {__version__}"  # sent in hello, for the daemon's logs
+DEFAULT_SOCKET_PATH = "/run/colibri/colibrid.sock"
+
+_LENGTH = struct.Struct(">I")  # the frame header: one unsigned 32-bit big-endian length
+# What we accept from the daemon before its hello tells us its own limit. The daemon's limit
+# bounds what *it* accepts; a done event repeats the whole generated text, so replies may be
+# larger than our requests. 64 MiB still stops a garbage length from allocating gigabytes.
+_MAX_INCOMING_FRAME_BYTES = 64 * 1024 * 1024
+_RECV_CHUNK_BYTES = 64 * 1024
+
+# Events that end a request; everything else (token) is a step along the way.
+_FINAL_EVENTS = frozenset({"done", "ok", "hello", "status", "models"})
+
+
+# --------------------------------------------------------------------------------------------
+# Errors
+# --------------------------------------------------------------------------------------------
+
+
+class ClientError(Exception):
+    """Base of everything this module raises on purpose."""
+
+
+class DaemonUnreachable(ClientError):
+    """No daemon answered at ``socket_path``, or it went away mid-conversation."""
+
+    def __init__(self, socket_path: str, reason: str):
+        self.socket_path = socket_path
+        self.reason = reason
+        super().__init__(f"cannot reach colibrid at {socket_path}: {reason}")
+
+
+class RequestError(ClientError):
+    """The daemon answered a request with an ``error`` event (``code`` as in the protocol)."""
+
+    def __init__(self, code: str, message: str, request_id: Any = None):
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+        super().__init__(f"[{code}] {message}")
+
+
+class ProtocolViolation(ClientError):
+    """The daemon sent something the protocol does not allow (a bad frame, a stray event)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Framing
+# --------------------------------------------------------------------------------------------
+
+
+def encode_frame(message: dict) -> bytes:
+    """The bytes of one frame: length prefix + the msgpack map."""
+    body = msgpack.packb(message, use_bin_type=True)
+    return _LENGTH.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> dict:
+    """One frame's body → the map it holds; anything else is a ProtocolViolation."""
+    try:
+        # strict_map_key=False: accept what a newer daemon might nest (say, per-layer maps
+        # keyed by int); be liberal in what we read.
+        message = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as error:  # malformed input raises several unrelated msgpack types
+        raise ProtocolViolation(
+            f"the daemon sent a frame that is not one msgpack value "
+            f"({type(error).__name__}: {error})"
+        ) from None
+    if not isinstance(message, dict):
+        raise ProtocolViolation(f"the daemon sent a {type(message).__name__}, not a map")
+    return message
+
+
+class FrameReader:
+    """Reads whole frames from a stream socket, however the bytes are split across recv()."""
+
+    def __init__(self, sock: socket.socket, socket_path: str):
+        self._sock = sock
+        self._socket_path = socket_path
+        self._buffer = bytearray()
+        self.max_frame_bytes = _MAX_INCOMING_FRAME_BYTES
+
+    def read_frame(self) -> dict:
+        header = self._read_exactly(_LENGTH.size)
+        (length,) = _LENGTH.unpack(header)
+        if length == 0 or length > self.max_frame_bytes:
+            raise ProtocolViolation(
+                f"the daemon sent a frame length of {length} bytes "
+                f"(allowed: 1 to {self.max_frame_bytes})"
+            )
+        return decode_body(self._read_exactly(length))
+
+    def _read_exactly(self, count: int) -> bytes:
+        while len(self._buffer) < count:
+            try:
+                chunk = self._sock.recv(max(_RECV_CHUNK_BYTES, count - len(self._buffer)))
+            except OSError as error:
+                raise DaemonUnreachable(self._socket_path, f"connection lost ({error.strerror})")
+            if not chunk:
+                raise DaemonUnreachable(self._socket_path, "the daemon closed the connection")
+            self._buffer += chunk
+        data = bytes(self._buffer[:count])
+        del self._buffer[:count]
+        return data
+
+
+# --------------------------------------------------------------------------------------------
+# Connection
+# --------------------------------------------------------------------------------------------
+
+
+def _describe_connect_failure(error: OSError) -> str:
+    """Say why connect() failed in words that point at the fix."""
+    if isinstance(error, FileNotFoundError):
+        return "no such socket (the daemon is not running, or uses another socket)"
+    if isinstance(error, ConnectionRefusedError):
+        return "connection refused (nothing is listening on that socket)"
+    if isinstance(error, PermissionError):
+        return "permission denied (check the socket's mode and your group membership)"
+    return error.strerror or str(error)
+
+
+class Connection:
+    """An open, greeted connection to colibrid. Use ``Connection.open(path)``."""
+
+    def __init__(self, sock: socket.socket, socket_path: str):
+        self.socket_path = socket_path
+        self._sock = sock
+        self._reader = FrameReader(sock, socket_path)
+        self._next_id = itertools.count(1)
+        # Events read while looking for another request's events, by request id.
+        self._pending: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
+        self._open_ids: set = set()  # requests sent whose final event has not been read
+        self.hello: dict = {}  # the daemon's hello event: server, model, max_frame_bytes
+        self.max_request_bytes: int | None = None  # the daemon's limit, from its hello
+
+    @classmethod
+    def open(cls, socket_path: str, client_name: str = CLIENT_NAME) -> "Connection":
+        """Connect and say hello; raises DaemonUnreachable, RequestError, ProtocolViolation."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(socket_path)
+        except OSError as error:
+            sock.close()
+            raise DaemonUnreachable(socket_path, _describe_connect_failure(error)) from error
+        connection = cls(sock, socket_path)
+        try:
+            connection._greet(client_name)
+        except BaseException:  # including Ctrl-C during the handshake: never leak the socket
+            connection.close()
+            raise
+        return connection
+
+    def _greet(self, client_name: str) -> None:
+        self.hello = self.request("hello", protocol=PROTOCOL_VERSION, client=client_name)
+        if self.hello.get("protocol") != PROTOCOL_VERSION:
+            raise ProtocolViolation(f"the daemon speaks protocol {self.hello.get('protocol')!r}")
+        limit = self.hello.get("max_frame_bytes")
+        if isinstance(limit, int) and limit > 0:
+            self.max_request_bytes = limit
+
+    # ---- sending ------------------------------------------------------------------------
+
+    def send(self, op: str, **fields: Any) -> int:
+        """Send one request and return its id; its events are read with ``events(id)``."""
+        request_id = next(self._next_id)
+        frame = encode_frame({"op": op, "id": request_id, **fields})
+        body_bytes = len(frame) - _LENGTH.size
+        if self.max_request_bytes is not None and body_bytes > self.max_request_bytes:
+            # The daemon would answer frame_too_large and close the connection; say it first,
+            # in the same words, without losing the connection.
+            raise RequestError(
+                "frame_too_large",
+                f"the {op} request is {body_bytes} bytes encoded; "
+                f"the daemon accepts at most {self.max_request_bytes}",
+                request_id,
+            )
+        try:
+            self._sock.sendall(frame)
+        except OSError as error:
+            raise DaemonUnreachable(self.socket_path, f"connection lost ({error.strerror})")
+        self._open_ids.add(request_id)
+        return request_id
+
+    def cancel(self, target: int) -> None:
+        """Ask the daemon to stop request ``target``, without waiting for the answer.
+
+        Best effort: used while the client is exiting (Ctrl-C, closed stdout), when the
+        daemon may already be gone; the connection closing right after is the fallback.
+        A request whose final event has been read is not cancelled: the daemon would answer
+        unknown_request.
+        """
+        if target not in self._open_ids:
+            return
+        try:
+            self.send("cancel", target=target)
+        except ClientError:
+            pass
+
+    # ---- receiving ----------------------------------------------------------------------
+
+    def events(self, request_id: Any) -> Iterator[dict]:
+        """Yield the events of one request, up to and including its final event.
+
+        An ``error`` event for this request (or a connection-wide one, id null) raises
+        RequestError instead of being yielded.
+        """
+        while True:
+            event = self._next_event_for(request_id)
+            if event["event"] == "error" or event["event"] in _FINAL_EVENTS:
+                self._open_ids.discard(request_id)
+            if event["event"] == "error":
+                raise RequestError(
+                    str(event.get("code", "unknown")),
+                    str(event.get("message", "")),
+                    event.get("id"),
+                )
+            yield event
+            if event["event"] in _FINAL_EVENTS:
+                return
+
+    def request(self, op: str, **fields: Any) -> dict:
+        """Send a request whose reply is one event named like the op (hello, status, models)
+        and return that event."""
+        request_id = self.send(op, **fields)
+        event = next(self.events(request_id))
+        if event["event"] != op:
+            raise ProtocolViolation(f"expected a {op} event, got {event['event']!r}")
+        return event
+
+    def _next_event_for(self, request_id: Any) -> dict:
+        queued = self._pending.get(request_id)
+        if queued:
+            return queued.popleft()
+        while True:
+            event = self._reader.read_frame()
+            if not isinstance(event.get("event"), str):
+                raise ProtocolViolation(
+                    f"the daemon sent a map without an event name: {event!r:.200}")
+            owner = event.get("id")
+            if not isinstance(owner, (str, int, type(None))):
+                raise ProtocolViolation(f"the daemon sent an event with id {owner!r:.200}")
+            # An error without an id is about the whole connection: it ends every request.
+            if owner == request_id or (owner is None and event["event"] == "error"):
+                return event
+            self._pending[owner].append(event)
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> "Connection":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

@@ -170,7 +170,7 @@ def save(args, model, tok, curve, corpus: dict, train_tokens: int, val_tokens: i
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
     fast.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": tok.token_to_id(EOS)}, indent=1) + "\n")
-    record = {"command": " ".join(sys.argv), "arguments": vars(args), "corpus": corpus,
+    record = {"command": "python " + " ".join(sys.argv), "arguments": vars(args), "corpus": corpus,
               "train_tokens": train_tokens, "validation_tokens": val_tokens, "curve": curve}
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}", flush=True)

@@ -1,0 +1,7 @@
+"""python -m colibrid: run the daemon (the same as the `colibrid` command)."""
+
+import sys
+
+from colibrid.daemon import main
+
+sys.exit(main())

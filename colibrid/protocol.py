@@ -1,0 +1,234 @@
+"""The wire protocol (docs/protocol.md): frames, typed requests, and the events the server sends.
+
+A frame is a 4-byte big-endian length N and N bytes of one msgpack map with string keys.
+This module is pure: no sockets, no engine. It turns bytes into typed requests - or a
+ProtocolError whose code is one of the codes in docs/protocol.md - and events into bytes.
+Keeping the checks here, apart from the server, lets tests hold them against the document.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Union
+
+import msgpack
+
+from colibrid import __version__
+from colibrid.engine.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+SERVER_NAME = f"colibrid {__version__}"
+LENGTH_PREFIX = struct.Struct(">I")  # N, the body length in bytes
+
+# Errors after which the server cannot trust the byte stream or the client, so it closes the
+# connection; every other error ends only the request it names.
+CONNECTION_CLOSING_CODES = frozenset({"bad_frame", "frame_too_large", "bad_request", "unknown_op",
+                                      "unsupported_protocol"})
+
+RequestId = Union[str, int]
+
+
+class ProtocolError(Exception):
+    """A request or frame the server refuses; `code` is a protocol error code."""
+
+    def __init__(self, code: str, message: str, request_id: RequestId | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+    @property
+    def closes_connection(self) -> bool:
+        return self.code in CONNECTION_CLOSING_CODES
+
+
+# --------------------------------------------------------------------------------------------
+# Framing
+# --------------------------------------------------------------------------------------------
+
+
+def encode_frame(message: dict[str, Any]) -> bytes:
+    body = msgpack.packb(message, use_bin_type=True)
+    return LENGTH_PREFIX.pack(len(body)) + body
+
+
+def body_length(prefix: bytes, max_frame_bytes: int) -> int:
+    """The body length announced by a 4-byte prefix; checked before a byte of the body is read."""
+    (length,) = LENGTH_PREFIX.unpack(prefix)
+    if length == 0:
+        raise ProtocolError("bad_frame", "zero-length frame: a frame holds one msgpack map")
+    if length > max_frame_bytes:
+        raise ProtocolError("frame_too_large", f"frame of {length} bytes is above max_frame_bytes ({max_frame_bytes})")
+    return length
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """The one msgpack map with string keys that `body` must hold."""
+    try:
+        message = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for malformed input
+        raise ProtocolError("bad_frame", f"frame body is not one msgpack object ({type(exc).__name__})") from None
+    if not isinstance(message, dict) or not all(isinstance(key, str) for key in message):
+        raise ProtocolError("bad_frame", "frame body must be a msgpack map with string keys")
+    return message
+
+
+# --------------------------------------------------------------------------------------------
+# Requests
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    id: RequestId
+    protocol: int
+    client: str | None
+
+
+@dataclass(frozen=True)
+class Ask:
+    id: RequestId
+    prompt: str | None
+    messages: list[dict[str, str]] | None
+    system: str | None
+    raw: bool
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class Cancel:
+    id: RequestId
+    target: RequestId
+
+
+@dataclass(frozen=True)
+class Status:
+    id: RequestId
+
+
+@dataclass(frozen=True)
+class Models:
+    id: RequestId
+
+
+Request = Union[Hello, Ask, Cancel, Status, Models]
+
+_MISSING = object()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_request_id(value: Any) -> bool:
+    return isinstance(value, str) or _is_int(value)
+
+
+def _is_message_list(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
+        for m in value
+    )
+
+
+def _is_string_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(s, str) for s in value)
+
+
+# Optional ask fields: the type each must have and what the error calls it. nil means absent.
+_ASK_FIELD_TYPES = {
+    "prompt": (lambda v: isinstance(v, str), "a string"),
+    "messages": (_is_message_list, "a list of {role, content} maps of strings"),
+    "system": (lambda v: isinstance(v, str), "a string"),
+    "raw": (lambda v: isinstance(v, bool), "a boolean"),
+    "max_tokens": (_is_int, "an integer"),
+    "temperature": (_is_number, "a number"),
+    "top_p": (_is_number, "a number"),
+    "min_p": (_is_number, "a number"),
+    "repetition_penalty": (_is_number, "a number"),
+    "top_k": (_is_int, "an integer"),
+    "seed": (_is_int, "an integer"),
+    "stop": (_is_string_list, "a list of strings"),
+    "logprobs": (_is_int, "an integer"),
+}
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "min_p", "repetition_penalty", "top_k", "seed", "stop",
+                    "logprobs")
+
+
+def parse_request(message: dict[str, Any], default_max_tokens: int) -> Request:
+    """A typed request from a decoded frame; ProtocolError (with the id when known) if it is not one."""
+    request_id = message.get("id", _MISSING)
+    if request_id is _MISSING or not is_request_id(request_id):
+        raise ProtocolError("bad_request", "every request needs an `id`: a string or an integer")
+    op = message.get("op", _MISSING)
+    if not isinstance(op, str):
+        raise ProtocolError("bad_request", "every request needs an `op` string", request_id)
+    parser = _PARSERS.get(op)
+    if parser is None:
+        raise ProtocolError("unknown_op", f"unknown op {op!r}; ops are {', '.join(_PARSERS)}", request_id)
+    return parser(message, request_id, default_max_tokens)
+
+
+def _parse_hello(message: dict[str, Any], request_id: RequestId, default_max_tokens: int) -> Hello:
+    protocol = message.get("protocol", _MISSING)
+    if not _is_int(protocol):
+        raise ProtocolError("bad_request", "hello needs `protocol`: an integer", request_id)
+    if protocol != PROTOCOL_VERSION:
+        raise ProtocolError("unsupported_protocol",
+                            f"this server speaks protocol {PROTOCOL_VERSION}, not {protocol}", request_id)
+    client = message.get("client")
+    if client is not None and not isinstance(client, str):
+        raise ProtocolError("bad_request", "hello `client` must be a string", request_id)
+    return Hello(request_id, protocol, client)
+
+
+def _parse_ask(message: dict[str, Any], request_id: RequestId, default_max_tokens: int) -> Ask:
+    fields = {name: message.get(name) for name in _ASK_FIELD_TYPES}
+    for name, (has_type, type_name) in _ASK_FIELD_TYPES.items():
+        if fields[name] is not None and not has_type(fields[name]):
+            raise ProtocolError("bad_request", f"ask `{name}` must be {type_name}", request_id)
+    if (fields["prompt"] is None) == (fields["messages"] is None):
+        raise ProtocolError("bad_request", "ask needs exactly one of `prompt` and `messages`", request_id)
+    sampling = {name: fields[name] for name in _SAMPLING_FIELDS if fields[name] is not None}
+    sampling.setdefault("max_tokens", default_max_tokens)
+    params = SamplingParams(**sampling)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise ProtocolError("invalid_params", str(exc), request_id) from None
+    return Ask(request_id, fields["prompt"], fields["messages"], fields["system"], bool(fields["raw"]), params)
+
+
+def _parse_cancel(message: dict[str, Any], request_id: RequestId, default_max_tokens: int) -> Cancel:
+    target = message.get("target", _MISSING)
+    if not is_request_id(target):
+        raise ProtocolError("bad_request", "cancel needs `target`: the id (string or integer) of an open ask",
+                            request_id)
+    return Cancel(request_id, target)
+
+
+def _parse_status(message: dict[str, Any], request_id: RequestId, default_max_tokens: int) -> Status:
+    return Status(request_id)
+
+
+def _parse_models(message: dict[str, Any], request_id: RequestId, default_max_tokens: int) -> Models:
+    return Models(request_id)
+
+
+_PARSERS = {"hello": _parse_hello, "ask": _parse_ask, "cancel": _parse_cancel, "status": _parse_status,
+            "models": _parse_models}
+
+
+# --------------------------------------------------------------------------------------------
+# Events
+# --------------------------------------------------------------------------------------------
+
+
+def error_event(request_id: RequestId | None, code: str, message: str) -> dict[str, Any]:
+    return {"event": "error", "id": request_id, "code": code, "message": message}
+

@@ -1,0 +1,264 @@
+"""The scheduler: a bounded queue of asks and ONE engine thread that runs them one at a time.
+
+The engine is not thread-safe and a generation is CPU- and disk-bound, so it runs on its own
+thread, never on the event loop: the loop keeps reading, writing and answering `status` while
+a request decodes. The loop and the worker share only
+
+  - the queue (a deque under a Condition): the loop submits and withdraws, the worker takes;
+  - Job.stop_reason, which the loop sets (cancel, disconnect, shutdown) and the worker reads
+    between tokens - closing the generator there, so a dead client frees its place within one
+    token;
+  - Job.emit, through which the worker hands each event back; the server makes it
+    loop.call_soon_threadsafe, so the worker never waits for a client, however slow.
+
+A full queue is refused at once (`busy`): a client is better served by an error it can retry
+than by a wait it cannot see the end of.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from colibrid.engine.experts import ExpertLoadError
+from colibrid.engine.generate import GenerationDone, GenerationEvent
+from colibrid.protocol import Ask, error_event
+
+log = logging.getLogger(__name__)
+
+Event = dict[str, Any]
+
+# Why a job was stopped before its end; set by the event loop, read by the worker.
+STOP_CANCELLED = "cancelled"  # a `cancel` request: the job ends with done / finish_reason "cancelled"
+STOP_DISCONNECTED = "disconnected"  # the client went away: nothing is sent
+STOP_SHUTDOWN = "shutdown"  # the daemon is stopping: the job ends with a `shutdown` error
+
+
+class QueueFull(Exception):
+    pass
+
+
+class SchedulerStopped(Exception):
+    pass
+
+
+@dataclass(eq=False)
+class Job:
+    """One ask on its way through the scheduler."""
+
+    ask: Ask
+    emit: Callable[[Event], None]  # thread-safe: hands one event back to the connection
+    stop_reason: str | None = None
+    submitted_s: float = field(default_factory=time.monotonic)
+
+
+def shutdown_error(job: Job) -> Event:
+    return error_event(job.ask.id, "shutdown", "colibrid is stopping; the request was not completed")
+
+
+def cancelled_done(job: Job, text: str = "", prompt_tokens: int = 0, generated_tokens: int = 0,
+                   time_to_first_token_ms: float = 0.0, decode_tokens_per_s: float = 0.0,
+                   expert_hits: int = 0, expert_misses: int = 0) -> Event:
+    return done_event(job, "cancelled", text, prompt_tokens, generated_tokens, time_to_first_token_ms,
+                      decode_tokens_per_s, expert_hits, expert_misses)
+
+
+def done_event(job: Job, finish_reason: str, text: str, prompt_tokens: int, generated_tokens: int,
+               time_to_first_token_ms: float, decode_tokens_per_s: float, expert_hits: int,
+               expert_misses: int) -> Event:
+    return {
+        "event": "done", "id": job.ask.id, "finish_reason": finish_reason, "text": text,
+        "usage": {
+            "prompt_tokens": prompt_tokens, "generated_tokens": generated_tokens,
+            "time_to_first_token_ms": time_to_first_token_ms, "decode_tokens_per_s": decode_tokens_per_s,
+            "expert_cache_hits": expert_hits, "expert_cache_misses": expert_misses,
+        },
+    }
+
+
+def expert_counts(stats) -> tuple[int, int]:
+    """(hits, misses) of an expert source's stats so far.
+
+    A source without a cache (PreadExpertSource) only counts loads: every one is a miss.
+    """
+    misses = getattr(stats, "misses", None)
+    return getattr(stats, "hits", 0), stats.loads if misses is None else misses
+
+
+class Scheduler:
+    def __init__(self, engine, max_queue: int) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self.requests_served = 0  # asks that ended with `done`, whatever the finish reason
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: Job | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._work, name="colibrid-engine", daemon=True)
+
+    # -- called from the event loop -------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def requests_running(self) -> int:
+        return 0 if self._running is None else 1
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._stopped:
+                raise SchedulerStopped()
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull()
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def withdraw(self, job: Job, reason: str) -> bool:
+        """Stop `job`. True if it was still waiting (removed; the caller ends it), False if the worker will."""
+        with self._cond:
+            job.stop_reason = reason
+            try:
+                self._waiting.remove(job)
+            except ValueError:
+                return False
+            return True
+
+    def stop(self) -> list[Job]:
+        """Accept nothing more; flag the running job; return the waiting ones for the caller to end."""
+        with self._cond:
+            self._stopped = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            if self._running is not None:
+                self._running.stop_reason = STOP_SHUTDOWN
+            for job in waiting:
+                job.stop_reason = STOP_SHUTDOWN
+            self._cond.notify_all()
+        return waiting
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the worker to finish its current token; False if it did not within timeout_s."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    # -- the worker thread -----------------------------------------------------------------
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                job = self._running = self._waiting.popleft()
+            try:
+                last_event = self._run(job)
+            except Exception:  # the worker must survive any one request
+                log.exception("request %r failed unexpectedly", job.ask.id)
+                last_event = error_event(job.ask.id, "engine", "internal error; see the daemon log")
+            # The job stops counting as running before its last event leaves, so a client that
+            # asks for `status` right after `done` never sees its own request still running.
+            with self._cond:
+                self._running = None
+                if last_event is not None and last_event["event"] == "done":
+                    self.requests_served += 1
+            if last_event is not None:
+                job.emit(last_event)
+
+    def _run(self, job: Job) -> Event | None:
+        """Stream the job's tokens; return its last event (done or error), None if nobody is listening."""
+        if job.stop_reason is not None:  # stopped between being taken and starting
+            return self._stopped_event(job, _Progress(time.perf_counter()))
+        ask = job.ask
+        try:
+            prompt_ids = self.engine.prompt_ids(prompt=ask.prompt, messages=ask.messages, system=ask.system,
+                                                raw=ask.raw)
+            events = self.engine.generate(prompt_ids, ask.params)
+        except ValueError as exc:  # an empty or too long prompt, a chat without a template
+            return error_event(ask.id, "invalid_params", str(exc))
+        progress = _Progress(time.perf_counter(), prompt_tokens=len(prompt_ids),
+                             expert_counts_before=expert_counts(self.engine.experts.stats))
+        log.debug("request %r: %d prompt tokens, waited %.3f s", ask.id, len(prompt_ids),
+                  time.monotonic() - job.submitted_s)
+        try:
+            return self._stream(job, events, progress)
+        except ExpertLoadError as exc:
+            log.error("request %r: %s", ask.id, exc)
+            return error_event(ask.id, "engine", str(exc))
+        finally:
+            events.close()  # between tokens: nothing is left half-done
+
+    def _stream(self, job: Job, events: Iterator[GenerationEvent | GenerationDone],
+                progress: "_Progress") -> Event | None:
+        for event in events:
+            if job.stop_reason is not None:
+                return self._stopped_event(job, progress)
+            if isinstance(event, GenerationDone):
+                return done_event(job, event.finish_reason, event.text, event.prompt_tokens, event.generated_tokens,
+                                  event.time_to_first_token_s * 1000.0, event.decode_tokens_per_s,
+                                  *self._expert_counts_since(progress))
+            progress.token(event.text)
+            job.emit(self._token_event(job, event))
+        raise RuntimeError("the generation ended without GenerationDone")
+
+    def _token_event(self, job: Job, event: GenerationEvent) -> Event:
+        token: Event = {"event": "token", "id": job.ask.id, "token_ids": [event.token_id], "text": event.text}
+        if job.ask.params.logprobs is not None:
+            decode = self.engine.tokenizer.decode
+            token["logprob"] = event.logprob
+            token["top_logprobs"] = [[token_id, decode([token_id]), logprob]
+                                     for token_id, logprob in (event.top_logprobs or [])]
+        return token
+
+    def _stopped_event(self, job: Job, progress: "_Progress") -> Event | None:
+        log.debug("request %r stopped (%s) after %d tokens", job.ask.id, job.stop_reason, progress.generated_tokens)
+        if job.stop_reason == STOP_CANCELLED:
+            return cancelled_done(job, "".join(progress.text_parts), progress.prompt_tokens,
+                                  progress.generated_tokens, progress.time_to_first_token_ms(),
+                                  progress.decode_tokens_per_s(), *self._expert_counts_since(progress))
+        if job.stop_reason == STOP_SHUTDOWN:
+            return shutdown_error(job)
+        return None  # disconnected: nobody to tell
+
+    def _expert_counts_since(self, progress: "_Progress") -> tuple[int, int]:
+        """(hits, misses) during this request: only the worker runs the engine, so the difference is its own."""
+        hits, misses = expert_counts(self.engine.experts.stats)
+        return hits - progress.expert_counts_before[0], misses - progress.expert_counts_before[1]
+
+
+@dataclass
+class _Progress:
+    """What a request has produced so far, for the `done` of a request stopped midway."""
+
+    start_s: float
+    prompt_tokens: int = 0
+    expert_counts_before: tuple[int, int] = (0, 0)  # (hits, misses) when the request started
+    generated_tokens: int = 0
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    text_parts: list[str] = field(default_factory=list)
+
+    def token(self, text: str) -> None:
+        now = time.perf_counter()
+        self.first_token_s = now if self.first_token_s is None else self.first_token_s
+        self.last_token_s = now
+        self.generated_tokens += 1
+        self.text_parts.append(text)
+
+    def time_to_first_token_ms(self) -> float:
+        return 0.0 if self.first_token_s is None else (self.first_token_s - self.start_s) * 1000.0
+
+    def decode_tokens_per_s(self) -> float:
+        if self.generated_tokens < 2 or self.first_token_s is None or self.last_token_s is None:
+            return 0.0
+        elapsed_s = self.last_token_s - self.first_token_s
+        return (self.generated_tokens - 1) / elapsed_s if elapsed_s > 0 else 0.0

@@ -1,0 +1,81 @@
+"""A demo pack built once, and colibrid run as a real subprocess on a socket in a temp dir."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.daemon.wire import wait_for_socket
+
+
+@pytest.fixture(scope="session")
+def demo_pack(tmp_path_factory) -> Path:
+    """A random-weight OLMoE pack: fast (~4 ms a token) and needs no transformers."""
+    out = tmp_path_factory.mktemp("daemon-pack") / "demo.pack"
+    subprocess.run([sys.executable, "-m", "colibrid.demo", str(out), "--force"], check=True,
+                   capture_output=True, timeout=120)
+    return out
+
+
+class DaemonProcess:
+    def __init__(self, pack: Path, socket_path: Path, *flags: str) -> None:
+        self.socket_path = socket_path
+        self.argv = [sys.executable, "-m", "colibrid", "--model", str(pack), "--socket", str(socket_path), *flags]
+        # No config file from the machine: the defaults and the flags only.
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        wait_for_socket(socket_path, self.proc)
+
+    def terminate(self, timeout_s: float = 20.0) -> tuple[int, str]:
+        """SIGTERM, then the exit code and everything it logged."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            _, stderr = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, stderr = self.proc.communicate()
+            raise
+        return self.proc.returncode, stderr
+
+
+@pytest.fixture
+def socket_dir():
+    """A short temp dir: a Unix socket path must fit in 107 bytes, pytest's tmp_path may not."""
+    path = Path(tempfile.mkdtemp(prefix="colibrid-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def start_daemon(demo_pack, socket_dir):
+    """start_daemon(*flags) -> a running DaemonProcess; every one started is stopped at the end."""
+    started: list[DaemonProcess] = []
+
+    def start(*flags: str, socket_name: str = "colibrid.sock") -> DaemonProcess:
+        daemon = DaemonProcess(demo_pack, socket_dir / "run" / socket_name, *flags)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        if daemon.proc.poll() is None:
+            daemon.terminate()
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(demo_pack):
+    """One daemon for the tests that neither stop it nor need special flags."""
+    directory = Path(tempfile.mkdtemp(prefix="colibrid-test-"))
+    daemon = DaemonProcess(demo_pack, directory / "colibrid.sock")
+    yield daemon
+    returncode, stderr = daemon.terminate()
+    shutil.rmtree(directory, ignore_errors=True)
+    assert returncode == 0, f"colibrid exited with {returncode}:\n{stderr}"

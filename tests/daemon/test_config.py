@@ -1,0 +1,93 @@
+"""Settings: defaults, the TOML file, flags over the file, and one-line errors at start."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from colibrid.config import KEYS, ConfigError, DaemonConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED_CONFIG = REPO / "etc" / "colibri" / "colibrid.toml"
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "colibrid.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults(demo_pack, tmp_path):
+    config = load_config(["--config", str(write_config(tmp_path, "")), "--model", str(demo_pack)])
+    assert config == DaemonConfig(model=demo_pack)
+    assert (config.socket, config.max_queue, config.max_frame_bytes, config.max_context,
+            config.default_max_tokens, config.log_level) == (
+        Path("/run/colibri/colibrid.sock"), 16, 1048576, 4096, 256, "info")
+
+
+def test_flags_override_the_file(demo_pack, tmp_path):
+    path = write_config(tmp_path, f'model = "{demo_pack}"\nmax_queue = 3\nlog_level = "debug"\n')
+    config = load_config(["--config", str(path), "--max-queue", "5", "--socket", "/tmp/x.sock"])
+    assert (config.model, config.max_queue, config.log_level, config.socket) == (
+        demo_pack, 5, "debug", Path("/tmp/x.sock"))
+
+
+@pytest.mark.parametrize("file_text, flags, expected", [
+    ("max_queue = -1\n", [], "max_queue = -1: must be an integer >= 1"),
+    ("", ["--max-queue", "-1"], "max_queue = -1: must be an integer >= 1"),
+    ("", ["--max-queue", "many"], 'max_queue = "many": must be an integer >= 1'),
+    ('max_queue = "4"\n', [], 'max_queue = "4": must be an integer >= 1'),
+    ("max_frame_bytes = 10\n", [], "max_frame_bytes = 10: must be an integer in [1024, 67108864]"),
+    ('log_level = "loud"\n', [], 'log_level = "loud": must be one of error, warning, info, debug'),
+    ("", ["--default-max-tokens", "0"], "default_max_tokens = 0: must be an integer >= 1"),
+    ("", ["--max-context", "1"], "max_context = 1: must be an integer >= 2 (tokens)"),
+    ("", ["--socket", "/" + "s" * 200], "socket = "),
+    ("max_queues = 3\n", [], "unknown key 'max_queues'"),
+    ("max_queue = \n", [], "is not valid TOML"),
+])
+def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(demo_pack, tmp_path, file_text, flags, expected):
+    path = write_config(tmp_path, file_text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(["--config", str(path), "--model", str(demo_pack), *flags])
+    message = str(caught.value)
+    assert expected in message and "\n" not in message
+
+
+def test_model_is_required_and_must_be_a_pack_directory(tmp_path):
+    path = write_config(tmp_path, "")
+    with pytest.raises(ConfigError, match="model is not set"):
+        load_config(["--config", str(path)])
+    with pytest.raises(ConfigError, match=r'model = ".*nowhere": must be the path of a pack directory'):
+        load_config(["--config", str(path), "--model", str(tmp_path / "nowhere")])
+
+
+def test_the_shipped_file_documents_every_key_with_its_default(demo_pack):
+    text = SHIPPED_CONFIG.read_text()
+    for key in KEYS:
+        assert f"{key.name} = " in text, f"{key.name} is not documented in {SHIPPED_CONFIG}"
+    # Uncommenting every commented key must give back exactly the defaults.
+    uncommented = "\n".join(line.removeprefix("#") if line.startswith("#") and " = " in line else line
+                            for line in text.splitlines())
+    table = tomllib.loads(uncommented)
+    defaults = DaemonConfig(model=Path(table["model"]))
+    for key in KEYS:
+        if key.name != "model":
+            assert table[key.name] == (str(getattr(defaults, key.name)) if key.name == "socket"
+                                       else getattr(defaults, key.name)), key.name
+
+
+@pytest.mark.parametrize("source", ["file", "flag"])
+def test_the_daemon_exits_2_with_one_line_on_stderr(demo_pack, tmp_path, source):
+    path = write_config(tmp_path, "max_queue = -1\n" if source == "file" else "")
+    flags = ["--max-queue", "-1"] if source == "flag" else []
+    result = subprocess.run([sys.executable, "-m", "colibrid", "--config", str(path), "--model", str(demo_pack),
+                             "--socket", str(tmp_path / "s.sock"), *flags],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("colibrid: config error: max_queue = -1: must be an integer >= 1")
+    assert not (tmp_path / "s.sock").exists()

@@ -1,0 +1,85 @@
+"""colibrid.protocol on its own: framing and request checks, code by code as docs/protocol.md lists them."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+
+from colibrid.protocol import (
+    Ask, Cancel, Hello, Models, ProtocolError, Status, body_length, decode_body, encode_frame, parse_request,
+)
+
+
+def test_a_frame_is_a_big_endian_length_and_one_msgpack_map():
+    frame = encode_frame({"event": "ok", "id": 1})
+    (length,) = struct.unpack(">I", frame[:4])
+    assert length == len(frame) - 4
+    assert decode_body(frame[4:]) == {"event": "ok", "id": 1}
+
+
+@pytest.mark.parametrize("length, code", [(0, "bad_frame"), (1025, "frame_too_large"), ((1 << 32) - 1, "frame_too_large")])
+def test_length_prefix_limits(length, code):
+    with pytest.raises(ProtocolError) as caught:
+        body_length(struct.pack(">I", length), max_frame_bytes=1024)
+    assert caught.value.code == code and caught.value.closes_connection
+
+
+def test_the_largest_allowed_frame_passes():
+    assert body_length(struct.pack(">I", 1024), max_frame_bytes=1024) == 1024
+
+
+@pytest.mark.parametrize("body", [b"\xc1", msgpack.packb("a string"), msgpack.packb({b"k": 1}),
+                                  msgpack.packb({}) + msgpack.packb({}), b"\xa5ab"])
+def test_bodies_that_are_not_one_map_with_string_keys(body):
+    with pytest.raises(ProtocolError) as caught:
+        decode_body(body)
+    assert caught.value.code == "bad_frame"
+
+
+def parse(message, default_max_tokens=256):
+    return parse_request(message, default_max_tokens)
+
+
+def test_each_op_parses_to_its_request():
+    assert parse({"op": "hello", "id": 0, "protocol": 1}) == Hello(0, 1, None)
+    assert parse({"op": "cancel", "id": "c", "target": 3}) == Cancel("c", 3)
+    assert parse({"op": "status", "id": "s"}) == Status("s")
+    assert parse({"op": "models", "id": "m"}) == Models("m")
+    ask = parse({"op": "ask", "id": 1, "prompt": "hi", "temperature": 0, "stop": ["\n"], "seed": 4, "top_k": 5})
+    assert isinstance(ask, Ask) and (ask.prompt, ask.messages, ask.raw) == ("hi", None, False)
+    assert (ask.params.temperature, ask.params.stop, ask.params.seed, ask.params.top_k) == (0, ["\n"], 4, 5)
+
+
+def test_ask_defaults_come_from_the_server_and_nil_means_absent():
+    ask = parse({"op": "ask", "id": 1, "prompt": "hi", "seed": None, "logprobs": None}, default_max_tokens=77)
+    assert ask.params.max_tokens == 77 and ask.params.seed is None and ask.params.logprobs is None
+    assert ask.params.temperature == 1.0
+
+
+def test_unknown_fields_are_ignored():
+    assert parse({"op": "status", "id": 1, "verbose": True}) == Status(1)
+
+
+@pytest.mark.parametrize("message, code", [
+    ({"op": "hello", "id": 1}, "bad_request"),
+    ({"op": "hello", "id": 1, "protocol": 2}, "unsupported_protocol"),
+    ({"op": "hello", "id": 1, "protocol": "1"}, "bad_request"),
+    ({"op": "hello", "id": True, "protocol": 1}, "bad_request"),
+    ({"op": "fly", "id": 1}, "unknown_op"),
+    ({"id": 1}, "bad_request"),
+    ({"op": "ask", "id": 1, "prompt": "x", "top_k": 1.0}, "bad_request"),
+    ({"op": "ask", "id": 1, "prompt": "x", "raw": 1}, "bad_request"),
+    ({"op": "ask", "id": 1, "prompt": "x", "logprobs": 21}, "invalid_params"),
+    ({"op": "ask", "id": 1, "prompt": "x", "top_p": 0}, "invalid_params"),
+    ({"op": "ask", "id": 1, "prompt": "x", "max_tokens": 0}, "invalid_params"),
+    ({"op": "ask", "id": 1, "prompt": "x", "stop": [""]}, "invalid_params"),
+    ({"op": "ask", "id": 1, "prompt": "x", "temperature": float("nan")}, "invalid_params"),
+    ({"op": "ask", "id": 1, "messages": [{"role": "user", "content": "x", "name": "y"}]}, "bad_request"),
+])
+def test_refusals_carry_the_code_the_document_gives(message, code):
+    with pytest.raises(ProtocolError) as caught:
+        parse(message)
+    assert caught.value.code == code
+    assert caught.value.closes_connection == (code not in ("invalid_params",))

@@ -137,6 +137,19 @@ class Converter:
         if info.shape != expected:
             raise ConversionError(f"tensor {hf_name} has shape {list(info.shape)}, expected {list(expected)} from config.json")
 
+    def _source_names(self) -> list[str]:
+        """Every checkpoint tensor the pack is made of (a tied head's copy is not)."""
+        names = list(self.dense_names.values())
+        for layer in self.config.moe_layer_ids:
+            for expert in range(self.config.num_experts):
+                expert_names = self.arch.expert_tensor_names(layer, expert)
+                names.extend(getattr(expert_names, part) for part in EXPERT_PARTS)
+        return names
+
+    def _source_bytes(self, name: str) -> int:
+        info = self.checkpoint.info(name)
+        return info.end - info.begin
+
     # --- encoding ---
 
     def _encode(self, name: str, array: np.ndarray, wanted: native.TensorType) -> tuple[native.TensorType, np.ndarray]:
@@ -152,7 +165,7 @@ class Converter:
 
     def run(self) -> ConversionReport:
         self.check()
-        total = sum(info.end - info.begin for info in self.checkpoint.tensors.values())
+        total = sum(self._source_bytes(name) for name in self._source_names())
         progress = Progress(total, f"converting {self.src.name}", enabled=self.progress_enabled)
         try:
             with PackWriter(self.out, self.align, self.force) as writer:
@@ -188,7 +201,7 @@ class Converter:
             wanted = native.TensorType.F32 if leaf in ALWAYS_F32 else self.quant.for_class(tensor_class(pack_name))
             type_, data = self._encode(pack_name, array, wanted)
             writer.add_dense(pack_name, type_, array.shape, data)
-            progress.advance(self.checkpoint.info(hf_name).end - self.checkpoint.info(hf_name).begin, pack_name)
+            progress.advance(self._source_bytes(hf_name), pack_name)
 
     def _write_experts(self, writer: PackWriter, progress: Progress) -> None:
         for layer in self.config.moe_layer_ids:
@@ -200,7 +213,7 @@ class Converter:
                     array = self.checkpoint.read_f32(hf_name)
                     type_, data = self._encode(f"layers.{layer}.experts.{expert}.{part}", array, self.quant.experts)
                     parts[part] = (type_, array.shape, data)
-                    progress.advance(self.checkpoint.info(hf_name).end - self.checkpoint.info(hf_name).begin, f"layer {layer} expert {expert}")
+                    progress.advance(self._source_bytes(hf_name), f"layer {layer} expert {expert}")
                 writer.add_expert(layer, expert, parts)
 
     def _copy_tokenizer(self, writer: PackWriter) -> list[str]:

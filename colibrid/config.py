@@ -9,6 +9,10 @@ allowed - a daemon that starts with a setting it cannot honour would degrade sil
 Unknown keys in the file are errors too: a misspelt key must not quietly mean "use the default".
 
 etc/colibri/colibrid.toml documents every key for users; KEYS below is the same list for code.
+A key marked `reloadable` takes effect on SIGHUP (`systemctl reload colibrid`); the others only
+at the next start, because they are bound into something built once (the loaded model, the
+listening socket). To add a key: a field in DaemonConfig, an entry in KEYS at the same place,
+its documentation in the shipped file, and - if reloadable - its use in Daemon.apply_reload.
 """
 
 from __future__ import annotations
@@ -39,10 +43,18 @@ class ConfigError(Exception):
 class DaemonConfig:
     model: Path  # the pack directory to serve
     socket: Path = Path("/run/colibri/colibrid.sock")
+    socket_group: str = "colibri"  # group of a socket we bind ourselves, if that group exists; "" leaves it
+    allow_users: tuple[str | int, ...] = ()  # peers allowed by user (name or uid); () with allow_groups () = anyone
+    allow_groups: tuple[str | int, ...] = ()  # peers allowed by any of their groups (name or gid)
     max_queue: int = 16  # requests waiting beyond the one running
     max_frame_bytes: int = 1024 * 1024  # largest frame accepted or sent, length prefix excluded
     max_context: int = 4096  # tokens one request may hold: prompt + generated
     default_max_tokens: int = 256  # for an ask without max_tokens
+    shutdown_grace_s: float = 30.0  # how long accepted requests may still run after SIGTERM
+    stall_timeout_s: float = 120.0  # longest wait for a request's next token before the health check fails
+    cpu_affinity: str = "auto"  # CPUs of the engine (compute) thread: "auto" or a list like "0-3,8"
+    io_cpus: str = "auto"  # CPUs of the server (event loop) and I/O threads
+    nice: int = 0  # scheduling niceness to set at start; 0 leaves it as inherited
     log_level: str = "info"
 
 
@@ -56,6 +68,8 @@ class _Key:
     parse_flag: Callable[[str], Any]
     is_valid: Callable[[Any], bool]
     flag_metavar: str
+    reloadable: bool = False  # applied on SIGHUP without a restart
+    normalise: Callable[[Any], Any] = lambda value: value  # a checked value -> the DaemonConfig value
 
 
 def _is_int(value: Any) -> bool:
@@ -81,17 +95,72 @@ def _parse_int_flag(text: str) -> int | str:
         return text  # left as a string, so the check fails and the message shows what was given
 
 
+def _parse_float_flag(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _number_at_least(minimum: float) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= minimum
+
+
+def _parse_principals_flag(text: str) -> list[str | int]:
+    """--allow-users alice,1001 -> ["alice", 1001]: numbers are ids, anything else a name."""
+    return [int(item) if item.strip().isdigit() else item.strip() for item in text.split(",") if item.strip()]
+
+
+def _is_principal_list(value: Any) -> bool:
+    return isinstance(value, list) and all((isinstance(v, str) and v != "") or (_is_int(v) and v >= 0) for v in value)
+
+
+def _is_cpu_setting(value: Any) -> bool:
+    # Imported here: affinity reads the machine's topology, which config parsing never needs otherwise.
+    from colibrid.affinity import CpuListError, check_cpu_setting
+
+    if not isinstance(value, str):
+        return False
+    try:
+        check_cpu_setting(value)
+    except CpuListError:
+        return False
+    return True
+
+
 KEYS: tuple[_Key, ...] = (
     _Key("model", "the pack directory to serve", "must be the path of a pack directory (colibri-convert or python -m colibrid.demo writes one)",
          str, _is_pack_dir, "PATH"),
-    _Key("socket", "the Unix socket clients connect to", f"must be a non-empty path of at most {MAX_SOCKET_PATH_BYTES} bytes",
-         str, _is_socket_path, "PATH"),
-    _Key("max_queue", "requests that may wait while one runs", "must be an integer >= 1", _parse_int_flag, _int_at_least(1), "N"),
+    _Key("socket", "the Unix socket clients connect to (unless systemd passes one)",
+         f"must be a non-empty path of at most {MAX_SOCKET_PATH_BYTES} bytes", str, _is_socket_path, "PATH"),
+    _Key("socket_group", "group given to a socket colibrid binds itself, if that group exists",
+         'must be a group name, or "" to leave the group as created', str, lambda v: isinstance(v, str), "GROUP"),
+    _Key("allow_users", "users allowed to connect, comma-separated names or uids (empty: anyone who can open the socket)",
+         "must be a list of user names or uids", _parse_principals_flag, _is_principal_list, "USERS",
+         reloadable=True, normalise=tuple),
+    _Key("allow_groups", "groups whose members may connect, comma-separated names or gids",
+         "must be a list of group names or gids", _parse_principals_flag, _is_principal_list, "GROUPS",
+         reloadable=True, normalise=tuple),
+    _Key("max_queue", "requests that may wait while one runs", "must be an integer >= 1", _parse_int_flag, _int_at_least(1), "N",
+         reloadable=True),
     _Key("max_frame_bytes", "largest request frame accepted, in bytes", f"must be an integer in [{MIN_FRAME_BYTES}, {MAX_FRAME_BYTES}]",
-         _parse_int_flag, _int_at_least(MIN_FRAME_BYTES, MAX_FRAME_BYTES), "BYTES"),
+         _parse_int_flag, _int_at_least(MIN_FRAME_BYTES, MAX_FRAME_BYTES), "BYTES", reloadable=True),
     _Key("max_context", "tokens one request may hold, prompt plus output", "must be an integer >= 2 (tokens)", _parse_int_flag, _int_at_least(2), "TOKENS"),
-    _Key("default_max_tokens", "tokens generated when an ask sets no max_tokens", "must be an integer >= 1", _parse_int_flag, _int_at_least(1), "N"),
-    _Key("log_level", "how much to log to stderr", f"must be one of {', '.join(LOG_LEVELS)}", str, lambda v: v in LOG_LEVELS, "LEVEL"),
+    _Key("default_max_tokens", "tokens generated when an ask sets no max_tokens", "must be an integer >= 1", _parse_int_flag, _int_at_least(1), "N",
+         reloadable=True),
+    _Key("shutdown_grace_s", "seconds accepted requests may still run after SIGTERM", "must be a number >= 0 (seconds)",
+         _parse_float_flag, _number_at_least(0), "SECONDS", reloadable=True, normalise=float),
+    _Key("stall_timeout_s", "seconds without a token on an accepted request before the health check fails",
+         "must be a number > 0 (seconds)", _parse_float_flag, lambda v: _number_at_least(0)(v) and v > 0, "SECONDS",
+         reloadable=True, normalise=float),
+    _Key("cpu_affinity", 'CPUs for the engine thread: "auto" or a list like 0-3,8',
+         '"auto" or a CPU list such as "0-3,8" naming CPUs colibrid may run on', str, _is_cpu_setting, "CPUS"),
+    _Key("io_cpus", 'CPUs for the server and I/O threads: "auto" or a list like 4,5',
+         '"auto" or a CPU list such as "4,5" naming CPUs colibrid may run on', str, _is_cpu_setting, "CPUS"),
+    _Key("nice", "scheduling niceness set at start (negative needs CAP_SYS_NICE; 0 leaves it)",
+         "must be an integer in [-20, 19]", _parse_int_flag, lambda v: _is_int(v) and -20 <= v <= 19, "N"),
+    _Key("log_level", "how much to log to stderr", f"must be one of {', '.join(LOG_LEVELS)}", str, lambda v: v in LOG_LEVELS, "LEVEL",
+         reloadable=True),
 )
 assert [k.name for k in KEYS] == [f.name for f in dataclasses.fields(DaemonConfig)], "KEYS and DaemonConfig differ"
 
@@ -106,6 +175,8 @@ def _render(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_render(v) for v in value) + "]"
     return repr(value)
 
 
@@ -161,7 +232,7 @@ def load_config(argv: Sequence[str] | None = None) -> DaemonConfig:
             continue
         if not key.is_valid(value):
             raise ConfigError(f"{key.name} = {_render(value)}: {key.allowed} (from {source})")
-        values[key.name] = value
+        values[key.name] = key.normalise(value)
 
     if "model" not in values:
         raise ConfigError(f"model is not set: pass --model PATH or set model in {config_path}")

@@ -1,28 +1,45 @@
 """colibrid: the daemon's lifecycle, in named phases.
 
     run()      config -> logging -> asyncio.run(serve())           exit code
-    startup    load the engine, bind the socket, start the engine thread and the server
-    main loop  wait until SIGTERM or SIGINT asks to stop
-    shutdown   stop accepting, end open requests with `shutdown`, close connections,
-               remove the socket
+    startup    niceness and CPUs, load the engine, open the socket(s), start the engine
+               thread and the server, check that the socket answers, then READY=1
+    main loop  wait for SIGTERM/SIGINT (stop) or SIGHUP (reload the config, not the model)
+    shutdown   STOPPING=1; refuse new requests, let accepted ones finish for shutdown_grace_s,
+               end the rest with `shutdown`, close connections, remove the socket
 
-Signal handlers only set a flag (an asyncio.Event); everything else happens in the phases,
-where it can be ordered and logged. Exit codes: 0 after a clean stop, 1 if startup failed
-(the model or the socket), 2 for a configuration error.
+Signal handlers only set flags (asyncio.Events); everything else happens in the phases, where
+it can be ordered and logged. They are installed before anything else, so that a SIGTERM or a
+SIGHUP during a long model load is handled when the load ends, not fatal. A second SIGTERM
+during the drain ends the grace period at once.
+
+systemd (docs/systemd.md) hears of each phase through sd_notify: STATUS= lines while starting
+and serving, READY=1, RELOADING=1 ... READY=1 around a reload, STOPPING=1, and WATCHDOG=1 while
+the engine is healthy. Without NOTIFY_SOCKET all of that is silently skipped.
+
+Exit codes: 0 after a clean stop, 1 if startup failed (the model or the socket), 2 for a
+configuration error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
+import time
 from collections.abc import Sequence
 
-from colibrid.config import ConfigError, DaemonConfig, load_config
-from colibrid.listener import Listener, ListenerError, open_listener
+from colibrid import affinity
+from colibrid.access import AccessPolicy
+from colibrid.config import KEYS, ConfigError, DaemonConfig, load_config
+from colibrid.listener import Listener, ListenerError, open_listeners
+from colibrid.logsetup import configure_logging, set_level
+from colibrid.protocol import LENGTH_PREFIX, PROTOCOL_VERSION, decode_body, encode_frame
 from colibrid.scheduler import Scheduler
 from colibrid.server import Server, model_name
+from colibrid.systemd_notify import Notifier, watchdog_interval_s
+from colibrid.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -30,33 +47,14 @@ EXIT_OK = 0
 EXIT_STARTUP_FAILED = 1
 EXIT_CONFIG_ERROR = 2
 
+# How often STATUS= is refreshed (only sent when the line changed), and the window of its tokens/s.
+STATUS_INTERVAL_S = 2.0
+# The self-check before READY=1: our own hello must come back within this.
+SELF_CHECK_TIMEOUT_S = 10.0
+
 
 class StartupError(Exception):
     """The daemon cannot start; str() is the one line that says why."""
-
-
-class _DaemonFormatter(logging.Formatter):
-    """`colibrid: message`, the level only when it is not plain information: one line a user can read."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        message = record.getMessage()
-        if record.levelno == logging.WARNING:
-            message = "warning: " + message
-        elif record.levelno == logging.DEBUG:
-            message = f"debug: {record.name}: {message}"
-        if record.exc_info:
-            message += "\n" + self.formatException(record.exc_info)
-        return "colibrid: " + message
-
-
-def configure_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_DaemonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    # The engine logs its own "loaded ..." line; the daemon's startup line says the same and more.
-    logging.getLogger("colibrid.engine").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
 
 
 def _count(parameters: int) -> str:
@@ -65,25 +63,38 @@ def _count(parameters: int) -> str:
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, argv: Sequence[str]) -> None:
         self.config = config
+        self._argv = list(argv)  # read again on reload: flags keep overriding the file
+        self._notifier = Notifier()
+        interval_s = watchdog_interval_s()
+        self._watchdog = Watchdog(self._notifier, interval_s, config.stall_timeout_s) if interval_s else None
+        # Set by signal handlers, and only there.
         self._stop_requested = asyncio.Event()
-        self._listener: Listener | None = None
+        self._stop_now = asyncio.Event()  # a second stop signal: end the drain at once
+        self._reload_requested = asyncio.Event()
+        self._listeners: list[Listener] = []
+        self._scheduler: Scheduler | None = None
         self._server: Server | None = None
+        self._background: list[asyncio.Task] = []
+
+    # -- run ------------------------------------------------------------------------------
 
     async def serve(self) -> int:
-        # First of all, so that a SIGTERM during startup (loading a large model takes a while)
-        # still leads through shutdown, which removes the socket, instead of killing us halfway.
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, self._stop_requested.set)
+        self._install_signal_handlers()
+        if self._watchdog is not None:
+            # From the very start: systemd's watchdog runs while we load the model too (the
+            # load is bounded by TimeoutStartSec= instead).
+            self._background.append(asyncio.create_task(self._watchdog.run()))
         try:
             await self.startup()
         except BaseException as exc:
-            self._close_listener()  # a half-started daemon must not leave its socket behind
+            self._close_listeners()  # a half-started daemon must not leave its socket behind
+            self._cancel_background()
             if not isinstance(exc, StartupError):
                 raise
             log.error("%s", exc)
+            self._notifier.status(f"failed to start: {exc}")
             return EXIT_STARTUP_FAILED
         try:
             await self.main_loop()
@@ -91,20 +102,58 @@ class Daemon:
             await self.shutdown()
         return EXIT_OK
 
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_stop_signal)
+        loop.add_signal_handler(signal.SIGHUP, self._reload_requested.set)
+
+    def _on_stop_signal(self) -> None:
+        if self._stop_requested.is_set():
+            self._stop_now.set()
+        self._stop_requested.set()
+
+    # -- startup --------------------------------------------------------------------------
+
     async def startup(self) -> None:
-        engine = self._load_engine()
+        self._notifier.status(f"loading {self.config.model}")
+        nice = affinity.apply_nice(self.config.nice)  # before any thread exists: they all inherit it
+        cpus = self._plan_cpus()
+        # The loading thread and the engine thread are created while this thread runs on the
+        # compute CPUs, so they and any native threads they start inherit that mask.
+        affinity.pin_current_thread(cpus.compute)
+        engine = await asyncio.to_thread(self._load_engine)
         try:
-            self._listener = open_listener(self.config.socket)
+            self._listeners = open_listeners(self.config.socket, self.config.socket_group)
         except ListenerError as exc:
             raise StartupError(str(exc)) from None
-        scheduler = Scheduler(engine, self.config.max_queue)
-        scheduler.start()
-        self._server = Server(engine, scheduler, self.config.model, self.config.max_frame_bytes,
-                              self.config.default_max_tokens)
-        await self._server.start(self._listener)
+        self._scheduler = Scheduler(engine, self.config.max_queue)
+        self._scheduler.start()
+        affinity.pin_current_thread(cpus.io)  # the event loop and the threads it starts later
+        self._server = Server(engine, self._scheduler, self.config.model, self.config.max_frame_bytes,
+                              self.config.default_max_tokens,
+                              AccessPolicy(self.config.allow_users, self.config.allow_groups))
+        self._server.machine = {"cpus": cpus.describe(), "nice": nice}
+        self._show_settings()
+        await self._server.start(self._listeners)
+        await self._check_socket_answers()
+        if self._watchdog is not None:
+            self._watchdog.scheduler = self._scheduler
+        self._background.append(asyncio.create_task(self._report_status()))
+        where = ", ".join(listener.address + (" (from systemd)" if listener.inherited else "")
+                          for listener in self._listeners)
         log.info("serving %s (%s params, %s active) from %s on %s \u2014 stop with Ctrl-C or SIGTERM",
                  model_name(self.config.model), _count(engine.parameters_total),
-                 _count(engine.parameters_active), self.config.model, self.config.socket)
+                 _count(engine.parameters_active), self.config.model, where)
+        log.debug("compute threads on CPUs %s, I/O threads on CPUs %s", cpus.describe()["compute"],
+                  cpus.describe()["io"])
+        self._notifier.ready(self._server.service_status(0.0))
+
+    def _plan_cpus(self) -> affinity.CpuPlan:
+        try:
+            return affinity.plan_cpus(self.config.cpu_affinity, self.config.io_cpus, affinity.Topology.read())
+        except affinity.CpuListError as exc:  # the config checked it; the cpuset can shrink in between
+            raise StartupError(f"cannot pin threads: {exc}") from None
 
     def _load_engine(self):
         from colibrid.engine import load  # imported here: it pulls in numpy and libcolibri
@@ -122,23 +171,120 @@ class Daemon:
                         self.config.max_context, model_name(self.config.model), engine.max_context)
         return engine
 
+    async def _check_socket_answers(self) -> None:
+        """Say hello to ourselves on every socket: READY=1 promises that a client is answered now."""
+        for listener in self._listeners:
+            address = "\0" + listener.address[1:] if listener.address.startswith("@") else listener.address
+            try:
+                reply = await asyncio.wait_for(self._hello(address), SELF_CHECK_TIMEOUT_S)
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+                raise StartupError(f"the socket {listener.address} does not answer: {exc!r}") from None
+            if reply.get("event") != "hello":
+                raise StartupError(f"the socket {listener.address} answered {reply!r} to hello")
+
+    @staticmethod
+    async def _hello(address: str) -> dict:
+        reader, writer = await asyncio.open_unix_connection(address)
+        try:
+            writer.write(encode_frame({"op": "hello", "id": 0, "protocol": PROTOCOL_VERSION, "client": "self-check"}))
+            (length,) = LENGTH_PREFIX.unpack(await reader.readexactly(LENGTH_PREFIX.size))
+            return decode_body(await reader.readexactly(length))
+        finally:
+            writer.close()
+
+    # -- main loop ------------------------------------------------------------------------
+
     async def main_loop(self) -> None:
-        await self._stop_requested.wait()
-        log.info("stopping: ending open requests and closing connections")
+        stop = asyncio.create_task(self._stop_requested.wait())
+        try:
+            while not self._stop_requested.is_set():
+                reload = asyncio.create_task(self._reload_requested.wait())
+                await asyncio.wait([stop, reload], return_when=asyncio.FIRST_COMPLETED)
+                reload.cancel()
+                if self._reload_requested.is_set() and not self._stop_requested.is_set():
+                    self._reload_requested.clear()
+                    self.reload()
+        finally:
+            stop.cancel()
+        log.info("stopping: refusing new requests, finishing accepted ones")
+
+    def reload(self) -> None:
+        """SIGHUP: read the config again and apply what can change without reloading the model."""
+        self._notifier.reloading()
+        log.info("reloading the configuration")
+        try:
+            new = load_config(self._argv)
+        except ConfigError as exc:
+            log.error("reload failed, keeping the running configuration: %s", exc)
+        else:
+            self.apply_reload(new)
+        self._notifier.ready(self._server.service_status(0.0) if self._server else None)
+
+    def apply_reload(self, new: DaemonConfig) -> None:
+        changes: dict[str, object] = {}
+        for key in KEYS:
+            old_value, new_value = getattr(self.config, key.name), getattr(new, key.name)
+            if old_value == new_value:
+                continue
+            if key.reloadable:
+                changes[key.name] = new_value
+                log.info("%s: %s -> %s", key.name, old_value, new_value)
+            else:
+                log.warning("%s changed to %s; it takes effect at the next restart", key.name, new_value)
+        self.config = dataclasses.replace(self.config, **changes)
+        set_level(self.config.log_level)
+        assert self._server is not None and self._scheduler is not None
+        self._scheduler.max_queue = self.config.max_queue
+        self._server.max_frame_bytes = self.config.max_frame_bytes
+        self._server.default_max_tokens = self.config.default_max_tokens
+        self._server.access = AccessPolicy(self.config.allow_users, self.config.allow_groups)
+        if self._watchdog is not None:
+            self._watchdog.stall_timeout_s = self.config.stall_timeout_s
+        self._show_settings()
+
+    def _show_settings(self) -> None:
+        """The settings that reload can change and status does not show otherwise."""
+        assert self._server is not None
+        self._server.machine["settings"] = {
+            "log_level": self.config.log_level, "shutdown_grace_s": self.config.shutdown_grace_s,
+            "stall_timeout_s": self.config.stall_timeout_s, "max_frame_bytes": self.config.max_frame_bytes,
+            "default_max_tokens": self.config.default_max_tokens,
+            "allow_users": list(self.config.allow_users), "allow_groups": list(self.config.allow_groups),
+        }
+
+    async def _report_status(self) -> None:
+        assert self._server is not None and self._scheduler is not None
+        tokens_before, time_before = self._scheduler.tokens_generated, time.monotonic()
+        while True:
+            await asyncio.sleep(STATUS_INTERVAL_S)
+            tokens, now = self._scheduler.tokens_generated, time.monotonic()
+            self._notifier.status(self._server.service_status((tokens - tokens_before) / (now - time_before)))
+            tokens_before, time_before = tokens, now
+
+    # -- shutdown -------------------------------------------------------------------------
 
     async def shutdown(self) -> None:
+        self._notifier.stopping(f"stopping: finishing accepted requests (up to {self.config.shutdown_grace_s:g} s)")
         if self._server is not None:
+            await self._server.drain(self.config.shutdown_grace_s, self._stop_now)
             await self._server.stop()
-        self._close_listener()
+        self._close_listeners()
+        self._cancel_background()
         log.info("stopped")
 
-    def _close_listener(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+    def _close_listeners(self) -> None:
+        for listener in self._listeners:
+            listener.close()
+        self._listeners = []
+
+    def _cancel_background(self) -> None:
+        for task in self._background:
+            task.cancel()
+        self._background = []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     configure_logging("info")  # until the config says otherwise, so config errors are seen
     try:
         config = load_config(argv)
@@ -146,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("config error: %s", exc)
         return EXIT_CONFIG_ERROR
     configure_logging(config.log_level)
-    return asyncio.run(Daemon(config).serve())
+    return asyncio.run(Daemon(config, argv).serve())
 
 
 if __name__ == "__main__":

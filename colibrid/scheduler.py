@@ -13,6 +13,12 @@ a request decodes. The loop and the worker share only
 
 A full queue is refused at once (`busy`): a client is better served by an error it can retry
 than by a wait it cannot see the end of.
+
+Stopping has two steps, so that SIGTERM can drain: close_intake() refuses new asks but lets the
+worker finish the running and the waiting ones (it exits when the queue is empty), and stop()
+ends whatever is left with `shutdown`. The worker also stamps the time of its last progress (a
+request taken, a token produced, a request ended): seconds_without_progress() is the health
+check behind the systemd watchdog.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class Job:
     emit: Callable[[Event], None]  # thread-safe: hands one event back to the connection
     stop_reason: str | None = None
     submitted_s: float = field(default_factory=time.monotonic)
+    origin: str = "a client"  # who asked, for the log: "connection 3 (uid 1000 (alice) gid 1000 pid 42)"
 
 
 def shutdown_error(job: Job) -> Event:
@@ -95,10 +102,13 @@ class Scheduler:
         self.engine = engine
         self.max_queue = max_queue
         self.requests_served = 0  # asks that ended with `done`, whatever the finish reason
+        self.tokens_generated = 0  # tokens streamed since start, for the recent tokens/s in STATUS=
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
-        self._stopped = False
+        self._intake_closed = False  # no new asks; the worker exits once the queue is empty
+        self._stopped = False  # the worker exits after its current token
+        self._last_progress_s = time.monotonic()  # written by the worker, read by the loop: one float
         self._thread = threading.Thread(target=self._work, name="colibrid-engine", daemon=True)
 
     # -- called from the event loop -------------------------------------------------------
@@ -114,9 +124,15 @@ class Scheduler:
     def requests_running(self) -> int:
         return 0 if self._running is None else 1
 
+    def seconds_without_progress(self) -> float:
+        """How long the running request has gone without a token (0 when nothing runs)."""
+        if self._running is None:
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_progress_s)
+
     def submit(self, job: Job) -> None:
         with self._cond:
-            if self._stopped:
+            if self._stopped or self._intake_closed:
                 raise SchedulerStopped()
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull()
@@ -132,6 +148,12 @@ class Scheduler:
             except ValueError:
                 return False
             return True
+
+    def close_intake(self) -> None:
+        """Accept no new asks; the running and waiting ones go on, and the worker exits after the last."""
+        with self._cond:
+            self._intake_closed = True
+            self._cond.notify_all()
 
     def stop(self) -> list[Job]:
         """Accept nothing more; flag the running job; return the waiting ones for the caller to end."""
@@ -155,20 +177,22 @@ class Scheduler:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._stopped:
+                while not self._waiting and not self._stopped and not self._intake_closed:
                     self._cond.wait()
-                if self._stopped:
-                    return
+                if self._stopped or not self._waiting:
+                    return  # stopped, or drained after close_intake()
                 job = self._running = self._waiting.popleft()
+                self._last_progress_s = time.monotonic()
             try:
                 last_event = self._run(job)
             except Exception:  # the worker must survive any one request
-                log.exception("request %r failed unexpectedly", job.ask.id)
+                log.exception("request %r from %s failed unexpectedly", job.ask.id, job.origin)
                 last_event = error_event(job.ask.id, "engine", "internal error; see the daemon log")
             # The job stops counting as running before its last event leaves, so a client that
             # asks for `status` right after `done` never sees its own request still running.
             with self._cond:
                 self._running = None
+                self._last_progress_s = time.monotonic()
                 if last_event is not None and last_event["event"] == "done":
                     self.requests_served += 1
             if last_event is not None:
@@ -187,12 +211,12 @@ class Scheduler:
             return error_event(ask.id, "invalid_params", str(exc))
         progress = _Progress(time.perf_counter(), prompt_tokens=len(prompt_ids),
                              expert_counts_before=expert_counts(self.engine.experts.stats))
-        log.debug("request %r: %d prompt tokens, waited %.3f s", ask.id, len(prompt_ids),
+        log.debug("request %r from %s: %d prompt tokens, waited %.3f s", ask.id, job.origin, len(prompt_ids),
                   time.monotonic() - job.submitted_s)
         try:
             return self._stream(job, events, progress)
         except ExpertLoadError as exc:
-            log.error("request %r: %s", ask.id, exc)
+            log.error("request %r from %s: %s", ask.id, job.origin, exc)
             return error_event(ask.id, "engine", str(exc))
         finally:
             events.close()  # between tokens: nothing is left half-done
@@ -207,6 +231,8 @@ class Scheduler:
                                   event.time_to_first_token_s * 1000.0, event.decode_tokens_per_s,
                                   *self._expert_counts_since(progress))
             progress.token(event.text)
+            self.tokens_generated += 1
+            self._last_progress_s = time.monotonic()
             job.emit(self._token_event(job, event))
         raise RuntimeError("the generation ended without GenerationDone")
 
@@ -220,7 +246,8 @@ class Scheduler:
         return token
 
     def _stopped_event(self, job: Job, progress: "_Progress") -> Event | None:
-        log.debug("request %r stopped (%s) after %d tokens", job.ask.id, job.stop_reason, progress.generated_tokens)
+        log.debug("request %r from %s stopped (%s) after %d tokens", job.ask.id, job.origin, job.stop_reason,
+                  progress.generated_tokens)
         if job.stop_reason == STOP_CANCELLED:
             return cancelled_done(job, "".join(progress.text_parts), progress.prompt_tokens,
                                   progress.generated_tokens, progress.time_to_first_token_ms(),

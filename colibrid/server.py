@@ -5,6 +5,10 @@ Each connection has a reader (frames in -> requests) and a writer (an outbox of 
 client that reads slowly only grows its own outbox (bounded by the tokens it asked for) and
 never blocks the engine thread or another client. A connection that breaks the protocol gets
 one `error` and is closed; nothing it sends can reach the other connections.
+
+Each connection's peer credentials (SO_PEERCRED) are read when it is accepted, named in every
+log line about it, and checked against allow_users / allow_groups; a refused peer's first
+request is answered with `forbidden` and the connection is closed.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 import psutil
 
 from colibrid import __version__
+from colibrid.access import AccessPolicy, PeerCredentials, peer_credentials
 from colibrid.listener import Listener
 from colibrid.protocol import (
     LENGTH_PREFIX, PROTOCOL_VERSION, SERVER_NAME, Ask, Cancel, Hello, Models, ProtocolError, Request, RequestId,
@@ -58,24 +63,49 @@ def describe_model(engine, pack_path: Path) -> dict[str, Any]:
 
 class Server:
     def __init__(self, engine, scheduler: Scheduler, pack_path: Path, max_frame_bytes: int,
-                 default_max_tokens: int) -> None:
+                 default_max_tokens: int, access: AccessPolicy | None = None) -> None:
         self.engine = engine
         self.scheduler = scheduler
         self.model = describe_model(engine, pack_path)
+        # These three may be replaced on reload; a connection reads them when it needs them.
         self.max_frame_bytes = max_frame_bytes
         self.default_max_tokens = default_max_tokens
+        self.access = access or AccessPolicy()
+        self.machine: dict[str, Any] = {}  # what status shows of the daemon's setup (cpus, nice, ...)
         self.started_s = time.monotonic()
         self._connections: set[Connection] = set()
         self._connection_numbers = itertools.count(1)
-        self._asyncio_server: asyncio.AbstractServer | None = None
+        self._asyncio_servers: list[asyncio.AbstractServer] = []
+        self._listening: list[dict[str, Any]] = []
 
-    async def start(self, listener: Listener) -> None:
-        self._asyncio_server = await asyncio.start_unix_server(self._serve_connection, sock=listener.sock)
+    async def start(self, listeners: list[Listener]) -> None:
+        for listener in listeners:
+            self._asyncio_servers.append(await asyncio.start_unix_server(self._serve_connection, sock=listener.sock))
+            self._listening.append({"address": listener.address, "inherited": listener.inherited})
+
+    def stop_accepting(self) -> None:
+        for asyncio_server in self._asyncio_servers:
+            asyncio_server.close()
+
+    async def drain(self, grace_s: float, cut_short: asyncio.Event) -> None:
+        """Let accepted requests finish for up to grace_s (or until cut_short is set); refuse new ones."""
+        self.stop_accepting()
+        self.scheduler.close_intake()
+        busy = self.scheduler.requests_running + self.scheduler.queue_depth
+        if busy == 0 or grace_s <= 0:
+            return
+        log.info("draining: %d request(s) may finish within %.0f s", busy, grace_s)
+        worker_done = asyncio.create_task(asyncio.to_thread(self.scheduler.join, grace_s))
+        cut = asyncio.create_task(cut_short.wait())
+        await asyncio.wait([worker_done, cut], return_when=asyncio.FIRST_COMPLETED)
+        cut.cancel()
+        if worker_done.done() and worker_done.result():
+            log.info("drained: every accepted request finished")
+        # else: stop() ends what is left with `shutdown`; the thread in to_thread returns by itself
 
     async def stop(self) -> None:
         """Stop accepting, end every open request with `shutdown`, flush and close every connection."""
-        if self._asyncio_server is not None:
-            self._asyncio_server.close()
+        self.stop_accepting()
         for job in self.scheduler.stop():
             job.emit(shutdown_error(job))
         if not await asyncio.to_thread(self.scheduler.join, WORKER_STOP_TIMEOUT_S):
@@ -110,7 +140,17 @@ class Server:
             "queue_depth": self.scheduler.queue_depth,
             "queue_limit": self.scheduler.max_queue,
             "version": __version__,
+            "listening": self._listening,
+            **self.machine,
         }
+
+    def service_status(self, recent_tokens_per_s: float) -> str:
+        """The one line systemd shows as `Status:` (STATUS=): what is served and how it is going."""
+        hits, misses = expert_counts(self.engine.experts.stats)
+        hit_rate = f"{100 * hits / (hits + misses):.0f}% expert hits" if hits + misses else "no experts loaded yet"
+        return (f"serving {self.model['name']}: {self.scheduler.requests_running} running, "
+                f"{self.scheduler.queue_depth} waiting, {self.scheduler.requests_served} served; "
+                f"{recent_tokens_per_s:.1f} tokens/s recently; {hit_rate}")
 
     def hello_event(self, request_id: RequestId) -> Event:
         return {"event": "hello", "id": request_id, "protocol": PROTOCOL_VERSION, "server": SERVER_NAME,
@@ -128,6 +168,8 @@ class Connection:
                  number: int) -> None:
         self.server = server
         self.number = number  # for the log only
+        self.peer: PeerCredentials | None = peer_credentials(writer.get_extra_info("socket"))
+        self.name = f"connection {number} ({self.peer.describe() if self.peer else 'peer unknown'})"
         self._reader = reader
         self._writer = writer
         self._loop = asyncio.get_running_loop()
@@ -140,7 +182,7 @@ class Connection:
         self._write_task: asyncio.Task | None = None
 
     async def serve(self) -> None:
-        log.debug("connection %d opened", self.number)
+        log.debug("%s opened", self.name)
         self._serve_task = asyncio.current_task()
         self._write_task = asyncio.create_task(self._write_frames())
         self._read_task = asyncio.create_task(self._read_requests())
@@ -149,7 +191,7 @@ class Connection:
         except asyncio.CancelledError:
             pass  # stop() cancelled the reader: the daemon is shutting down
         except (ConnectionError, OSError) as exc:
-            log.debug("connection %d: read failed: %s", self.number, exc)
+            log.debug("%s: read failed: %s", self.name, exc)
         finally:
             await self._finish()
 
@@ -171,11 +213,11 @@ class Connection:
             self._writer.close()  # unlike abort(), sends what is still buffered first
             await asyncio.wait_for(self._writer.wait_closed(), FLUSH_TIMEOUT_S)
         except asyncio.TimeoutError:
-            log.debug("connection %d: client stopped reading; dropping its unsent frames", self.number)
+            log.debug("%s: client stopped reading; dropping its unsent frames", self.name)
         except (ConnectionError, OSError):
             pass  # the client is gone already
         self._writer.transport.abort()
-        log.debug("connection %d closed", self.number)
+        log.debug("%s closed", self.name)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -187,7 +229,7 @@ class Connection:
                     return  # the client closed the connection between frames
                 self._handle(message)
             except ProtocolError as exc:
-                log.debug("connection %d: %s: %s", self.number, exc.code, exc.message)
+                log.debug("%s: %s: %s", self.name, exc.code, exc.message)
                 self.send(error_event(exc.request_id, exc.code, exc.message))
                 if exc.closes_connection:
                     return
@@ -208,6 +250,11 @@ class Connection:
         return decode_body(body)
 
     def _handle(self, message: dict[str, Any]) -> None:
+        if not self.server.access.allows(self.peer):
+            request_id = message.get("id")
+            log.warning("%s refused: not in allow_users or allow_groups", self.name)
+            raise ProtocolError("forbidden", "this user may not use colibrid (allow_users / allow_groups in its "
+                                "config)", request_id if is_request_id(request_id) else None)
         if not self._greeted and message.get("op") != "hello":
             request_id = message.get("id")
             raise ProtocolError("bad_request", "the first request on a connection must be hello",
@@ -220,7 +267,7 @@ class Connection:
     def _dispatch(self, request: Request) -> None:
         if isinstance(request, Hello):
             self._greeted = True
-            log.debug("connection %d: hello from %s", self.number, request.client or "an unnamed client")
+            log.debug("%s: hello from %s", self.name, request.client or "an unnamed client")
             self.send(self.server.hello_event(request.id))
         elif isinstance(request, Ask):
             self._submit(request)
@@ -232,7 +279,8 @@ class Connection:
             self.send({"event": "models", "id": request.id, "models": [self.server.model]})
 
     def _submit(self, ask: Ask) -> None:
-        job = Job(ask, emit=_drop_event)
+        log.debug("%s: ask %r, max_tokens %d", self.name, ask.id, ask.params.max_tokens)
+        job = Job(ask, emit=_drop_event, origin=self.name)
         job.emit = self._emitter(job)
         self._open_asks[ask.id] = job
         try:
@@ -281,7 +329,7 @@ class Connection:
                 self._writer.write(frame)
                 await self._writer.drain()
         except (ConnectionError, OSError) as exc:
-            log.debug("connection %d: write failed: %s", self.number, exc)
+            log.debug("%s: write failed: %s", self.name, exc)
             self._closed = True
             if self._read_task is not None:
                 self._read_task.cancel()  # the client is gone: stop waiting for its requests

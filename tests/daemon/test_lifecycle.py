@@ -11,8 +11,8 @@ from tests.daemon.conftest import DaemonProcess
 from tests.daemon.wire import Closed, WireClient
 
 
-def test_sigterm_ends_running_requests_with_shutdown_and_removes_the_socket(start_daemon):
-    daemon = start_daemon()
+def test_sigterm_without_a_grace_period_ends_running_requests_with_shutdown_and_removes_the_socket(start_daemon):
+    daemon = start_daemon("--shutdown-grace-s", "0")  # the drain with a grace period: tests/systemd
     with WireClient(daemon.socket_path) as client:
         client.hello()
         client.ask("long", max_tokens=3000)

@@ -1,0 +1,71 @@
+"""SIGTERM drains: accepted requests finish within shutdown_grace_s, or end with `shutdown` after it."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from tests.daemon.wire import Closed, WireClient, wait_for_socket
+
+
+def events_until_closed(client: WireClient) -> dict:
+    ends = {}
+    try:
+        while True:
+            event = client.recv()
+            if event["event"] != "token":
+                ends[event["id"]] = event
+    except (Closed, ConnectionResetError):
+        pass
+    return ends
+
+
+def test_requests_accepted_before_sigterm_finish_and_new_ones_are_refused(start_service, work_dir):
+    service = start_service("--shutdown-grace-s", "30")
+    wait_for_socket(work_dir / "colibrid.sock", service.proc)
+    with WireClient(work_dir / "colibrid.sock") as client:
+        client.hello()
+        client.ask("running", max_tokens=60)
+        client.ask("queued", max_tokens=5)
+        assert client.recv()["event"] == "token"
+        service.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        client.ask("late", max_tokens=5)
+        ends = events_until_closed(client)
+    assert ends["running"]["event"] == "done" and ends["running"]["finish_reason"] == "length"
+    assert ends["running"]["usage"]["generated_tokens"] == 60
+    assert ends["queued"]["event"] == "done"
+    assert (ends["late"]["event"], ends["late"]["code"]) == ("error", "shutdown")
+    assert service.proc.wait(20) == 0
+    assert not (work_dir / "colibrid.sock").exists()
+
+
+def test_what_is_not_finished_after_the_grace_period_ends_with_shutdown(start_service, work_dir):
+    service = start_service("--shutdown-grace-s", "1")
+    wait_for_socket(work_dir / "colibrid.sock", service.proc)
+    with WireClient(work_dir / "colibrid.sock") as client:
+        client.hello()
+        client.ask("long", max_tokens=3000)
+        assert client.recv()["event"] == "token"
+        service.proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        ends = events_until_closed(client)
+        ended = time.monotonic()
+    assert (ends["long"]["event"], ends["long"]["code"]) == ("error", "shutdown")
+    assert 0.9 < ended - signalled < 5.0
+    assert service.proc.wait(20) == 0
+
+
+def test_a_second_sigterm_ends_the_grace_period_at_once(start_service, work_dir):
+    service = start_service("--shutdown-grace-s", "60")
+    wait_for_socket(work_dir / "colibrid.sock", service.proc)
+    with WireClient(work_dir / "colibrid.sock") as client:
+        client.hello()
+        client.ask("long", max_tokens=3000)
+        assert client.recv()["event"] == "token"
+        service.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        service.proc.send_signal(signal.SIGTERM)
+        ends = events_until_closed(client)
+    assert ends["long"]["code"] == "shutdown"
+    assert service.proc.wait(20) == 0

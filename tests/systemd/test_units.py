@@ -1,0 +1,87 @@
+"""The files a distribution ships: `make install` puts them where systemd and udev look, and
+systemd's own tools accept them without a single complaint."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# Where the colibrid command really is, so that verify can check ExecStart= for real.
+BINDIR = str(Path(shutil.which("colibrid") or "/usr/bin/colibrid").parent)
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory) -> Path:
+    stage = tmp_path_factory.mktemp("stage")
+    subprocess.run(["make", "-s", "-C", str(REPO), "install", f"DESTDIR={stage}", "PREFIX=/usr",
+                    f"BINDIR={BINDIR}"], check=True, capture_output=True)
+    return stage
+
+
+def test_make_install_puts_every_file_where_systemd_and_udev_look(staged):
+    files = sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file())
+    assert files == [
+        "etc/colibri/colibrid.toml",
+        "usr/lib/sysctl.d/60-colibri.conf",
+        "usr/lib/systemd/system/colibrid.service",
+        "usr/lib/systemd/system/colibrid.socket",
+        "usr/lib/sysusers.d/colibri.conf",
+        "usr/lib/tmpfiles.d/colibri.conf",
+        "usr/lib/udev/rules.d/60-colibri-nvme.rules",
+        "usr/share/doc/colibri/protocol.md",
+        "usr/share/doc/colibri/systemd.md",
+    ]
+    service = (staged / "usr/lib/systemd/system/colibrid.service").read_text()
+    assert f"ExecStart={BINDIR}/colibrid --config /etc/colibri/colibrid.toml" in service
+    assert "@" not in re.sub(r"@[a-z-]+", "", service), "an @PLACEHOLDER@ was left unsubstituted"
+
+
+def test_an_edited_config_is_not_overwritten(tmp_path):
+    config = tmp_path / "etc" / "colibri" / "colibrid.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text('model = "/srv/mine.pack"\n')
+    subprocess.run(["make", "-s", "-C", str(REPO), "install", f"DESTDIR={tmp_path}"], check=True, capture_output=True)
+    assert config.read_text() == 'model = "/srv/mine.pack"\n'
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_says_nothing(staged):
+    # It exits 0 even for unknown settings: silence on stderr is the test.
+    unit_dir = staged / "usr/lib/systemd/system"
+    result = subprocess.run(["systemd-analyze", "verify", "./colibrid.service", "./colibrid.socket"],
+                            cwd=unit_dir, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_the_sandbox_rates_ok(staged):
+    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", "./colibrid.service"],
+                            cwd=staged / "usr/lib/systemd/system", capture_output=True, text=True)
+    exposure = re.search(r"Overall exposure level for colibrid.service: ([0-9.]+)", result.stdout)
+    assert exposure and float(exposure.group(1)) <= 2.0, result.stdout[-500:]
+
+
+@pytest.mark.skipif(shutil.which("systemd-sysusers") is None, reason="systemd-sysusers is not installed")
+def test_sysusers_and_tmpfiles_create_the_user_and_the_state_directory(staged, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(staged, root)
+    subprocess.run(["systemd-sysusers", f"--root={root}", "colibri.conf"], check=True, capture_output=True)
+    assert any(line.startswith("colibri:") for line in (root / "etc/passwd").read_text().splitlines())
+    assert any(line.startswith("colibri:") for line in (root / "etc/group").read_text().splitlines())
+    result = subprocess.run(["systemd-tmpfiles", f"--root={root}", "--create", "colibri.conf"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert (root / "var/lib/colibri").is_dir()
+    assert (root / "var/lib/colibri").stat().st_mode & 0o777 == 0o750
+
+
+def test_every_udev_rule_says_why():
+    lines = (REPO / "udev/60-colibri-nvme.rules").read_text().splitlines()
+    for number, line in enumerate(lines):
+        if line and not line.startswith("#") and not line.startswith("LABEL="):
+            assert lines[number - 1].startswith("#"), f"rule on line {number + 1} has no comment above it"

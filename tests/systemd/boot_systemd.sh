@@ -8,15 +8,26 @@
 #                                         /root, mode 0700, where the colibri user cannot reach it)
 # and it boots into a target that pulls in journald only: nothing of sysinit.target runs
 # (no sysctl, tmpfiles, udev trigger, random seed, utmp), so the host's state is not touched.
-# WORK_DIR is copied to /run/colibri-test before /tmp is hidden.
+# WORK_DIR is copied to /run/colibri-test before /tmp is hidden. SOURCE_DIR, if given, is the
+# checkout colibrid is imported from when it lives under a directory hidden here (a CI clone in
+# /tmp): it is bind-mounted back at the same path on top of the private mounts.
 set -eu
 work_dir=$1
 python_root=$2
+source_dir=${3:-}
 
 mount -t tmpfs -o mode=0755 colibri-test-run /run
 cp -a "$work_dir" /run/colibri-test
+if [ -n "$source_dir" ]; then
+    mkdir -p /run/colibri-source
+    mount --bind "$source_dir" /run/colibri-source
+fi
 mount -t tmpfs -o mode=1777 colibri-test-tmp /tmp
 for dir in /var/lib /var/tmp /var/log; do mount -t tmpfs -o mode=0755 colibri-test "$dir"; done
+if [ -n "$source_dir" ]; then
+    mkdir -p "$source_dir"
+    mount --move /run/colibri-source "$source_dir"
+fi
 mkdir -p /run/etc-upper /run/etc-work
 mount -t overlay colibri-test-etc -o lowerdir=/etc,upperdir=/run/etc-upper,workdir=/run/etc-work /etc
 if [ -n "$python_root" ]; then  # empty when the tests' Python does not live under /root

@@ -31,6 +31,11 @@ PYTHON = os.path.realpath(sys.executable)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
+def _source_root() -> Path:
+    """The checkout colibrid is imported from (an editable install points into it)."""
+    return Path(colibrid.__file__).resolve().parent.parent
+
+
 def _why_not() -> str | None:
     if os.geteuid() != 0:
         return "booting systemd in a namespace needs root"
@@ -40,13 +45,22 @@ def _why_not() -> str | None:
                            capture_output=True, text=True)
     if probe.returncode != 0:
         return f"unshare of a PID + mount namespace is not permitted here: {probe.stderr.strip()}"
-    if Path(colibrid.__file__).resolve().is_relative_to("/tmp"):
-        return "colibrid is imported from /tmp, which the namespace hides"
+    if _source_root().is_relative_to("/run"):
+        return "colibrid is imported from /run, which the namespace replaces before it can be carried over"
     return None
 
 
 WHY_NOT = _why_not()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+
+HIDDEN_BY_THE_NAMESPACE = ("/tmp", "/var/lib", "/var/tmp", "/var/log")
+
+
+def _carried_source_root() -> str:
+    """The checkout, when it lives somewhere the namespace hides (a CI clone in /tmp)."""
+    root = _source_root()
+    return str(root) if any(root.is_relative_to(hidden) for hidden in HIDDEN_BY_THE_NAMESPACE) else ""
 
 
 def _python_root() -> str:
@@ -70,7 +84,7 @@ class BootedSystemd:
         self.log = open(work_dir.parent / f"{work_dir.name}.boot.log", "w+")
         self.unshare = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "private",
-             "sh", str(BOOT_SCRIPT), str(work_dir), _python_root()],
+             "sh", str(BOOT_SCRIPT), str(work_dir), _python_root(), _carried_source_root()],
             stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
         self.pid = self._wait_for_pid_1()
         self._wait_until_running()

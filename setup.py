@@ -42,7 +42,7 @@ libcolibri = Extension(
     sources=_relative("libcolibri/src/*.c"),
     depends=_relative("libcolibri/src/*.h") + _relative("libcolibri/include/*.h"),
     include_dirs=["libcolibri/include"],
-    libraries=["m"],
+    libraries=["m", "pthread"],
     extra_compile_args=[
         "-O2",
         "-std=c11",

@@ -50,6 +50,12 @@ class DaemonConfig:
     max_frame_bytes: int = 1024 * 1024  # largest frame accepted or sent, length prefix excluded
     max_context: int = 4096  # tokens one request may hold: prompt + generated
     default_max_tokens: int = 256  # for an ask without max_tokens
+    cache_size: str = "50%"  # the expert cache (AEPC): bytes, "6G", or "40%" of MemAvailable at start
+    cache_policy: str = "lru"  # eviction: "lru" or "lfru" (frequency-aware, per-layer quotas)
+    io_queue_depth: int = 16  # expert reads in flight at most
+    prefetch: str = "lookahead"  # "lookahead": predict the next layer's experts and read them early; "off"
+    hugepages: str | int = "auto"  # "auto", "thp", "off", or a count of 2 MiB pages to reserve
+    lock_memory: str = "try"  # mlock the cache: "required", "try" or "off"
     shutdown_grace_s: float = 30.0  # how long accepted requests may still run after SIGTERM
     stall_timeout_s: float = 120.0  # longest wait for a request's next token before the health check fails
     cpu_affinity: str = "auto"  # CPUs of the engine (compute) thread: "auto" or a list like "0-3,8"
@@ -106,6 +112,25 @@ def _number_at_least(minimum: float) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= minimum
 
 
+def _is_size(value: Any) -> bool:
+    from colibrid.memory import parse_size
+
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        return False
+    try:
+        return parse_size(value, "cache_size") > 0
+    except (ValueError, OSError):
+        return False
+
+
+def _parse_hugepages_flag(text: str) -> int | str:
+    return int(text) if text.isdigit() else text
+
+
+def _is_hugepages(value: Any) -> bool:
+    return value in ("auto", "thp", "off") or (_is_int(value) and value >= 0)
+
+
 def _parse_principals_flag(text: str) -> list[str | int]:
     """--allow-users alice,1001 -> ["alice", 1001]: numbers are ids, anything else a name."""
     return [int(item) if item.strip().isdigit() else item.strip() for item in text.split(",") if item.strip()]
@@ -148,6 +173,19 @@ KEYS: tuple[_Key, ...] = (
     _Key("max_context", "tokens one request may hold, prompt plus output", "must be an integer >= 2 (tokens)", _parse_int_flag, _int_at_least(2), "TOKENS"),
     _Key("default_max_tokens", "tokens generated when an ask sets no max_tokens", "must be an integer >= 1", _parse_int_flag, _int_at_least(1), "N",
          reloadable=True),
+    _Key("cache_size", 'memory for routed experts: bytes, "6G", "512M" or "40%" of MemAvailable',
+         'must be a size above 0: bytes (123), K/M/G/T ("512M", "6G") or a percentage of MemAvailable ("40%")',
+         _parse_int_flag, _is_size, "SIZE", reloadable=True),
+    _Key("cache_policy", "expert cache eviction: lru or lfru", 'must be "lru" or "lfru"', str,
+         lambda v: v in ("lru", "lfru"), "POLICY", reloadable=True),
+    _Key("io_queue_depth", "expert reads in flight at most", "must be an integer in [1, 32]", _parse_int_flag,
+         _int_at_least(1, 32), "N", reloadable=True),
+    _Key("prefetch", "read the next layer's predicted experts early: lookahead or off",
+         'must be "lookahead" or "off"', str, lambda v: v in ("lookahead", "off"), "MODE", reloadable=True),
+    _Key("hugepages", 'backing of the expert cache: "auto", "thp", "off" or a number of 2 MiB pages',
+         'must be "auto", "thp", "off" or a whole number of 2 MiB pages', _parse_hugepages_flag, _is_hugepages, "MODE"),
+    _Key("lock_memory", "mlock the expert cache: required, try or off", 'must be "required", "try" or "off"', str,
+         lambda v: v in ("required", "try", "off"), "MODE"),
     _Key("shutdown_grace_s", "seconds accepted requests may still run after SIGTERM", "must be a number >= 0 (seconds)",
          _parse_float_flag, _number_at_least(0), "SECONDS", reloadable=True, normalise=float),
     _Key("stall_timeout_s", "seconds without a token on an accepted request before the health check fails",

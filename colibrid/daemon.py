@@ -155,21 +155,60 @@ class Daemon:
         except affinity.CpuListError as exc:  # the config checked it; the cpuset can shrink in between
             raise StartupError(f"cannot pin threads: {exc}") from None
 
-    def _load_engine(self):
-        from colibrid.engine import load  # imported here: it pulls in numpy and libcolibri
-        from colibrid.pack.manifest import PackError
+    def _expert_cache(self, pack, cache_size):
+        from colibrid.engine.expert_cache import CachedExpertSource
+
+        c = self.config
+        return CachedExpertSource(pack, cache_size, policy=c.cache_policy, io_queue_depth=c.io_queue_depth,
+                                  hugepages=c.hugepages, lock_memory=c.lock_memory, prefetch=c.prefetch == "lookahead")
+
+    def _resize_expert_cache(self, engine, cache_size) -> None:
+        """On the engine thread, between requests: build the new pool, swap it in, free the old.
+        Both pools exist for a moment; if the new one cannot be had, the old one stays."""
+        from colibrid.engine.expert_cache import ExpertCacheError
 
         try:
-            engine = load(self.config.model, max_context=self.config.max_context)
+            new = self._expert_cache(engine.pack, cache_size)
+        except (ExpertCacheError, ValueError, OSError) as exc:
+            log.error("cache_size = %s cannot be applied, keeping the current cache: %s", cache_size, exc)
+            return
+        engine.set_experts(new).close()
+        self._log_cache(new)
+        log.info("expert cache resized to %d slots (cache_size = %s)", new.n_slots, cache_size)
+
+    def _load_engine(self):
+        # Imported here: they pull in numpy and libcolibri.
+        from colibrid.engine.engine import Engine
+        from colibrid.engine.expert_cache import ExpertCacheError
+        from colibrid.pack import Pack
+        from colibrid.pack.manifest import PackError
+
+        c = self.config
+        try:
+            pack = Pack.open(c.model)
+            experts = self._expert_cache(pack, c.cache_size)
+            engine = Engine(pack, experts=experts, max_context=c.max_context)
         except PackError as exc:  # its message already names the pack and the fix
             raise StartupError(f"cannot load the model: {exc}") from None
+        except ExpertCacheError as exc:  # its message says how to fix the machine
+            raise StartupError(f"cannot set up the expert cache: {exc}") from None
         except Exception as exc:  # anything else is unexpected: one line here, the details at debug level
             log.debug("loading %s failed", self.config.model, exc_info=True)
             raise StartupError(f"cannot load the model {self.config.model}: {type(exc).__name__}: {exc}") from None
+        self._log_cache(experts)
         if engine.max_context < self.config.max_context:
             log.warning("max_context = %d is above what %s supports; using %d tokens",
                         self.config.max_context, model_name(self.config.model), engine.max_context)
         return engine
+
+    @staticmethod
+    def _log_cache(experts) -> None:
+        info = experts.backing_info()
+        log.debug("expert cache: %d slots of %d KiB (%s, %s, O_DIRECT %s, %s)", info["slots"], info["slot_bytes"] // 1024,
+                 info["backing"], "locked" if info["locked"] else "not locked", "on" if info["direct"] else "off",
+                 info["policy"])
+        for note in info["notes"]:  # every fallback the machine forced on us
+            log.warning("expert cache: %s", note)
 
     async def _check_socket_answers(self) -> None:
         """Say hello to ourselves on every socket: READY=1 promises that a client is answered now."""
@@ -235,6 +274,17 @@ class Daemon:
         set_level(self.config.log_level)
         assert self._server is not None and self._scheduler is not None
         self._scheduler.max_queue = self.config.max_queue
+        engine = self._server.engine
+        if "cache_size" in changes:
+            # The new pool is built with every new cache setting; the old one is not touched
+            # from this thread again (the engine thread closes it after the swap).
+            cache_size = self.config.cache_size
+            self._scheduler.run_between_requests(lambda: self._resize_expert_cache(engine, cache_size))
+        else:
+            experts = engine.experts
+            experts.set_io_queue_depth(self.config.io_queue_depth)
+            experts.set_prefetch(self.config.prefetch == "lookahead")
+            experts.set_policy(self.config.cache_policy)
         self._server.max_frame_bytes = self.config.max_frame_bytes
         self._server.default_max_tokens = self.config.default_max_tokens
         self._server.access = AccessPolicy(self.config.allow_users, self.config.allow_groups)

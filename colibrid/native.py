@@ -99,8 +99,31 @@ _SIGNATURES = {
     "col_dequantize": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]),
     # (type, w (n_rows, row_bytes), cols, ids (N) i32, n_ids, out (N, C) f32)
     "col_get_rows": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
-    # (type, w (O, row_bytes), n_out, n_in, x (T, I) f32, n_tok, y (T, O) f32)
-    "col_matmul": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
+    # (pool, type, w (O, row_bytes), n_out, n_in, x (T, I) f32, n_tok, y (T, O) f32)
+    "col_matmul": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
+    "col_kernels_get": (ctypes.c_int, []),
+    "col_kernels_supported": (ctypes.c_int, [ctypes.c_int]),
+    "col_kernels_set": (ctypes.c_int, [ctypes.c_int]),
+    "col_kernels_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "col_pool_params_size": (ctypes.c_size_t, []),
+    "col_pool_create": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]),
+    "col_pool_destroy": (None, [ctypes.c_void_p]),
+    "col_pool_n_threads": (ctypes.c_int, [ctypes.c_void_p]),
+    "col_pool_worker_cpu": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
+    # (pool, type, n_experts, gate (E) ptrs, up (E) ptrs, down (E) ptrs, D, F, x (T, D) f32, n_tok,
+    #  expert_of (T, A) i32, weight (T, A) f32, n_slots, out (T, D) f32)
+    "col_moe_experts": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_void_p]),
+    # (x (R, N) f32, weight (N) f32, rows, n, eps, y (R, N) f32)
+    "col_rms_norm": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]),
+    # (x (T, H, Hd) f32 in place, n_tok, n_heads, head_dim, cos (T, Hd), sin (T, Hd))
+    "col_rope": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]),
+    # (pool, q (Tq, H, Hd), keys (S, K, Hd), vals (S, K, Hd), n_q, n_keys, H, K, Hd, positions (Tq) i64,
+    #  window, scale, out (Tq, H*Hd))
+    "col_attention": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
+                                     ctypes.c_void_p]),
     "col_crc32c": (ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]),
     "col_crc32c_sw": (ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]),
     "col_crc32c_hw": (ctypes.c_int, []),
@@ -147,6 +170,8 @@ def _load() -> ctypes.CDLL:
             ) from None
         fn.restype = restype
         fn.argtypes = argtypes
+    _check_struct_sizes(lib)
+    _apply_kernels_env(lib)
     return lib
 
 
@@ -200,13 +225,21 @@ class TensorType(enum.IntEnum):
 
     def row_bytes(self, n_cols: int) -> int:
         """Bytes of one row of ``n_cols`` values; n_cols must be a multiple of block_elems."""
+        cached = _ROW_BYTES_CACHE.get((self, n_cols)) if type(n_cols) is int else None
+        if cached is not None:  # hot path: every matmul asks for the same few widths
+            return cached
         n = _as_count(n_cols, "n_cols")
         size = int(_lib().col_type_row_bytes(int(self), n))
+        if size >= 0 and len(_ROW_BYTES_CACHE) < 4096:
+            _ROW_BYTES_CACHE[(self, n)] = size
         if size < 0:
             raise InvalidArgumentError(
                 f"{self.name_in_pack}: {n} columns is not a multiple of the block of {self.block_elems}"
             )
         return size
+
+
+_ROW_BYTES_CACHE: dict[tuple[TensorType, int], int] = {}
 
 
 def _as_type(type_: TensorType | int | str) -> TensorType:
@@ -269,6 +302,144 @@ def _ptr(a: np.ndarray) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# Kernel levels (runtime CPU dispatch)
+# --------------------------------------------------------------------------------------------
+
+KERNELS_ENV = "COLIBRI_KERNELS"  # force a kernel level at load, e.g. COLIBRI_KERNELS=portable
+KERNEL_LEVELS = ("portable", "avx2", "avx512", "avx512_vnni", "neon")  # index = C enum col_kernels
+
+
+def _apply_kernels_env(lib: ctypes.CDLL) -> None:
+    wanted = os.environ.get(KERNELS_ENV)
+    if not wanted:
+        return
+    if wanted not in KERNEL_LEVELS:
+        raise InvalidArgumentError(f"{KERNELS_ENV}={wanted!r}: levels are {', '.join(KERNEL_LEVELS)}")
+    status = lib.col_kernels_set(KERNEL_LEVELS.index(wanted))
+    if status != 0:
+        raise NotSupportedError(f"{KERNELS_ENV}={wanted}: this CPU cannot run it", status)
+
+
+def kernels() -> str:
+    """The active kernel level: "portable", "avx2", "avx512", "avx512_vnni" or "neon"."""
+    return _lib().col_kernels_name(_lib().col_kernels_get()).decode()
+
+
+def supported_kernels() -> list[str]:
+    """Every level this CPU can run, "portable" first."""
+    return [name for i, name in enumerate(KERNEL_LEVELS) if _lib().col_kernels_supported(i)]
+
+
+def set_kernels(level: str) -> None:
+    """Makes ``level`` active for the whole process (tests and benchmarks: "portable" is the
+    reference). Raises NotSupportedError if the CPU cannot run it."""
+    if level not in KERNEL_LEVELS:
+        raise InvalidArgumentError(f"unknown kernel level {level!r}; levels: {', '.join(KERNEL_LEVELS)}")
+    check(_lib().col_kernels_set(KERNEL_LEVELS.index(level)), f"set kernels {level}")
+
+
+# --------------------------------------------------------------------------------------------
+# Worker pool
+# --------------------------------------------------------------------------------------------
+
+
+class _PoolParams(ctypes.Structure):
+    """Mirror of col_pool_params (colibri.h); its size is checked against C at load."""
+
+    _fields_ = [
+        ("n_threads", ctypes.c_int32),
+        ("n_cpus", ctypes.c_int32),
+        ("cpus", ctypes.POINTER(ctypes.c_int32)),
+        ("spin_us", ctypes.c_int32),
+    ]
+
+
+def _check_struct_sizes(lib: ctypes.CDLL) -> None:
+    for struct, size_fn in ((_PoolParams, lib.col_pool_params_size),):
+        if ctypes.sizeof(struct) != size_fn():
+            raise LibraryNotFoundError(
+                f"{struct.__name__} is {ctypes.sizeof(struct)} bytes, libcolibri says {size_fn()}: the build is stale"
+            )
+
+
+class ThreadPool:
+    """libcolibri's worker pool: n_threads - 1 pinned workers plus the calling thread.
+
+    ``cpus``: the CPU ids to pin to (default: every CPU this process may use);
+    ``n_threads``: default one per CPU in ``cpus``. Created once, reused by every call;
+    ``close()`` (or the context manager) joins the workers."""
+
+    def __init__(self, n_threads: int | None = None, cpus=None, spin_us: int | None = None) -> None:
+        cpu_list = [int(c) for c in cpus] if cpus is not None else []
+        cpu_array = (ctypes.c_int32 * max(len(cpu_list), 1))(*cpu_list)
+        params = _PoolParams(_as_count(n_threads or 0, "n_threads"), len(cpu_list),
+                             ctypes.cast(cpu_array, ctypes.POINTER(ctypes.c_int32)), -1 if spin_us is None else int(spin_us))
+        handle = ctypes.c_void_p()
+        check(_lib().col_pool_create(ctypes.byref(params), ctypes.byref(handle)), "pool create")
+        self._handle: int | None = handle.value
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise InvalidArgumentError("the pool is closed")
+        return self._handle
+
+    @property
+    def n_threads(self) -> int:
+        return int(_lib().col_pool_n_threads(self.handle))
+
+    @property
+    def worker_cpus(self) -> list[int]:
+        """The CPU each worker (1..n_threads-1) is pinned to."""
+        return [int(_lib().col_pool_worker_cpu(self.handle, i)) for i in range(1, self.n_threads)]
+
+    def close(self) -> None:
+        if self._handle is not None:
+            _lib().col_pool_destroy(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> "ThreadPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+_default_pool: ThreadPool | None = None
+
+
+def default_pool() -> ThreadPool:
+    """The process-wide pool every compute call uses unless given one (created on first use
+    with one thread per allowed CPU; replace it with configure_default_pool)."""
+    global _default_pool
+    if _default_pool is None:
+        with _lib_lock:
+            if _default_pool is None:
+                _default_pool = ThreadPool()
+    return _default_pool
+
+
+def configure_default_pool(n_threads: int | None = None, cpus=None, spin_us: int | None = None) -> ThreadPool:
+    """Replaces the default pool (e.g. with the daemon's cpu_affinity). Not while computing."""
+    global _default_pool
+    new = ThreadPool(n_threads, cpus, spin_us)
+    old, _default_pool = _default_pool, new
+    if old is not None:
+        old.close()
+    return new
+
+
+def _pool_handle(pool: ThreadPool | None) -> int:
+    return (pool or default_pool()).handle
+
+
+# --------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------
 
@@ -322,20 +493,122 @@ def get_rows(type_: TensorType | int | str, data, cols: int, ids) -> np.ndarray:
     return out
 
 
-def matmul(type_: TensorType | int | str, data, n_out: int, n_in: int, x: np.ndarray) -> np.ndarray:
+def matmul(type_: TensorType | int | str, data, n_out: int, n_in: int, x: np.ndarray,
+           pool: "ThreadPool | None" = None) -> np.ndarray:
     """y = x @ w.T: ``data`` is the weight w (O, I) encoded as ``type_`` (exactly
-    O * row_bytes(I) bytes), ``x`` float32 (T, I); returns float32 (T, O)."""
+    O * row_bytes(I) bytes), ``x`` float32 (T, I); returns float32 (T, O). Rows are split
+    across ``pool`` (default: default_pool())."""
     t = _as_type(type_)
     n_out, n_in = _as_count(n_out, "n_out"), _as_count(n_in, "n_in")
-    raw = _byte_view(data, "data")
+    # hot path (every projection of every token): a contiguous ndarray is used as it is
+    if type(data) is np.ndarray and data.flags.c_contiguous and not data.dtype.hasobject:
+        raw = data
+    else:
+        raw = _byte_view(data, "data")
     need = n_out * t.row_bytes(n_in)
-    if raw.size != need:
-        raise InvalidArgumentError(f"data has {raw.size} bytes, {t.name_in_pack} ({n_out}, {n_in}) needs {need}")
+    if raw.nbytes != need:
+        raise InvalidArgumentError(f"data has {raw.nbytes} bytes, {t.name_in_pack} ({n_out}, {n_in}) needs {need}")
     x = _f32_matrix(x, "x", cols=n_in)
     n_tok = x.shape[0]
     y = np.empty((n_tok, n_out), dtype=np.float32)
-    check(_lib().col_matmul(int(t), _ptr(raw), n_out, n_in, _ptr(x), n_tok, _ptr(y)), f"matmul {t.name_in_pack}")
+    check(_lib().col_matmul(_pool_handle(pool), int(t), raw.ctypes.data, n_out, n_in, x.ctypes.data, n_tok, y.ctypes.data),
+          f"matmul {t.name_in_pack}")
     return y
+
+
+def moe_experts(type_: TensorType | int | str, gates, ups, downs, dim: int, ffn: int, x: np.ndarray,
+                expert_of: np.ndarray, weight: np.ndarray, out: np.ndarray, pool: "ThreadPool | None" = None) -> None:
+    """One fused MoE layer step, accumulated into ``out`` (T, D) float32 in place:
+    for every (t, a) with e = expert_of[t, a] >= 0,
+    out[t] += weight[t, a] * down_e(silu(gate_e x[t]) * up_e x[t]).
+
+    ``gates``/``ups`` are E buffers of (F, row_bytes(D)) bytes, ``downs`` E buffers of
+    (D, row_bytes(F)) bytes (any buffer: numpy views of a record, slot memory);
+    ``expert_of`` (T, A) integers in [-1, E), ``weight`` (T, A) float32. Experts are added in
+    increasing index. The buffers are only read during the call."""
+    t = _as_type(type_)
+    dim, ffn = _as_count(dim, "dim"), _as_count(ffn, "ffn")
+    n_experts = len(gates)
+    if len(ups) != n_experts or len(downs) != n_experts:
+        raise InvalidArgumentError(f"gates, ups and downs must have the same length, got {len(gates)}, {len(ups)}, {len(downs)}")
+    rb_dim, rb_ffn = t.row_bytes(dim), t.row_bytes(ffn)
+    x = _f32_matrix(x, "x", cols=dim)
+    n_tok = x.shape[0]
+    if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (n_tok, dim) or not out.flags.c_contiguous \
+            or not out.flags.writeable:
+        raise InvalidArgumentError(f"out must be a writable C-contiguous float32 ({n_tok}, {dim}) array")
+    expert_of = np.ascontiguousarray(expert_of, dtype=np.int32)
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    if expert_of.ndim != 2 or expert_of.shape[0] != n_tok or weight.shape != expert_of.shape:
+        raise InvalidArgumentError(f"expert_of and weight must both be ({n_tok}, A), got {expert_of.shape} and {weight.shape}")
+    if expert_of.size and (int(expert_of.min()) < -1 or int(expert_of.max()) >= n_experts):
+        raise InvalidArgumentError(f"expert_of must be in [-1, {n_experts})")
+    keep = []  # the byte views must stay alive during the call
+    ptrs = (ctypes.c_void_p * (3 * max(n_experts, 1)))()
+    for i, (parts, rows, row_bytes) in enumerate(((gates, ffn, rb_dim), (ups, ffn, rb_dim), (downs, dim, rb_ffn))):
+        for e, data in enumerate(parts):
+            # hot path (once per expert per layer step): contiguous ndarrays are used as they are
+            if type(data) is np.ndarray and data.flags.c_contiguous and not data.dtype.hasobject:
+                raw = data
+            else:
+                raw = _byte_view(data, "expert weight")
+            if raw.nbytes != rows * row_bytes:
+                raise InvalidArgumentError(f"expert {e} weight has {raw.nbytes} bytes, needs {rows * row_bytes}")
+            keep.append(raw)
+            ptrs[i * n_experts + e] = raw.ctypes.data
+    base = ctypes.addressof(ptrs)
+    size = ctypes.sizeof(ctypes.c_void_p) * n_experts
+    check(_lib().col_moe_experts(_pool_handle(pool), int(t), n_experts, base, base + size, base + 2 * size, dim, ffn, _ptr(x), n_tok,
+                                 _ptr(expert_of), _ptr(weight), expert_of.shape[1], _ptr(out)), f"moe_experts {t.name_in_pack}")
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis of float32 ``x`` (..., N) with ``weight`` (N); float32 throughout."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim < 1:
+        raise InvalidArgumentError("x must be a float32 array")
+    n = x.shape[-1]
+    w = np.ascontiguousarray(weight, dtype=np.float32)
+    if w.shape != (n,):
+        raise InvalidArgumentError(f"weight must have shape ({n},), got {w.shape}")
+    xc = np.ascontiguousarray(x)
+    y = np.empty_like(xc)
+    rows = xc.size // n if n else 0
+    check(_lib().col_rms_norm(_ptr(xc), _ptr(w), rows, n, float(eps), _ptr(y)), "rms_norm")
+    return y
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half rotary embedding of float32 ``x`` (T, H, Hd) by cos/sin (T, Hd); returns a new array."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 3:
+        raise InvalidArgumentError("x must be a float32 (T, H, Hd) array")
+    T, H, Hd = x.shape
+    cos, sin = _f32_matrix(cos, "cos", cols=Hd), _f32_matrix(sin, "sin", cols=Hd)
+    if cos.shape[0] != T or sin.shape[0] != T:
+        raise InvalidArgumentError(f"cos and sin must be ({T}, {Hd})")
+    y = np.array(x, dtype=np.float32, order="C", copy=True)
+    check(_lib().col_rope(_ptr(y), T, H, Hd, _ptr(cos), _ptr(sin)), "rope")
+    return y
+
+
+def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, window: int | None,
+              scale: float, pool: "ThreadPool | None" = None) -> np.ndarray:
+    """Causal (optionally sliding-window) GQA: ``q`` (Tq, H, Hd), ``keys``/``values``
+    (S, K, Hd) float32, ``positions`` (Tq) ints; returns (Tq, H*Hd) float32."""
+    for name, a in (("q", q), ("keys", keys), ("values", values)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != 3:
+            raise InvalidArgumentError(f"{name} must be a 3-D float32 array")
+    Tq, H, Hd = q.shape
+    S, K = keys.shape[0], keys.shape[1]
+    if keys.shape != (S, K, Hd) or values.shape != keys.shape or K == 0 or H % K:
+        raise InvalidArgumentError(f"keys/values must be (S, K, {Hd}) with H % K == 0, got {keys.shape}, {values.shape}")
+    pos = np.ascontiguousarray(positions, dtype=np.int64)
+    if pos.shape != (Tq,):
+        raise InvalidArgumentError(f"positions must have shape ({Tq},)")
+    q, keys, values = np.ascontiguousarray(q), np.ascontiguousarray(keys), np.ascontiguousarray(values)
+    out = np.empty((Tq, H * Hd), dtype=np.float32)
+    check(_lib().col_attention(_pool_handle(pool), _ptr(q), _ptr(keys), _ptr(values), Tq, S, H, K, Hd, _ptr(pos),
+                               int(window or 0), float(scale), _ptr(out)), "attention")
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,3 +638,433 @@ def crc32c_software(buffer, crc: int = 0) -> int:
 def crc32c_uses_hardware() -> bool:
     """True if crc32c() runs on the SSE4.2 crc32 instruction on this machine."""
     return bool(_lib().col_crc32c_hw())
+
+
+# ============================================================================================
+# ---- AEPC: slab pool, loader, expert cache ----
+# Bindings for the section of colibri.h with the same title. Appended as one block: it adds
+# its own signatures to _SIGNATURES and its status codes to _ERROR_BY_STATUS, and changes
+# nothing above. Shape letters: S slots, L layers, E experts per layer, N experts in a call.
+# ============================================================================================
+
+
+class ReadError(ColibriError, OSError):
+    """COL_EIO (5): a read failed or came back short."""
+
+    status = 5
+
+
+class ChecksumError(ColibriError):
+    """COL_ECHECKSUM (6): a record's bytes do not match its crc32c."""
+
+    status = 6
+
+
+class NoFreeSlotError(ColibriError):
+    """COL_EBUSY (7): every slot of the cache is pinned or loading."""
+
+    status = 7
+
+
+class SystemResourceError(ColibriError):
+    """COL_ESYSTEM (8): the OS refused a required resource (mlock, hugetlb pages, O_DIRECT,
+    a thread). ``info`` holds the object's info struct as a dict, when there is one."""
+
+    status = 8
+    info: dict | None = None
+
+
+_AEPC_STATUS_TEXT = {
+    5: "I/O error",
+    6: "checksum mismatch",
+    7: "no free or evictable slot",
+    8: "a required system resource was refused",
+}
+for _cls in (ReadError, ChecksumError, NoFreeSlotError, SystemResourceError):
+    _ERROR_BY_STATUS[_cls.status] = _cls
+
+
+def _aepc_check(status: int, what: str) -> None:
+    """check() with the AEPC status texts (col_status_string predates these codes)."""
+    if status == 0:
+        return
+    if status in _AEPC_STATUS_TEXT:
+        raise _ERROR_BY_STATUS[status](f"{what}: {_AEPC_STATUS_TEXT[status]} (status {status})", status)
+    check(status, what)
+
+
+class AepcMode(enum.IntEnum):
+    """col_aepc_mode: how hard to try for hugetlb pages, THP, mlock, O_DIRECT."""
+
+    OFF = 0
+    TRY = 1
+    REQUIRED = 2
+
+
+class SlabBacking(enum.IntEnum):
+    PAGES = 0
+    THP = 1
+    HUGETLB = 2
+
+
+class CachePolicy(enum.IntEnum):
+    LRU = 0
+    LFRU = 1
+
+
+LATENCY_BUCKETS = 96  # COL_LATENCY_BUCKETS
+
+
+def latency_bucket_lower_us(bucket: int) -> float:
+    """Lower edge (microseconds) of a read-latency histogram bucket (see colibri.h)."""
+    if bucket < 4:
+        return 0.0
+    return ((4 + bucket % 4) << (bucket // 4)) / 8.0
+
+
+class _SizedStructure(ctypes.Structure):
+    """A Structure whose size is checked against the C `size_fn` on first use."""
+
+    _size_fn = ""
+
+
+class SlabParams(_SizedStructure):
+    _size_fn = "col_slab_params_size"
+    _fields_ = [("slot_bytes", ctypes.c_int64), ("n_slots", ctypes.c_int64), ("hugetlb", ctypes.c_int32),
+                ("thp", ctypes.c_int32), ("lock", ctypes.c_int32), ("reserved", ctypes.c_int32)]
+
+
+class SlabInfo(_SizedStructure):
+    _size_fn = "col_slab_info_size"
+    _fields_ = [("slot_bytes", ctypes.c_int64), ("n_slots", ctypes.c_int64), ("region_bytes", ctypes.c_int64),
+                ("n_free", ctypes.c_int64), ("backing", ctypes.c_int32), ("locked", ctypes.c_int32),
+                ("hugetlb_errno", ctypes.c_int32), ("thp_errno", ctypes.c_int32), ("lock_errno", ctypes.c_int32),
+                ("mmap_errno", ctypes.c_int32)]
+
+
+class LoaderParams(_SizedStructure):
+    _size_fn = "col_loader_params_size"
+    _fields_ = [("max_queue_depth", ctypes.c_int32), ("queue_depth", ctypes.c_int32), ("direct", ctypes.c_int32),
+                ("reserved", ctypes.c_int32)]
+
+
+class LoaderInfo(_SizedStructure):
+    _size_fn = "col_loader_info_size"
+    _fields_ = [("direct", ctypes.c_int32), ("direct_errno", ctypes.c_int32), ("queue_depth", ctypes.c_int32),
+                ("max_queue_depth", ctypes.c_int32), ("reads", ctypes.c_int64), ("bytes_read", ctypes.c_int64),
+                ("failures", ctypes.c_int64), ("busy_ns", ctypes.c_int64), ("file_bytes", ctypes.c_int64)]
+
+
+class ReadRequest(_SizedStructure):
+    _size_fn = "col_read_size"
+    _fields_ = [("dst", ctypes.c_void_p), ("offset", ctypes.c_int64), ("length", ctypes.c_int64),
+                ("crc32c", ctypes.c_uint32), ("reserved", ctypes.c_int32)]
+
+
+class ReadResult(_SizedStructure):
+    _size_fn = "col_read_result_size"
+    _fields_ = [("status", ctypes.c_int32), ("sys_errno", ctypes.c_int32), ("crc32c", ctypes.c_uint32),
+                ("reserved", ctypes.c_int32), ("latency_ns", ctypes.c_int64)]
+
+
+class ExpertCacheParams(_SizedStructure):
+    _size_fn = "col_expert_cache_params_size"
+    _fields_ = [("n_layers", ctypes.c_int32), ("n_experts", ctypes.c_int32), ("policy", ctypes.c_int32),
+                ("wait_for_pins", ctypes.c_int32)]
+
+
+class ExpertCacheLayerStats(_SizedStructure):
+    _size_fn = "col_expert_cache_layer_stats_size"
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "hits", "inflight_hits", "misses", "loads", "load_failures", "bytes_read", "evictions",
+        "prefetch_issued", "prefetch_useful", "prefetch_skipped")] + [("latency_us", ctypes.c_int64 * LATENCY_BUCKETS)]
+
+
+class ExpertLoadResult(_SizedStructure):
+    _size_fn = "col_expert_load_result_size"
+    _fields_ = [("status", ctypes.c_int32), ("sys_errno", ctypes.c_int32), ("crc32c", ctypes.c_uint32),
+                ("reserved", ctypes.c_int32)]
+
+
+# col_expert_record as a numpy dtype, so an index of L * E records is built without a Python loop
+EXPERT_RECORD_DTYPE = np.dtype([("offset", "<i8"), ("length", "<i8"), ("crc32c", "<u4"), ("reserved", "<i4")])
+
+_AEPC_STRUCTS = (SlabParams, SlabInfo, LoaderParams, LoaderInfo, ReadRequest, ReadResult, ExpertCacheParams,
+                 ExpertCacheLayerStats, ExpertLoadResult)
+
+_vp, _i32, _i64, _sz = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
+_i32_p = ctypes.POINTER(ctypes.c_int32)
+_SIGNATURES.update({
+    **{s._size_fn: (_sz, []) for s in _AEPC_STRUCTS},
+    "col_expert_record_size": (_sz, []),
+    "col_slab_default_params": (SlabParams, []),
+    "col_slab_create": (ctypes.c_int, [ctypes.POINTER(SlabParams), ctypes.POINTER(_vp), ctypes.POINTER(SlabInfo)]),
+    "col_slab_destroy": (None, [_vp]),
+    "col_slab_get_info": (ctypes.c_int, [_vp, ctypes.POINTER(SlabInfo)]),
+    "col_slab_data": (_vp, [_vp]),
+    "col_slab_slot_alloc": (ctypes.c_int, [_vp, _i32_p]),
+    "col_slab_slot_free": (ctypes.c_int, [_vp, _i32]),
+    "col_loader_default_params": (LoaderParams, []),
+    "col_loader_create": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(LoaderParams), ctypes.POINTER(_vp), _i32_p]),
+    "col_loader_destroy": (None, [_vp]),
+    "col_loader_get_info": (ctypes.c_int, [_vp, ctypes.POINTER(LoaderInfo)]),
+    "col_loader_set_queue_depth": (ctypes.c_int, [_vp, _i32]),
+    # (loader, reads (N), n, results (N))
+    "col_loader_read": (ctypes.c_int, [_vp, _vp, _i32, _vp]),
+    "col_expert_cache_default_params": (ExpertCacheParams, []),
+    # (params, records (L * E), slab, loader, out)
+    "col_expert_cache_create": (ctypes.c_int, [ctypes.POINTER(ExpertCacheParams), _vp, _vp, _vp, ctypes.POINTER(_vp)]),
+    "col_expert_cache_destroy": (None, [_vp]),
+    # (cache, layer, experts (N) i32, n, slots (N) i32 out)
+    "col_expert_cache_acquire": (ctypes.c_int, [_vp, _i32, _vp, _i32, _vp]),
+    # (cache, slots (N), n, results (N) out or NULL)
+    "col_expert_cache_wait": (ctypes.c_int, [_vp, _vp, _i32, _vp]),
+    "col_expert_cache_release": (ctypes.c_int, [_vp, _vp, _i32]),
+    # (cache, layer, experts (N), n, issued out)
+    "col_expert_cache_prefetch": (ctypes.c_int, [_vp, _i32, _vp, _i32, _i32_p]),
+    "col_expert_cache_get_stats": (ctypes.c_int, [_vp, _i32, ctypes.POINTER(ExpertCacheLayerStats)]),
+    "col_expert_cache_reset_stats": (None, [_vp]),
+    "col_expert_cache_count": (ctypes.c_int, [_vp, _i32_p, _i32_p]),
+    "col_expert_cache_contains": (ctypes.c_int, [_vp, _i32, _i32]),
+    "col_expert_cache_set_policy": (ctypes.c_int, [_vp, _i32]),
+})
+
+_aepc_checked = False
+
+
+def _aepc_lib() -> ctypes.CDLL:
+    """The library, after checking every AEPC Structure's size against the size C exports."""
+    global _aepc_checked
+    lib = _lib()
+    if not _aepc_checked:
+        for struct in _AEPC_STRUCTS:
+            c_size = int(getattr(lib, struct._size_fn)())
+            if c_size != ctypes.sizeof(struct):
+                raise LibraryNotFoundError(
+                    f"{struct.__name__} is {ctypes.sizeof(struct)} bytes here, {c_size} in libcolibri: "
+                    "the build is stale, run `pip install -e .` again")
+        if int(lib.col_expert_record_size()) != EXPERT_RECORD_DTYPE.itemsize:
+            raise LibraryNotFoundError("col_expert_record size differs from EXPERT_RECORD_DTYPE: stale build")
+        _aepc_checked = True
+    return lib
+
+
+def _struct_dict(s: ctypes.Structure) -> dict:
+    return {name: getattr(s, name) for name, *_ in s._fields_ if name != "reserved"}
+
+
+def _i32_array(values, name: str) -> np.ndarray:
+    arr = np.ascontiguousarray(np.asarray(values, dtype=np.int64).reshape(-1))
+    if arr.size and (arr.min() < -(2**31) or arr.max() >= 2**31):
+        raise InvalidArgumentError(f"{name} must fit in int32")
+    return arr.astype(np.int32)
+
+
+class Slab:
+    """One col_slab: a region of ``n_slots`` slots of ``slot_bytes``, and its free map.
+
+    ``data`` is a uint8 (S * slot_bytes,) view of the region, valid until close()."""
+
+    _handle = None  # set once the C object exists (close() and __del__ check it)
+
+    def __init__(self, slot_bytes: int, n_slots: int, hugetlb: AepcMode = AepcMode.TRY,
+                 thp: AepcMode = AepcMode.TRY, lock: AepcMode = AepcMode.TRY) -> None:
+        lib = _aepc_lib()
+        params = lib.col_slab_default_params()
+        params.slot_bytes = _as_count(slot_bytes, "slot_bytes")
+        params.n_slots = _as_count(n_slots, "n_slots")
+        params.hugetlb, params.thp, params.lock = int(hugetlb), int(thp), int(lock)
+        handle, info = _vp(), SlabInfo()
+        status = lib.col_slab_create(ctypes.byref(params), ctypes.byref(handle), ctypes.byref(info))
+        if status != 0:
+            try:
+                _aepc_check(status, f"slab of {n_slots} x {slot_bytes} bytes")
+            except ColibriError as exc:
+                exc.info = _struct_dict(info)
+                raise
+        self._handle = handle
+        self.slot_bytes = int(slot_bytes)
+        self.n_slots = int(n_slots)
+        base = lib.col_slab_data(handle)
+        self.data = np.ctypeslib.as_array((ctypes.c_uint8 * (self.slot_bytes * self.n_slots)).from_address(base))
+
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        if not self._handle:
+            raise InvalidArgumentError("the slab is closed")
+        return self._handle
+
+    def info(self) -> dict:
+        """backing (SlabBacking), locked, region_bytes, n_free and the errno of each refusal."""
+        info = SlabInfo()
+        _aepc_check(_aepc_lib().col_slab_get_info(self.handle, ctypes.byref(info)), "slab info")
+        return _struct_dict(info)
+
+    def alloc(self) -> int:
+        """Takes the lowest free slot; NoFreeSlotError when none is free."""
+        slot = ctypes.c_int32(-1)
+        _aepc_check(_aepc_lib().col_slab_slot_alloc(self.handle, ctypes.byref(slot)), "slab slot alloc")
+        return slot.value
+
+    def free(self, slot: int) -> None:
+        _aepc_check(_aepc_lib().col_slab_slot_free(self.handle, int(slot)), f"slab slot free {slot}")
+
+    def close(self) -> None:
+        if self._handle:
+            self.data = None
+            _aepc_lib().col_slab_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class Loader:
+    """One col_loader on ``path``: I/O threads reading records with O_DIRECT, crc32c checked."""
+
+    _handle = None  # set once the C object exists (close() and __del__ check it)
+
+    def __init__(self, path: str | os.PathLike, queue_depth: int = 16, max_queue_depth: int = 32,
+                 direct: AepcMode = AepcMode.TRY) -> None:
+        lib = _aepc_lib()
+        params = lib.col_loader_default_params()
+        params.queue_depth, params.max_queue_depth, params.direct = int(queue_depth), int(max_queue_depth), int(direct)
+        handle, err = _vp(), ctypes.c_int32(0)
+        status = lib.col_loader_create(os.fsencode(path), ctypes.byref(params), ctypes.byref(handle), ctypes.byref(err))
+        if status in (5, 8) and err.value:
+            cls = ReadError if status == 5 else SystemResourceError
+            raise cls(f"cannot open {path} for expert reads: {os.strerror(err.value)} (errno {err.value})", status)
+        _aepc_check(status, f"loader on {path}")
+        self._handle = handle
+        self.path = Path(path)
+
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        if not self._handle:
+            raise InvalidArgumentError("the loader is closed")
+        return self._handle
+
+    def info(self) -> dict:
+        info = LoaderInfo()
+        _aepc_check(_aepc_lib().col_loader_get_info(self.handle, ctypes.byref(info)), "loader info")
+        return _struct_dict(info)
+
+    def set_queue_depth(self, depth: int) -> None:
+        _aepc_check(_aepc_lib().col_loader_set_queue_depth(self.handle, int(depth)), f"loader queue depth {depth}")
+
+    def read(self, requests: list[tuple[np.ndarray, int, int, int]]) -> tuple[int, list[dict]]:
+        """Reads each (dst uint8 array, offset, length, crc32c) and waits for all (GIL
+        released). Returns (status of the first failure or 0, a result dict per read)."""
+        n = len(requests)
+        reads, results = (ReadRequest * n)(), (ReadResult * n)()
+        for i, (dst, offset, length, crc) in enumerate(requests):
+            if not isinstance(dst, np.ndarray) or not dst.flags.c_contiguous or dst.nbytes < length:
+                raise InvalidArgumentError(f"read {i}: dst must be a contiguous array of at least {length} bytes")
+            reads[i].dst, reads[i].offset, reads[i].length, reads[i].crc32c = dst.ctypes.data, offset, length, crc
+        status = _aepc_lib().col_loader_read(self.handle, ctypes.addressof(reads), n, ctypes.addressof(results))
+        if status not in (0, 5, 6):
+            _aepc_check(status, "loader read")
+        return status, [_struct_dict(r) for r in results]
+
+    def close(self) -> None:
+        if self._handle:
+            _aepc_lib().col_loader_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class ExpertCacheCore:
+    """One col_expert_cache over a Slab and a Loader (C keeps them alive until it is closed).
+
+    ``records`` is an EXPERT_RECORD_DTYPE array (L, E): where each record lives.
+    ``wait_for_pins``: acquire waits for other threads' releases instead of raising
+    NoFreeSlotError (never acquire twice in one thread without releasing, then)."""
+
+    _handle = None  # set once the C object exists (close() and __del__ check it)
+
+    def __init__(self, slab: Slab, loader: Loader, records: np.ndarray, policy: CachePolicy = CachePolicy.LRU,
+                 wait_for_pins: bool = False) -> None:
+        lib = _aepc_lib()
+        if not isinstance(records, np.ndarray) or records.dtype != EXPERT_RECORD_DTYPE or records.ndim != 2:
+            raise InvalidArgumentError("records must be an (L, E) array of EXPERT_RECORD_DTYPE")
+        self._records = np.ascontiguousarray(records)
+        params = lib.col_expert_cache_default_params()
+        params.n_layers, params.n_experts, params.policy = records.shape[0], records.shape[1], int(policy)
+        params.wait_for_pins = int(bool(wait_for_pins))
+        handle = _vp()
+        _aepc_check(lib.col_expert_cache_create(ctypes.byref(params), self._records.ctypes.data, slab.handle,
+                                                loader.handle, ctypes.byref(handle)), "expert cache")
+        self._handle = handle
+        self.n_layers, self.n_experts = records.shape
+        self._slab, self._loader = slab, loader  # kept alive for as long as the cache
+
+    @property
+    def handle(self) -> ctypes.c_void_p:
+        if not self._handle:
+            raise InvalidArgumentError("the expert cache is closed")
+        return self._handle
+
+    def acquire(self, layer: int, experts) -> np.ndarray:
+        """Pins the N distinct ``experts`` of ``layer`` and starts the reads of the misses;
+        returns their slots, int32 (N,). NoFreeSlotError: not enough unpinned slots (nothing
+        stays pinned)."""
+        ids = _i32_array(experts, "experts")
+        slots = np.empty(ids.size, dtype=np.int32)
+        _aepc_check(_aepc_lib().col_expert_cache_acquire(self.handle, int(layer), ids.ctypes.data, ids.size,
+                                                         slots.ctypes.data), f"acquire layer {layer}")
+        return slots
+
+    def wait(self, slots: np.ndarray) -> tuple[int, list[dict]]:
+        """Blocks (GIL released) until every slot is loaded or failed: (first failure status
+        or 0, per-slot {status, sys_errno, crc32c})."""
+        slots = _i32_array(slots, "slots")
+        results = (ExpertLoadResult * slots.size)()
+        status = _aepc_lib().col_expert_cache_wait(self.handle, slots.ctypes.data, slots.size, ctypes.addressof(results))
+        if status not in (0, 5, 6):
+            _aepc_check(status, "wait")
+        return status, [_struct_dict(r) for r in results]
+
+    def release(self, slots: np.ndarray) -> None:
+        slots = _i32_array(slots, "slots")
+        _aepc_check(_aepc_lib().col_expert_cache_release(self.handle, slots.ctypes.data, slots.size), "release")
+
+    def prefetch(self, layer: int, experts) -> int:
+        """Starts reads of those experts not in the cache, without pinning; returns reads started."""
+        ids = _i32_array(experts, "experts")
+        issued = ctypes.c_int32(0)
+        _aepc_check(_aepc_lib().col_expert_cache_prefetch(self.handle, int(layer), ids.ctypes.data, ids.size,
+                                                          ctypes.byref(issued)), f"prefetch layer {layer}")
+        return issued.value
+
+    def layer_stats(self, layer: int) -> dict:
+        """Counters of one layer; ``latency_us`` is the histogram as a list of LATENCY_BUCKETS."""
+        st = ExpertCacheLayerStats()
+        _aepc_check(_aepc_lib().col_expert_cache_get_stats(self.handle, int(layer), ctypes.byref(st)), "stats")
+        out = _struct_dict(st)
+        out["latency_us"] = list(st.latency_us)
+        return out
+
+    def reset_stats(self) -> None:
+        _aepc_lib().col_expert_cache_reset_stats(self.handle)
+
+    def count(self) -> tuple[int, int]:
+        """(experts resident or loading, slots pinned)."""
+        resident, pinned = ctypes.c_int32(0), ctypes.c_int32(0)
+        _aepc_check(_aepc_lib().col_expert_cache_count(self.handle, ctypes.byref(resident), ctypes.byref(pinned)), "count")
+        return resident.value, pinned.value
+
+    def contains(self, layer: int, expert: int) -> bool:
+        return bool(_aepc_lib().col_expert_cache_contains(self.handle, int(layer), int(expert)))
+
+    def set_policy(self, policy: CachePolicy) -> None:
+        _aepc_check(_aepc_lib().col_expert_cache_set_policy(self.handle, int(policy)), f"policy {policy}")
+
+    def close(self) -> None:
+        if self._handle:
+            _aepc_lib().col_expert_cache_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()

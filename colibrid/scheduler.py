@@ -88,13 +88,10 @@ def done_event(job: Job, finish_reason: str, text: str, prompt_tokens: int, gene
     }
 
 
-def expert_counts(stats) -> tuple[int, int]:
-    """(hits, misses) of an expert source's stats so far.
-
-    A source without a cache (PreadExpertSource) only counts loads: every one is a miss.
-    """
-    misses = getattr(stats, "misses", None)
-    return getattr(stats, "hits", 0), stats.loads if misses is None else misses
+def expert_counts(source) -> tuple[int, int]:
+    """(hits, misses) of an expert source so far (ExpertSource.summary)."""
+    summary = source.summary()
+    return summary["hits"], summary["misses"]
 
 
 class Scheduler:
@@ -106,6 +103,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
+        self._between_requests: collections.deque[Callable[[], None]] = collections.deque()
         self._intake_closed = False  # no new asks; the worker exits once the queue is empty
         self._stopped = False  # the worker exits after its current token
         self._last_progress_s = time.monotonic()  # written by the worker, read by the loop: one float
@@ -149,6 +147,13 @@ class Scheduler:
                 return False
             return True
 
+    def run_between_requests(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the engine thread before the next request starts (at once when idle):
+        for changes a generation must never see half-way, such as swapping the expert cache."""
+        with self._cond:
+            self._between_requests.append(task)
+            self._cond.notify()
+
     def close_intake(self) -> None:
         """Accept no new asks; the running and waiting ones go on, and the worker exits after the last."""
         with self._cond:
@@ -177,12 +182,18 @@ class Scheduler:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._stopped and not self._intake_closed:
+                while not (self._waiting or self._between_requests or self._stopped or self._intake_closed):
                     self._cond.wait()
-                if self._stopped or not self._waiting:
-                    return  # stopped, or drained after close_intake()
-                job = self._running = self._waiting.popleft()
-                self._last_progress_s = time.monotonic()
+                tasks = list(self._between_requests)
+                self._between_requests.clear()
+                if not tasks:
+                    if self._stopped or not self._waiting:
+                        return  # stopped, or drained after close_intake()
+                    job = self._running = self._waiting.popleft()
+                    self._last_progress_s = time.monotonic()
+            if tasks:
+                self._run_tasks(tasks)
+                continue
             try:
                 last_event = self._run(job)
             except Exception:  # the worker must survive any one request
@@ -198,6 +209,14 @@ class Scheduler:
             if last_event is not None:
                 job.emit(last_event)
 
+    @staticmethod
+    def _run_tasks(tasks: list[Callable[[], None]]) -> None:
+        for task in tasks:
+            try:
+                task()
+            except Exception:  # the worker must survive a failed task as it survives a failed request
+                log.exception("engine-thread task %r failed", task)
+
     def _run(self, job: Job) -> Event | None:
         """Stream the job's tokens; return its last event (done or error), None if nobody is listening."""
         if job.stop_reason is not None:  # stopped between being taken and starting
@@ -210,7 +229,7 @@ class Scheduler:
         except ValueError as exc:  # an empty or too long prompt, a chat without a template
             return error_event(ask.id, "invalid_params", str(exc))
         progress = _Progress(time.perf_counter(), prompt_tokens=len(prompt_ids),
-                             expert_counts_before=expert_counts(self.engine.experts.stats))
+                             expert_counts_before=expert_counts(self.engine.experts))
         log.debug("request %r from %s: %d prompt tokens, waited %.3f s", ask.id, job.origin, len(prompt_ids),
                   time.monotonic() - job.submitted_s)
         try:
@@ -258,7 +277,7 @@ class Scheduler:
 
     def _expert_counts_since(self, progress: "_Progress") -> tuple[int, int]:
         """(hits, misses) during this request: only the worker runs the engine, so the difference is its own."""
-        hits, misses = expert_counts(self.engine.experts.stats)
+        hits, misses = expert_counts(self.engine.experts)
         return hits - progress.expert_counts_before[0], misses - progress.expert_counts_before[1]
 
 

@@ -31,7 +31,7 @@ from colibrid.protocol import (
 )
 from colibrid.scheduler import (
     STOP_CANCELLED, STOP_DISCONNECTED, Event, Job, QueueFull, Scheduler, SchedulerStopped, cancelled_done,
-    expert_counts, shutdown_error,
+    shutdown_error,
 )
 
 log = logging.getLogger(__name__)
@@ -124,8 +124,7 @@ class Server:
     # -- replies that need the whole daemon's view ---------------------------------------
 
     def status_event(self, request_id: RequestId) -> Event:
-        stats = self.engine.experts.stats
-        hits, misses = expert_counts(stats)
+        cache = self.engine.experts.summary()
         return {
             "event": "status", "id": request_id,
             "model": self.model["name"], "path": self.model["path"], "architecture": self.model["architecture"],
@@ -133,7 +132,7 @@ class Server:
             "quantization": self.model["quantization"],
             "memory": {"rss_bytes": psutil.Process().memory_info().rss,
                        "dense_bytes": self.engine.pack.manifest.dense_size},
-            "cache": {"hits": hits, "misses": misses, "bytes_read": stats.bytes_read},
+            "cache": cache,
             "uptime_s": time.monotonic() - self.started_s,
             "requests_served": self.scheduler.requests_served,
             "requests_running": self.scheduler.requests_running,
@@ -146,8 +145,11 @@ class Server:
 
     def service_status(self, recent_tokens_per_s: float) -> str:
         """The one line systemd shows as `Status:` (STATUS=): what is served and how it is going."""
-        hits, misses = expert_counts(self.engine.experts.stats)
+        cache = self.engine.experts.summary()
+        hits, misses = cache["hits"], cache["misses"]
         hit_rate = f"{100 * hits / (hits + misses):.0f}% expert hits" if hits + misses else "no experts loaded yet"
+        if "slots" in cache:
+            hit_rate = f"cache {cache['resident_slots']}/{cache['slots']} experts, {hit_rate}"
         return (f"serving {self.model['name']}: {self.scheduler.requests_running} running, "
                 f"{self.scheduler.queue_depth} waiting, {self.scheduler.requests_served} served; "
                 f"{recent_tokens_per_s:.1f} tokens/s recently; {hit_rate}")

@@ -312,9 +312,19 @@ MATMUL_SHAPES = [  # (n_out, n_in, n_tok)
 ]
 
 
+@pytest.fixture
+def portable_kernels():
+    """The reference level for one test (the SIMD levels are tested against it in
+    tests/test_native_kernels.py)."""
+    before = native.kernels()
+    native.set_kernels("portable")
+    yield
+    native.set_kernels(before)
+
+
 @pytest.mark.parametrize("type_", ALL_TYPES, ids=lambda t: t.name_in_pack)
 @pytest.mark.parametrize("shape", MATMUL_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matmul_matches_numpy(type_, shape):
+def test_matmul_matches_numpy(type_, shape, portable_kernels):
     n_out, n_in, n_tok = shape
     w = gaussian(n_out, n_in, 16 + n_out)
     x = gaussian(n_tok, n_in, 17 + n_tok)
@@ -423,8 +433,8 @@ def test_c_entry_points_reject_bad_arguments():
     assert lib.col_quantize(int(TensorType.F32), None, 2, 64, out.ctypes.data) == 1  # NULL
     assert lib.col_quantize(int(TensorType.F32), x.ctypes.data, -2, 64, out.ctypes.data) == 1
     assert lib.col_dequantize(int(TensorType.Q4_G64), out.ctypes.data, 1, 32, f32_out.ctypes.data) == 1
-    assert lib.col_matmul(int(TensorType.Q8_0), out.ctypes.data, 4, 48, x.ctypes.data, 1, f32_out.ctypes.data) == 1
-    assert lib.col_matmul(int(TensorType.F32), None, 4, 64, None, 1, None) == 1
+    assert lib.col_matmul(None, int(TensorType.Q8_0), out.ctypes.data, 4, 48, x.ctypes.data, 1, f32_out.ctypes.data) == 1
+    assert lib.col_matmul(None, int(TensorType.F32), None, 4, 64, None, 1, None) == 1
     assert lib.col_get_rows(7, out.ctypes.data, 64, None, 1, f32_out.ctypes.data) == 1
     assert lib.col_type_row_bytes(int(TensorType.Q4_G64), 65) == -1
     assert lib.col_type_block_elems(5) == -1

@@ -1,7 +1,7 @@
 """Train Colibri's default model: a small OLMoE trained from scratch on the Python
 standard library's own sources (a corpus every machine has).
 
-    python tools/train_default_model.py --out models/colibri-olmoe-stdlib --steps 6000
+    python tools/train_default_model.py --out models/colibri-olmoe-stdlib --resume
 
 Development-only: needs torch and transformers (the test extras), never needed to run
 Colibri. Deterministic for a given --seed, Python version and file list (both recorded in
@@ -132,14 +132,21 @@ def train(args) -> None:
           f"{len(val_texts)} validation files ({len(val_ids)} tokens), vocab {tok.get_vocab_size()}", flush=True)
 
     config = model_config(args, tok.get_vocab_size(), eos_id)
-    model = transformers.OlmoeForCausalLM(config)
+    # The eager expert loop is the fastest of transformers' expert implementations on CPU here.
+    model = transformers.OlmoeForCausalLM._from_config(config, experts_implementation="eager")
     total = sum(p.numel() for p in model.parameters())
     print(f"model: {total / 1e6:.1f}M parameters", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    data = batches(train_ids, args.batch, args.context, np.random.default_rng(args.seed))
-    curve, started = [], time.monotonic()
+    rng = np.random.default_rng(args.seed)
+    data = batches(train_ids, args.batch, args.context, rng)
+    state_path = Path(args.out) / "train_state.pt"
+    first_step, curve, spent_s = 0, [], 0.0
+    if args.resume and state_path.exists():
+        first_step, curve, spent_s = resume(state_path, model, optimizer, rng)
+        print(f"resumed at step {first_step}", flush=True)
+    started = time.monotonic() - spent_s
     model.train()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
         window = next(data)
@@ -156,7 +163,31 @@ def train(args) -> None:
                 point["val_loss"] = round(evaluate(model, val_ids, args.context), 4)
             curve.append(point)
             print(json.dumps(point), flush=True)
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            checkpoint_state(state_path, model, optimizer, rng, step + 1, curve, time.monotonic() - started)
     save(args, model, tok, curve, describe_corpus(root, files), len(train_ids), len(val_ids))
+
+
+def checkpoint_state(path: Path, model, optimizer, rng: np.random.Generator, next_step: int, curve: list,
+                     spent_s: float) -> None:
+    """Everything needed to continue bit-for-bit where training stopped (--resume)."""
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "next_step": next_step,
+                "numpy_rng": rng.bit_generator.state, "curve": curve, "spent_s": spent_s}, tmp)
+    tmp.replace(path)
+
+
+def resume(path: Path, model, optimizer, rng: np.random.Generator) -> tuple[int, list, float]:
+    import torch
+
+    state = torch.load(path, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    rng.bit_generator.state = state["numpy_rng"]
+    return state["next_step"], state["curve"], state["spent_s"]
 
 
 def save(args, model, tok, curve, corpus: dict, train_tokens: int, val_tokens: int) -> None:
@@ -173,20 +204,21 @@ def save(args, model, tok, curve, corpus: dict, train_tokens: int, val_tokens: i
     record = {"command": "python " + " ".join(sys.argv), "arguments": vars(args), "corpus": corpus,
               "train_tokens": train_tokens, "validation_tokens": val_tokens, "curve": curve}
     (out / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / "train_state.pt").unlink(missing_ok=True)
     print(f"wrote {out}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--steps", type=int, default=4500)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--expert-ffn", type=int, default=512)
+    parser.add_argument("--expert-ffn", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--experts", type=int, default=16)
@@ -195,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--eval-every", type=int, default=500)
+    parser.add_argument("--save-every", type=int, default=250, help="steps between resumable states (0: never)")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
     train(parser.parse_args(argv))
     return 0
 

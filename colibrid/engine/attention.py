@@ -5,20 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from colibrid import native
 from colibrid.engine.kv_cache import KVCache
-from colibrid.engine.layers import linear, rms_norm, softmax
+from colibrid.engine.layers import linear, rms_norm
 from colibrid.engine.rope import Rotary
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
-
-
-def attention_mask(positions: np.ndarray, n_keys: int, window: int | None) -> np.ndarray:
-    """(T, S) additive mask: key j is visible to query position p if j <= p (and p - j < window)."""
-    keys = np.arange(n_keys)[None, :]
-    visible = keys <= positions[:, None]
-    if window:
-        visible &= keys > positions[:, None] - window
-    return np.where(visible, np.float32(0), np.float32(-np.inf))
 
 
 class Attention:
@@ -45,19 +37,9 @@ class Attention:
         q, k, v = q.reshape(T, H, Hd), k.reshape(T, K, Hd), v.reshape(T, K, Hd)
         if c.qk_norm == "head":
             q, k = rms_norm(q, w["q_norm"], c.rms_norm_eps), rms_norm(k, w["k_norm"], c.rms_norm_eps)
-        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        q, k = native.rope(q, cos, sin), native.rope(k, cos, sin)
         keys, values = kv.append(self.layer, k, v)  # (S, K, Hd)
-        out = self._attend(q, keys, values, positions)  # (T, H*Hd)
+        # libcolibri, (token, head) pairs split across the pool; each query row is computed on
+        # its own, so decode and prefill give the same numbers
+        out = native.attention(q, keys, values, positions, self.window, float(self.scale))  # (T, H*Hd)
         return linear(out, w["o"], w.get("o_bias"))
-
-    def _attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        T, H, Hd = q.shape
-        S, K = keys.shape[0], keys.shape[1]
-        group = H // K  # query heads sharing one kv head
-        qg = q.reshape(T, K, group, Hd).transpose(1, 2, 0, 3)  # (K, G, T, Hd)
-        kt = keys.transpose(1, 2, 0)[:, None]  # (K, 1, Hd, S)
-        scores = (qg @ kt) * self.scale  # (K, G, T, S)
-        scores = scores + attention_mask(positions, S, self.window)
-        probs = softmax(scores, axis=-1).astype(np.float32)
-        out = probs @ values.transpose(1, 0, 2)[:, None]  # (K, G, T, Hd)
-        return out.transpose(2, 0, 1, 3).reshape(T, H * Hd)

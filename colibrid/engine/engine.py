@@ -49,6 +49,16 @@ class Engine:
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.config.max_position_embeddings)
         self.parameters_total, self.parameters_active = parameter_counts(self.config)
 
+    def set_experts(self, experts: ExpertSource) -> ExpertSource:
+        """Serve routed experts from ``experts`` from now on; returns the previous source.
+        Call only between forwards (the daemon does it on its engine thread, between requests)."""
+        previous, self.experts = self.experts, experts
+        self.model.experts = experts
+        for layer in self.model.layers:
+            if hasattr(layer.ffn, "experts"):
+                layer.ffn.experts = experts
+        return previous
+
     def new_session(self, max_context: int | None = None) -> Session:
         return Session(self.model, min(max_context or self.max_context, self.max_context))
 

@@ -41,7 +41,8 @@ class ExpertSource(Protocol):
     loaded (or found) and stays valid — never evicted or reused — until the context
     exits. ``get`` is a one-off convenience for tools and tests. ``max_pinned`` is
     how many experts one ``acquire`` may name (a cache's slot count); callers with
-    more split the work into waves.
+    more split the work into waves. ``summary`` gives the counters status shows
+    (hits, misses, bytes_read, and what the cache is made of).
     """
 
     max_pinned: int
@@ -49,6 +50,8 @@ class ExpertSource(Protocol):
     def acquire(self, layer: int, experts: Sequence[int]) -> ContextManager[dict[int, ExpertWeights]]: ...
 
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
+
+    def summary(self) -> dict: ...
 
 
 @dataclass
@@ -91,6 +94,10 @@ class PreadExpertSource:
         self.stats.loads += 1
         self.stats.bytes_read += record.length
         return self.pack.expert_weights(raw)
+
+    def summary(self) -> dict:
+        """Counters for status and usage: without a cache every load is a miss."""
+        return {"kind": "pread", "hits": 0, "misses": self.stats.loads, "bytes_read": self.stats.bytes_read}
 
     def close(self) -> None:
         if self._fd >= 0:

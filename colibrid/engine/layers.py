@@ -11,23 +11,21 @@ from colibrid.pack.tensor import PackedTensor
 def linear(x: np.ndarray, weight: PackedTensor, bias: PackedTensor | None = None) -> np.ndarray:
     """x (T, in) @ weight(out, in)^T (+ bias) -> (T, out), float32.
 
-    f32 weights use numpy's BLAS; every other type goes through libcolibri, which
-    reads the packed bytes directly (no dequantized copy of the weight).
+    Every type goes through libcolibri, which reads the packed bytes directly (no
+    dequantized copy of the weight) and computes each token's row on its own: a token's
+    result does not depend on the other tokens of the batch (unlike a BLAS gemm), so decode
+    with a KV cache gives the same numbers as a full forward.
     """
-    if weight.type is native.TensorType.F32:
-        y = x @ weight.data.T
-    else:
-        out_features, in_features = weight.shape
-        y = native.matmul(weight.type, weight.data, out_features, in_features, np.ascontiguousarray(x, dtype=np.float32))
+    out_features, in_features = weight.shape
+    y = native.matmul(weight.type, weight.data, out_features, in_features, np.ascontiguousarray(x, dtype=np.float32))
     if bias is not None:
         y = y + bias.data
     return y.astype(np.float32, copy=False)
 
 
 def rms_norm(x: np.ndarray, weight: PackedTensor, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis, in float32 like the reference."""
-    variance = np.mean(np.square(x, dtype=np.float32), axis=-1, keepdims=True)
-    return (weight.data * (x / np.sqrt(variance + np.float32(eps)))).astype(np.float32, copy=False)
+    """RMSNorm over the last axis, in float32 like the reference (libcolibri)."""
+    return native.rms_norm(np.asarray(x, dtype=np.float32), weight.data, eps)
 
 
 def silu(x: np.ndarray) -> np.ndarray:

@@ -16,18 +16,25 @@ from colibrid.pack.reader import Pack
 from colibrid.pack.tensor import PackedTensor
 
 
+def _dense(pack: Pack, name: str) -> PackedTensor:
+    """A dense tensor as a plain ndarray view of the mapped file: still no copy, but without
+    np.memmap's per-operation subclass bookkeeping on the hot path."""
+    t = pack.dense(name)
+    return PackedTensor(t.type, t.shape, np.asarray(t.data))
+
+
 def _layer_weights(pack: Pack, layer: int, prefix: str) -> dict[str, PackedTensor]:
     """Every dense tensor of ``layer`` whose name starts with ``prefix``, keyed by the rest."""
     start = f"layers.{layer}.{prefix}"
-    return {name[len(start):]: pack.dense(name) for name in pack.manifest.dense_tensors if name.startswith(start)}
+    return {name[len(start):]: _dense(pack, name) for name in pack.manifest.dense_tensors if name.startswith(start)}
 
 
 class Layer:
     def __init__(self, pack: Pack, layer: int, rotary: Rotary, experts: ExpertSource) -> None:
         c = pack.manifest.model
         self.eps = c.rms_norm_eps
-        self.attn_norm = pack.dense(f"layers.{layer}.attn_norm")
-        self.ffn_norm = pack.dense(f"layers.{layer}.ffn_norm")
+        self.attn_norm = _dense(pack, f"layers.{layer}.attn_norm")
+        self.ffn_norm = _dense(pack, f"layers.{layer}.ffn_norm")
         self.attention = Attention(c, layer, _layer_weights(pack, layer, "attn."), rotary)
         ffn_weights = _layer_weights(pack, layer, "")
         self.ffn = MoeBlock(c, layer, ffn_weights, experts) if c.moe_layers[layer] else DenseMlp(ffn_weights)
@@ -45,9 +52,9 @@ class Model:
         self.config = c = pack.manifest.model
         self.experts = experts
         self.rotary = Rotary(c.rope, c.head_dim)
-        self.embed = pack.dense("embed")  # (V, D)
-        self.lm_head = pack.dense("lm_head") if not c.tie_word_embeddings else self.embed  # (V, D)
-        self.final_norm = pack.dense("final_norm")
+        self.embed = _dense(pack, "embed")  # (V, D)
+        self.lm_head = _dense(pack, "lm_head") if not c.tie_word_embeddings else self.embed  # (V, D)
+        self.final_norm = _dense(pack, "final_norm")
         self.layers = [Layer(pack, layer, self.rotary, experts) for layer in range(c.num_layers)]
 
     def embed_tokens(self, token_ids: np.ndarray) -> np.ndarray:

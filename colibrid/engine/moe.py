@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from colibrid import native
 from colibrid.engine.experts import ExpertSource
 from colibrid.engine.layers import linear, softmax, swiglu_mlp
 from colibrid.models.config import ModelConfig
@@ -40,6 +41,7 @@ class MoeBlock:
         self.experts = experts
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(x, dtype=np.float32)
         routing = route(x, self.w["router"], self.c.num_experts_per_tok, self.c.norm_topk_prob)
         out = np.zeros_like(x)  # (T, D)
         selected = [int(e) for e in np.unique(routing.experts)]  # batch-union: each expert once per step
@@ -48,11 +50,7 @@ class MoeBlock:
         for start in range(0, len(selected), wave_size):
             wave = selected[start : start + wave_size]
             with self.experts.acquire(self.layer, wave) as weights:
-                for expert in wave:
-                    tokens, slots = np.nonzero(routing.experts == expert)
-                    ew = weights[expert]
-                    y = swiglu_mlp(x[tokens], ew.gate, ew.up, ew.down)  # (n, D)
-                    out[tokens] += y * routing.weights[tokens, slots][:, None]
+                self._run_wave(x, routing, wave, [weights[e] for e in wave], out)
         if self.c.shared_expert_ffn:
             shared = swiglu_mlp(x, self.w["shared.gate"], self.w["shared.up"], self.w["shared.down"])
             if self.c.shared_expert_gated:
@@ -61,6 +59,23 @@ class MoeBlock:
                     shared = shared / (np.float32(1.0) + np.exp(-gate))
             out += shared
         return out
+
+
+    def _run_wave(self, x: np.ndarray, routing: Routing, wave: list[int], weights: list, out: np.ndarray) -> None:
+        """Adds the experts of ``wave`` (increasing ids) to ``out``: one libcolibri call."""
+        types = {part.type for ew in weights for part in (ew.gate, ew.up, ew.down)}
+        if len(types) != 1:  # mixed expert types (not produced by the converter): one at a time
+            for expert, ew in zip(wave, weights):
+                tokens, slots = np.nonzero(routing.experts == expert)
+                y = swiglu_mlp(x[tokens], ew.gate, ew.up, ew.down)  # (n, D)
+                out[tokens] += y * routing.weights[tokens, slots][:, None]
+            return
+        index_in_wave = np.full(self.c.num_experts, -1, dtype=np.int32)
+        index_in_wave[wave] = np.arange(len(wave), dtype=np.int32)
+        ffn, dim = weights[0].gate.shape
+        native.moe_experts(types.pop(), [ew.gate.data for ew in weights], [ew.up.data for ew in weights],
+                           [ew.down.data for ew in weights], dim, ffn, x, index_in_wave[routing.experts],
+                           routing.weights, out)
 
 
 class DenseMlp:

@@ -125,19 +125,161 @@ COL_API int col_get_rows(int type, const void *w, int64_t cols, const int32_t *i
                          float *out);
 
 /* ---------------------------------------------------------------------------------------
+ * Kernel selection (runtime CPU dispatch)
+ *
+ * Every compute entry point runs the kernels of the active level. At load the library picks
+ * the best level the CPU supports; col_kernels_set forces another (tests and benchmarks use
+ * COL_KERNELS_PORTABLE as the reference; colibrid.native reads $COLIBRI_KERNELS).
+ *
+ *   COL_KERNELS_PORTABLE     plain C, float32 activations: the reference semantics stated at
+ *                            each entry point below.
+ *   COL_KERNELS_AVX2         x86-64 AVX2 + FMA + F16C.
+ *   COL_KERNELS_AVX512       AVX-512 F/BW/DQ/VL (512-bit integer dot products).
+ *   COL_KERNELS_AVX512_VNNI  AVX-512 as above plus VNNI (vpdpbusd).
+ *   COL_KERNELS_NEON         aarch64 Advanced SIMD.
+ * On every SIMD level, products with q8_0 / q4_g64 weights first quantize the activations
+ * to int8 in blocks of the weight's block size (32 for q8_0, 64 for q4_g64; scale =
+ * max|x_block| / 127, kept in float32) and multiply in integers; each activation then
+ * carries an error of at most half its block's step, max|x_block| / 254. f32 / f16 / bf16
+ * weights always use float32 activations. A token's result never depends on the other
+ * tokens of the call (nor on the pool's thread count): decode equals prefill bit for bit.
+ * ------------------------------------------------------------------------------------ */
+enum col_kernels {
+    COL_KERNELS_PORTABLE    = 0,
+    COL_KERNELS_AVX2        = 1,
+    COL_KERNELS_AVX512      = 2,
+    COL_KERNELS_AVX512_VNNI = 3,
+    COL_KERNELS_NEON        = 4,
+};
+#define COL_KERNELS_COUNT 5
+
+/* The active level (one of enum col_kernels). */
+COL_API int col_kernels_get(void);
+
+/* 1 if this CPU (and this build) can run `level`, else 0. */
+COL_API int col_kernels_supported(int level);
+
+/* Makes `level` active for the whole process. Not for use while another thread computes.
+ * COL_EINVAL: unknown level. COL_ENOTSUP: this CPU cannot run it. Either way the active
+ * level is unchanged. */
+COL_API int col_kernels_set(int level);
+
+/* "portable", "avx2", "avx512", "avx512_vnni", "neon"; "unknown" for anything else. Static. */
+COL_API const char *col_kernels_name(int level);
+
+/* ---------------------------------------------------------------------------------------
+ * Worker pool
+ *
+ * A pool owns n_threads - 1 worker threads, started once by col_pool_create and each pinned
+ * to one CPU; the thread that calls a compute entry point runs share 0 of the work itself
+ * (it is the application's thread and is not re-pinned), so a call never waits for a wake-up
+ * on the critical path. Between calls a worker spins for spin_us microseconds, then sleeps.
+ * Every compute entry point takes a pool; NULL runs everything on the calling thread. Calls
+ * on one pool from several threads are serialised.
+ * ------------------------------------------------------------------------------------ */
+typedef struct col_pool col_pool;
+
+typedef struct col_pool_params {
+    int32_t n_threads;   /* threads including the caller's; 0: one per CPU in cpus */
+    int32_t n_cpus;      /* entries in cpus; 0: every CPU the process may use
+                            (sched_getaffinity) */
+    const int32_t *cpus; /* (n_cpus) CPU ids; worker i (1..n_threads-1) is pinned to
+                            cpus[i % n_cpus] */
+    int32_t spin_us;     /* how long an idle worker spins before it sleeps; < 0: default */
+} col_pool_params;
+
+/* sizeof(col_pool_params), for bindings that mirror the struct. */
+COL_API size_t col_pool_params_size(void);
+
+/* n_threads 0, every allowed CPU, default spin. */
+COL_API col_pool_params col_pool_default_params(void);
+
+/* Starts a pool. *out is set to the pool on COL_OK and to NULL otherwise.
+ * COL_EINVAL: negative counts, a CPU id outside the process's affinity mask, cpus NULL with
+ *   n_cpus > 0, or more than 1024 threads. COL_ENOMEM: allocation or thread creation failed
+ *   (threads already started are stopped again). */
+COL_API int col_pool_create(const col_pool_params *params, col_pool **out);
+
+/* Stops and joins the workers and frees the pool. NULL is a no-op. The pool must be idle. */
+COL_API void col_pool_destroy(col_pool *pool);
+
+/* Threads of the pool including the caller's share; 1 for NULL. */
+COL_API int col_pool_n_threads(const col_pool *pool);
+
+/* The CPU worker `i` is pinned to (1 <= i < n_threads), -1 otherwise. */
+COL_API int col_pool_worker_cpu(const col_pool *pool, int i);
+
+/* ---------------------------------------------------------------------------------------
  * Matrix product
  * ------------------------------------------------------------------------------------ */
 
-/* y[t, o] = sum_i w[o, i] * x[t, i]   (y = x @ w^T)
+/* y[t, o] = sum_i w[o, i] * x[t, i]   (y = x @ w^T), output rows split across the pool.
  *   w: (n_out, row_bytes(type, n_in)) bytes, any alignment
  *   x: (n_tok, n_in) float32
  *   y: (n_tok, n_out) float32, must not overlap x or w
  * n_out and n_tok are arbitrary; n_in must be a multiple of the type's block.
- * Accumulates in float32: each block (32 values for f32/f16/bf16/q8_0, 64 for q4_g64) is
- * summed on its own, then added to the row total.
- * COL_EINVAL: bad type / sizes / NULL; y untouched. */
-COL_API int col_matmul(int type, const void *w, int64_t n_out, int64_t n_in, const float *x,
-                       int64_t n_tok, float *y);
+ * Portable level: accumulates in float32, each block (32 values for f32/f16/bf16/q8_0, 64
+ * for q4_g64) summed on its own, then added to the row total. SIMD levels: see
+ * "Kernel selection" (int8 activations for q8_0 / q4_g64).
+ * COL_EINVAL: bad type / sizes / NULL; y untouched. COL_ENOMEM: scratch allocation failed;
+ * y untouched. */
+COL_API int col_matmul(col_pool *pool, int type, const void *w, int64_t n_out, int64_t n_in,
+                       const float *x, int64_t n_tok, float *y);
+
+/* ---------------------------------------------------------------------------------------
+ * Fused routed experts: one call per MoE layer step
+ * ------------------------------------------------------------------------------------ */
+
+/* For every selected expert e (0 <= e < n_experts) and every (token t, slot a) routed to it
+ * (expert_of[t, a] == e):
+ *     h        = silu(x[t] @ gate_e^T) * (x[t] @ up_e^T)      (F)
+ *     out[t]  += weight[t, a] * (h @ down_e^T)                 (D)
+ * Experts are added to out[t] in increasing e. All experts share one type.
+ *   gate, up:  (n_experts) pointers, each (F, row_bytes(type, D)) bytes
+ *   down:      (n_experts) pointers, each (D, row_bytes(type, F)) bytes
+ *   x:         (n_tok, D) float32
+ *   expert_of: (n_tok, n_slots) int32 in [0, n_experts), or -1 for "no expert"
+ *   weight:    (n_tok, n_slots) float32
+ *   out:       (n_tok, D) float32, accumulated into (must not overlap the inputs)
+ * D and F must be multiples of the type's block.
+ * COL_EINVAL: bad type, sizes, NULL pointers or an expert_of entry out of range; out
+ *   untouched. COL_ENOMEM: scratch allocation failed; out untouched. */
+COL_API int col_moe_experts(col_pool *pool, int type, int64_t n_experts, const void *const *gate,
+                            const void *const *up, const void *const *down, int64_t dim,
+                            int64_t ffn, const float *x, int64_t n_tok, const int32_t *expert_of,
+                            const float *weight, int64_t n_slots, float *out);
+
+/* ---------------------------------------------------------------------------------------
+ * Small dense steps
+ * ------------------------------------------------------------------------------------ */
+
+/* RMSNorm over rows: y[r] = weight * x[r] / sqrt(mean(x[r]^2) + eps), float32 throughout.
+ *   x, y: (rows, n) float32 (y may equal x); weight: (n) float32.
+ * COL_EINVAL: negative sizes or NULL buffers; y untouched. */
+COL_API int col_rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, float eps,
+                         float *y);
+
+/* Rotary embedding, rotate-half convention, in place:
+ *   x: (n_tok, n_heads, head_dim) float32; cos, sin: (n_tok, head_dim) float32.
+ *   x[t,h,i] = x[t,h,i] * cos[t,i] + r[t,h,i] * sin[t,i], r = (-x[half:], x[:half]).
+ * COL_EINVAL: odd head_dim, negative sizes or NULL buffers; x untouched. */
+COL_API int col_rope(float *x, int64_t n_tok, int64_t n_heads, int64_t head_dim, const float *cos,
+                     const float *sin);
+
+/* Causal grouped-query attention of n_q query tokens over n_keys cached keys, heads split
+ * across the pool:
+ *   q:         (n_q, n_heads, head_dim) float32
+ *   keys, vals:(n_keys, n_kv_heads, head_dim) float32 (the KV cache, new tokens included)
+ *   positions: (n_q) int64; query t sees key j iff j <= positions[t] and (window <= 0 or
+ *              positions[t] - j < window)
+ *   out:       (n_q, n_heads * head_dim) float32
+ * softmax(scale * q k^T) v in float32 with a max-shifted softmax. n_heads must be a
+ * multiple of n_kv_heads. A query that sees no key gets zeros.
+ * COL_EINVAL: bad sizes or NULL buffers; out untouched. COL_ENOMEM: scratch; out untouched. */
+COL_API int col_attention(col_pool *pool, const float *q, const float *keys, const float *vals,
+                          int64_t n_q, int64_t n_keys, int64_t n_heads, int64_t n_kv_heads,
+                          int64_t head_dim, const int64_t *positions, int64_t window, float scale,
+                          float *out);
 
 /* ---------------------------------------------------------------------------------------
  * CRC-32C (Castagnoli, reflected polynomial 0x82F63B78)
@@ -160,3 +302,323 @@ COL_API int col_crc32c_hw(void);
 #endif
 
 #endif /* COLIBRI_H */
+
+/* ---- AEPC: slab pool, loader, expert cache ---- */
+#ifndef COLIBRI_AEPC_H
+#define COLIBRI_AEPC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * The Active Expert Page Cache: routed experts stream from the pack's experts file into a
+ * slab pool of fixed slots, one expert record per slot.
+ *
+ *   col_slab          one region of n_slots * slot_bytes, hugepage-backed and locked when
+ *                     possible, with a free map of slots.
+ *   col_loader        O_DIRECT reads of whole records into caller memory by a pool of I/O
+ *                     threads, at most queue_depth in flight, every record's crc32c checked.
+ *   col_expert_cache  (layer, expert) -> slot over a slab and a loader: acquire pins experts
+ *                     and starts the reads of the misses, wait blocks until they are loaded,
+ *                     release unpins. Eviction never touches a pinned slot.
+ *
+ * The handles are opaque; every object is made by *_create and freed by *_destroy. All
+ * functions of one object may be called from several threads at once. The Python side is
+ * colibrid/native.py (the ctypes bindings) and colibrid/engine/expert_cache.py.
+ *
+ * This section has its own include guard because it follows the main one.
+ *
+ * Status codes beyond enum col_status, used by this section only: */
+#define COL_EIO       5 /* a read failed or came back short; the errno is in the result. */
+#define COL_ECHECKSUM 6 /* a record's bytes do not match its crc32c. */
+#define COL_EBUSY     7 /* no slot is free or evictable: every slot is pinned or loading. */
+#define COL_ESYSTEM   8 /* the operating system refused a resource that was required (mmap,
+                           mlock, hugetlb pages, O_DIRECT, a thread); the errno is reported in
+                           the object's info struct or the function's errno output. */
+
+/* Dimension letters: S slots, L layers, E experts per layer, N experts named in a call. */
+
+/* ---- the slab pool (col_slab; col_pool is the compute worker pool) ---- */
+
+typedef struct col_slab col_slab;
+
+enum col_aepc_mode {
+    COL_MODE_OFF      = 0, /* do not try */
+    COL_MODE_TRY      = 1, /* try; on failure fall back and report it in col_slab_info */
+    COL_MODE_REQUIRED = 2, /* try; on failure col_slab_create fails with COL_ESYSTEM */
+};
+
+enum col_slab_backing {
+    COL_BACKING_PAGES   = 0, /* ordinary 4 KiB pages */
+    COL_BACKING_THP     = 1, /* ordinary mapping advised MADV_HUGEPAGE (transparent hugepages) */
+    COL_BACKING_HUGETLB = 2, /* MAP_HUGETLB, 2 MiB pages from vm.nr_hugepages */
+};
+
+typedef struct {
+    int64_t slot_bytes; /* bytes per slot: a multiple of 4096, > 0 */
+    int64_t n_slots;    /* number of slots, > 0 */
+    int32_t hugetlb;    /* col_aepc_mode for MAP_HUGETLB (default TRY) */
+    int32_t thp;        /* col_aepc_mode for MADV_HUGEPAGE when hugetlb is not used (default TRY) */
+    int32_t lock;       /* col_aepc_mode for mlock of the whole region (default TRY) */
+    int32_t reserved;   /* 0 */
+} col_slab_params;
+
+/* slot_bytes 0 and n_slots 0 (must be set), hugetlb TRY, thp TRY, lock TRY. */
+COL_API col_slab_params col_slab_default_params(void);
+COL_API size_t col_slab_params_size(void);
+
+typedef struct {
+    int64_t slot_bytes;    /* as requested */
+    int64_t n_slots;       /* as requested */
+    int64_t region_bytes;  /* mapped bytes: slot_bytes * n_slots rounded up to 2 MiB (hugetlb,
+                              THP) or 4 KiB (pages) */
+    int64_t n_free;        /* slots in the free map now */
+    int32_t backing;       /* col_slab_backing obtained */
+    int32_t locked;        /* 1 if the whole region is mlock'ed */
+    int32_t hugetlb_errno; /* errno of the failed MAP_HUGETLB mmap; 0 if not tried or it worked */
+    int32_t thp_errno;     /* errno of the failed madvise(MADV_HUGEPAGE); 0 if not tried or it worked */
+    int32_t lock_errno;    /* errno of the failed mlock (EPERM, ENOMEM, EAGAIN); 0 if not tried or it worked */
+    int32_t mmap_errno;    /* errno of the failed ordinary mmap; 0 if it worked */
+} col_slab_info;
+
+/* sizeof(col_slab_info); the Python binding checks its Structure against it. */
+COL_API size_t col_slab_info_size(void);
+
+/* Maps the region and builds the free map (every slot free).
+ * info (may be NULL) is filled in every case, so a failure says what was refused.
+ * COL_OK: *out is a new slab.
+ * COL_EINVAL: bad params; *out = NULL, nothing mapped.
+ * COL_ENOMEM: the region or the bookkeeping could not be allocated; *out = NULL.
+ * COL_ESYSTEM: a REQUIRED mode could not be met (hugetlb_errno / thp_errno / lock_errno say
+ *   why); *out = NULL, nothing stays mapped. */
+COL_API int col_slab_create(const col_slab_params *params, col_slab **out, col_slab_info *info);
+
+/* Unmaps the region. NULL is a no-op. Every pointer into the region becomes invalid. While an
+ * expert cache built on the slab exists, the unmapping is deferred to that cache's destroy. */
+COL_API void col_slab_destroy(col_slab *slab);
+
+/* A snapshot of the slab's state. COL_EINVAL if slab or out is NULL. */
+COL_API int col_slab_get_info(col_slab *slab, col_slab_info *out);
+
+/* Base of the region: slot s is at base + s * slot_bytes. */
+COL_API void *col_slab_data(col_slab *slab);
+
+/* Takes the lowest-numbered free slot out of the free map.
+ * COL_OK: *slot is it. COL_EBUSY: no slot is free; *slot = -1. */
+COL_API int col_slab_slot_alloc(col_slab *slab, int32_t *slot);
+
+/* Returns a slot to the free map. COL_EINVAL: slot out of range or already free (the map is
+ * unchanged). */
+COL_API int col_slab_slot_free(col_slab *slab, int32_t slot);
+
+/* ---- the loader ---- */
+
+typedef struct col_loader col_loader;
+
+typedef struct {
+    int32_t max_queue_depth; /* I/O threads started, the upper bound of queue_depth (default 32) */
+    int32_t queue_depth;     /* reads in flight at most, 1..max_queue_depth (default 16) */
+    int32_t direct;          /* col_aepc_mode for O_DIRECT (default TRY: fall back to buffered
+                                reads only when the file system refuses O_DIRECT with EINVAL) */
+    int32_t reserved;        /* 0 */
+} col_loader_params;
+
+COL_API col_loader_params col_loader_default_params(void);
+COL_API size_t col_loader_params_size(void);
+
+typedef struct {
+    int32_t direct;          /* 1 while reads use O_DIRECT */
+    int32_t direct_errno;    /* EINVAL if O_DIRECT was refused (then reads are buffered), else 0 */
+    int32_t queue_depth;     /* current limit of reads in flight */
+    int32_t max_queue_depth; /* I/O threads */
+    int64_t reads;           /* reads completed (ok or failed) */
+    int64_t bytes_read;      /* bytes of successful reads */
+    int64_t failures;        /* reads that failed (I/O error, short read or crc mismatch) */
+    int64_t busy_ns;         /* time with at least one read in flight */
+    int64_t file_bytes;      /* size of the file */
+} col_loader_info;
+
+COL_API size_t col_loader_info_size(void);
+
+/* One read of `length` bytes at `offset` into dst, checked against crc32c. With O_DIRECT, dst,
+ * offset and length must be multiples of 4096. */
+typedef struct {
+    void *dst;        /* (length) bytes */
+    int64_t offset;
+    int64_t length;
+    uint32_t crc32c;  /* expected CRC-32C of all length bytes */
+    int32_t reserved; /* 0 */
+} col_read;
+
+typedef struct {
+    int32_t status;     /* COL_OK, COL_EIO or COL_ECHECKSUM */
+    int32_t sys_errno;  /* errno for COL_EIO (0 for a short read) */
+    uint32_t crc32c;    /* CRC-32C of the bytes read (COL_ECHECKSUM: the wrong one) */
+    int32_t reserved;
+    int64_t latency_ns; /* from submission to completion */
+} col_read_result;
+
+COL_API size_t col_read_size(void);
+COL_API size_t col_read_result_size(void);
+
+/* Opens `path` for reading and starts the I/O threads. info (may be NULL) is filled in
+ * every case.
+ * COL_OK: *out is a new loader.
+ * COL_EINVAL: bad params or path NULL; *out = NULL.
+ * COL_EIO: the file cannot be opened (info->direct_errno = 0, *err = errno); *out = NULL.
+ * COL_ESYSTEM: direct is REQUIRED and the file system refuses O_DIRECT, or a thread cannot be
+ *   started; *err is the errno; *out = NULL.
+ * err (may be NULL) receives the errno of the failure, 0 on success. */
+COL_API int col_loader_create(const char *path, const col_loader_params *params, col_loader **out,
+                              int32_t *err);
+
+/* Completes the queued reads, stops the threads, closes the file. NULL is a no-op. While an
+ * expert cache built on the loader exists, all this is deferred to that cache's destroy. */
+COL_API void col_loader_destroy(col_loader *loader);
+
+COL_API int col_loader_get_info(col_loader *loader, col_loader_info *out);
+
+/* Changes how many reads may be in flight, effective for the next read started.
+ * COL_EINVAL: depth outside 1..max_queue_depth; unchanged. */
+COL_API int col_loader_set_queue_depth(col_loader *loader, int32_t depth);
+
+/* Submits n reads, keeps up to queue_depth in flight, and waits for all of them.
+ *   reads: (n), results: (n)
+ * COL_OK: every read succeeded. COL_EIO / COL_ECHECKSUM: the first failure in index order;
+ * results[i] tells each read's outcome; the bytes of a failed read are undefined.
+ * COL_EINVAL: n < 0 or a NULL pointer with n > 0; nothing was read. */
+COL_API int col_loader_read(col_loader *loader, const col_read *reads, int32_t n, col_read_result *results);
+
+/* ---- the expert cache ---- */
+
+typedef struct col_expert_cache col_expert_cache;
+
+enum col_cache_policy {
+    COL_POLICY_LRU  = 0, /* evict the least recently used unpinned expert */
+    COL_POLICY_LFRU = 1, /* per-layer quotas (n_slots / layers with records) and, within the
+                            layer that gives up a slot, the least frequently used expert
+                            (counts halve every 8 * n_slots accesses), ties to the least recent */
+};
+#define COL_POLICY_COUNT 2
+
+/* Where each (layer, expert) record lives in the experts file. */
+typedef struct {
+    int64_t offset;   /* bytes into the experts file, a multiple of 4096 */
+    int64_t length;   /* bytes of the padded record, <= slot_bytes; 0 = no record */
+    uint32_t crc32c;  /* CRC-32C of the length bytes */
+    int32_t reserved; /* 0 */
+} col_expert_record;
+
+COL_API size_t col_expert_record_size(void);
+
+typedef struct {
+    int32_t n_layers;   /* L */
+    int32_t n_experts;  /* E */
+    int32_t policy;     /* col_cache_policy (default LRU) */
+    int32_t wait_for_pins; /* 1: an acquire that finds too few unpinned slots waits for other
+                              threads' releases instead of failing with COL_EBUSY (it holds no
+                              pins while it waits). Never acquire again while holding pins in
+                              the same thread with this on. Default 0. */
+} col_expert_cache_params;
+
+COL_API col_expert_cache_params col_expert_cache_default_params(void);
+COL_API size_t col_expert_cache_params_size(void);
+
+#define COL_LATENCY_BUCKETS 96 /* bucket b >= 4 holds latencies in [lo(b), lo(b + 1)) microseconds,
+                                  lo(b) = (4 + b % 4) << (b / 4) >> 3; bucket 0: < 1 us;
+                                  the last bucket also holds everything above it */
+
+typedef struct {
+    int64_t hits;             /* requested experts that were loaded */
+    int64_t inflight_hits;    /* requested experts whose (prefetch) read was already running */
+    int64_t misses;           /* requested experts that had to be read */
+    int64_t loads;            /* reads completed without error */
+    int64_t load_failures;    /* reads that failed (I/O error or crc mismatch) */
+    int64_t bytes_read;       /* bytes of reads completed without error */
+    int64_t evictions;        /* experts of this layer evicted */
+    int64_t prefetch_issued;  /* prefetch reads started */
+    int64_t prefetch_useful;  /* prefetched experts requested before being evicted */
+    int64_t prefetch_skipped; /* prefetch requests dropped: no slot could be evicted for them */
+    int64_t latency_us[COL_LATENCY_BUCKETS]; /* histogram of read latencies (all reads) */
+} col_expert_cache_layer_stats;
+
+COL_API size_t col_expert_cache_layer_stats_size(void);
+
+/* Per acquired expert, what wait found. */
+typedef struct {
+    int32_t status;    /* COL_OK, COL_EIO or COL_ECHECKSUM */
+    int32_t sys_errno; /* errno of an I/O error */
+    uint32_t crc32c;   /* CRC-32C of the bytes read (for COL_ECHECKSUM) */
+    int32_t reserved;
+} col_expert_load_result;
+
+COL_API size_t col_expert_load_result_size(void);
+
+/* Builds a cache over `slab` and `loader`, which it uses but does not own; they may be
+ * destroyed in any order with it (theirs is deferred until the cache's). records: (L * E)
+ * row-major by layer; copied.
+ * COL_OK: *out is a new cache, empty.
+ * COL_EINVAL: bad params, NULL pointers, or a record longer than the slab's slots; *out = NULL.
+ * COL_ENOMEM: *out = NULL. */
+COL_API int col_expert_cache_create(const col_expert_cache_params *params, const col_expert_record *records,
+                                    col_slab *slab, col_loader *loader, col_expert_cache **out);
+
+/* Waits for every read the cache started, then frees its bookkeeping; the slab's slots it
+ * held are returned to the free map. NULL is a no-op. */
+COL_API void col_expert_cache_destroy(col_expert_cache *cache);
+
+/* Pins experts[0..n) of `layer` and starts the reads of those not in the cache (evicting
+ * unpinned experts as the policy says). Does not wait for the reads: call wait.
+ *   experts: (N) distinct expert ids; slots: (N) out, the slot of each expert
+ * COL_OK: all N are pinned; slots[] is filled. Every slot must be released exactly once.
+ * COL_EINVAL: layer/expert out of range, an expert without a record, or a duplicate; nothing
+ *   is pinned.
+ * COL_EBUSY: there are not enough unpinned slots for the misses (with wait_for_pins: N is
+ *   larger than the slab, or nothing pinned or loading could ever free a slot); nothing stays
+ *   pinned (reads already started continue and land in the cache unpinned). */
+COL_API int col_expert_cache_acquire(col_expert_cache *cache, int32_t layer, const int32_t *experts, int32_t n,
+                                     int32_t *slots);
+
+/* Blocks until every slot in slots[0..n) (pinned by acquire) is loaded or has failed.
+ * results: (N) out, may be NULL.
+ * COL_OK: all are loaded. COL_EIO / COL_ECHECKSUM: the first failure in index order; the
+ * failed experts are no longer in the map (the next acquire reads them again) and their slots
+ * go back to the free map when released. Pins are unchanged: release them in every case. */
+COL_API int col_expert_cache_wait(col_expert_cache *cache, const int32_t *slots, int32_t n,
+                                  col_expert_load_result *results);
+
+/* Unpins slots[0..n). COL_EINVAL: a slot that is not pinned (the others are still released). */
+COL_API int col_expert_cache_release(col_expert_cache *cache, const int32_t *slots, int32_t n);
+
+/* Starts reads of those experts[0..n) of `layer` that are not in the cache, without pinning
+ * them, evicting only experts that are neither pinned nor themselves unused prefetches; when
+ * no slot can be had, the rest are skipped (counted in prefetch_skipped). Never blocks on I/O.
+ * *issued (may be NULL) = reads started.
+ * COL_OK in every case but COL_EINVAL (bad layer/expert/pointers; nothing started). */
+COL_API int col_expert_cache_prefetch(col_expert_cache *cache, int32_t layer, const int32_t *experts, int32_t n,
+                                      int32_t *issued);
+
+/* A snapshot of one layer's statistics. COL_EINVAL: layer out of range. */
+COL_API int col_expert_cache_get_stats(col_expert_cache *cache, int32_t layer, col_expert_cache_layer_stats *out);
+
+/* Zeroes every layer's statistics. */
+COL_API void col_expert_cache_reset_stats(col_expert_cache *cache);
+
+/* Experts currently in the cache (loaded or loading), and of those, how many are pinned. */
+COL_API int col_expert_cache_count(col_expert_cache *cache, int32_t *resident, int32_t *pinned);
+
+/* 1 if (layer, expert) is loaded in the cache now, 0 if not (or out of range). */
+COL_API int col_expert_cache_contains(col_expert_cache *cache, int32_t layer, int32_t expert);
+
+/* Changes the eviction policy (COL_EINVAL for an unknown one; unchanged). */
+COL_API int col_expert_cache_set_policy(col_expert_cache *cache, int32_t policy);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* COLIBRI_AEPC_H */

@@ -151,4 +151,133 @@ int col_quantize_row_q4_g64(const float *x, uint8_t *dst, int64_t n);
 void col_dequantize_row_q4_g64(const uint8_t *src, float *y, int64_t n);
 float col_vec_dot_q4_g64(const uint8_t *w, const float *x, int64_t n);
 
+/* ---------------------------------------------------------------------------------------
+ * Activations quantized for the integer kernels (SIMD levels only)
+ *
+ * One activation row of n values (n a multiple of 32) becomes nb = n / 32 blocks, stored in
+ * one 64-byte aligned buffer of col_xq_bytes(nb) bytes, in this order:
+ *   qs    (nb, 32) int8     q = nearbyint(x / d), |q| <= 127
+ *   bias  (nb, 8) int32     lane 0 = -128 * sum(q), lanes 1..7 = 0: the start value of a
+ *                           vpdpbusd sum over (w + 128) so that it yields sum(w * q)
+ *   dv    (nb, 8) float32   d repeated 8 times: one 256-bit load per block (scales lanes)
+ *   d     (nb) float32      d = max|x| / 127 (0 for an all-zero block)
+ *   ds    (nb) float32      d * sum(q): the block sum
+ *   ds2   (nb / 2) f32      ds of the two 32-blocks of each 64-value block
+ * For q4_g64 weights the activations are quantized in blocks of 64 instead (the weight's
+ * block): qs as above, d[k] and ds2[k] per 64-block k, the other arrays unused (see
+ * col_quantize_x).
+ * ------------------------------------------------------------------------------------ */
+#define COL_QK_X 32
+
+typedef struct {
+    const int8_t *qs;    /* (nb, 32) */
+    const float *d;      /* (nb) */
+    const float *ds;     /* (nb) */
+    const float *ds2;    /* (nb / 2) ds[2k] + ds[2k + 1]: the sum over one 64-value block */
+    const float *dv;     /* (nb, 8) */
+    const int32_t *bias; /* (nb, 8) */
+} col_xq_row;
+
+/* Field offsets inside the buffer: nb rounded up to even keeps every array 64-byte aligned
+ * at even block indices (the AVX-512 kernels load two blocks at a time). */
+static inline int64_t col_xq_nb_even(int64_t nb) { return (nb + 1) & ~(int64_t)1; }
+#define COL_XQ_OFF_BIAS(nbe) ((nbe) * 32)
+#define COL_XQ_OFF_DV(nbe) ((nbe) * 64)
+#define COL_XQ_OFF_D(nbe) ((nbe) * 96)
+#define COL_XQ_OFF_DS(nbe) ((nbe) * 100)
+#define COL_XQ_OFF_DS2(nbe) ((nbe) * 104)
+
+/* Bytes of one quantized activation row of nb blocks (a multiple of 64). */
+static inline size_t col_xq_bytes(int64_t nb) {
+    /* + 32 bytes: the AVX-512 q4_g64 kernel reads ds2 eight at a time past the end */
+    return (size_t)((col_xq_nb_even(nb) * 106 + 32 + 63) / 64 * 64);
+}
+
+/* The row view of a buffer of col_xq_bytes(nb) bytes (64-byte aligned). */
+static inline col_xq_row col_xq_view(const uint8_t *base, int64_t nb) {
+    const int64_t nbe = col_xq_nb_even(nb);
+    col_xq_row r;
+    r.qs = (const int8_t *)base;
+    r.bias = (const int32_t *)(base + COL_XQ_OFF_BIAS(nbe));
+    r.dv = (const float *)(base + COL_XQ_OFF_DV(nbe));
+    r.d = (const float *)(base + COL_XQ_OFF_D(nbe));
+    r.ds = (const float *)(base + COL_XQ_OFF_DS(nbe));
+    r.ds2 = (const float *)(base + COL_XQ_OFF_DS2(nbe));
+    return r;
+}
+
+/* Quantizes x (n) into the buffer `base` (col_xq_bytes(n / 32) bytes, 64-byte aligned) for
+ * products with weights of `type`: q4_g64 gets one scale per 64 values (its own block:
+ * d[k], ds2[k] = d[k] * sum(q) for k < n / 64; bias, dv and ds unused), every other type
+ * one per 32 (d, ds, dv, bias as above; ds2 the pair sums). Non-finite inputs give garbage
+ * values, never a crash. */
+void col_quantize_x(int type, const float *x, int64_t n, uint8_t *base);
+
+/* sum over one weight row w (nb * 32 values, encoded) times an activation row. */
+typedef float (*col_dot_xq_fn)(const uint8_t *w, const col_xq_row *x, int64_t nb);
+
+/* The kernels of one level. dot_xq[type] is NULL for types computed on float activations
+ * with the reference vec_dot. */
+/* Float vector helpers (attention): sum a[i] * b[i]; y[i] += a * x[i]. */
+typedef float (*col_dot_f32_fn)(const float *a, const float *b, int64_t n);
+typedef void (*col_axpy_f32_fn)(float *y, float a, const float *x, int64_t n);
+
+/* One weight row times four activation rows x[0..3]: out[t] = dot(w, x[t]). */
+typedef void (*col_dot4_xq_fn)(const uint8_t *w, const col_xq_row *x, int64_t nb, float *out);
+
+typedef struct {
+    int level;
+    col_dot_xq_fn dot_xq[COL_TYPE_COUNT];
+    col_dot_f32_fn dot_f32;
+    col_axpy_f32_fn axpy_f32;
+    col_dot4_xq_fn dot4_xq[COL_TYPE_COUNT]; /* NULL: four dot_xq calls */
+} col_kernel_set;
+
+/* The portable float helpers (kernels.c), also used by levels without their own. */
+float col_dot_f32_portable(const float *a, const float *b, int64_t n);
+void col_axpy_f32_portable(float *y, float a, const float *x, int64_t n);
+
+/* The active kernel set (never NULL). */
+const col_kernel_set *col_kernels_active(void);
+
+/* Per-level kernel sets, NULL when not compiled in (simd_x86.c, simd_neon.c). */
+const col_kernel_set *col_kernels_avx2(void);
+const col_kernel_set *col_kernels_avx512(void);
+const col_kernel_set *col_kernels_avx512_vnni(void);
+const col_kernel_set *col_kernels_neon(void);
+
+/* y[i * y_stride + (r - r0)] = w_r . x[i] for rows r0 <= r < r1 of w and activation rows
+ * x[0..n): four activation rows at a time where the level has a dot4 kernel (matmul.c). */
+void col_rows_times_xq(const col_kernel_set *k, int type, const uint8_t *w, int64_t row_bytes, int64_t r0,
+                       int64_t r1, const col_xq_row *x, int64_t n, int64_t nb, float *y, int64_t y_stride);
+
+/* ---------------------------------------------------------------------------------------
+ * Running work on the pool
+ * ------------------------------------------------------------------------------------ */
+
+/* One share of a job: called once with ith = 0..nth-1, concurrently. */
+typedef void (*col_task_fn)(void *ctx, int ith, int nth);
+
+/* Runs fn on every thread of the pool (share 0 on the caller) and returns when all are
+ * done. pool NULL: fn(ctx, 0, 1) on the caller. */
+void col_pool_run(col_pool *pool, col_task_fn fn, void *ctx);
+
+/* A spin barrier for the nth threads of one job (phases inside one task). */
+typedef struct {
+    _Atomic int arrived;
+    _Atomic int phase;
+} col_barrier;
+
+void col_barrier_wait(col_barrier *b, int nth);
+
+/* [begin, end) of share ith of n items split as evenly as possible over nth. */
+static inline void col_split(int64_t n, int ith, int nth, int64_t *begin, int64_t *end) {
+    *begin = n * ith / nth;
+    *end = n * (ith + 1) / nth;
+}
+
+/* 64-byte aligned scratch; NULL on failure. Free with col_free. */
+void *col_alloc(size_t bytes);
+void col_free(void *p);
+
 #endif /* COL_INTERNAL_H */

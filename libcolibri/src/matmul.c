@@ -1,31 +1,91 @@
 /*
- * matmul.c — y = x @ w^T for any weight type, driven by the type's vec_dot kernel.
+ * matmul.c — y = x @ w^T for any weight type, output rows split across the pool.
  *
- * The work is split into independent ranges of output rows (col_matmul_rows): the thread
- * pool of a later issue hands each worker a range, and nothing else changes.
+ * Two inner paths, picked per call from the active kernel set:
+ *   - integer: the activations are quantized once per call (col_quantize_x, tokens split
+ *     across the pool), then a tile of weight rows meets groups of four tokens (dot4
+ *     kernels decode each weight block once for four tokens);
+ *   - float: the reference vec_dot of the type, float32 activations (portable level, and
+ *     f32/f16/bf16 weights everywhere).
+ * Rows are processed in tiles: a tile of weight rows stays hot in cache while every token
+ * passes over it, so prefill reads each weight once per tile, not once per token.
  */
 #include "col_internal.h"
 
-/* Output rows per tile: a tile of weight rows is reused for every token while it is hot in
- * cache (a 4096-wide q8_0 row is ~4.3 KiB, so 16 rows fit in L1/L2 comfortably). */
+/* Output rows per tile (a 2048-wide q8_0 row is ~2.2 KiB: 16 rows sit in L1/L2). */
 #define COL_MATMUL_ROW_TILE 16
+/* Tokens per group that meets a row tile: four activation rows of 2048 values (~26 KiB in
+ * quantized form) stay in L1 while the tile passes. */
+#define COL_MATMUL_TOKEN_GROUP 4
 
-/* Computes y[:, row_begin:row_end]. Arguments are already validated. */
-static void col_matmul_rows(const col_type_traits *tt, const uint8_t *w /* (n_out, row_bytes) */,
-                            int64_t row_bytes, int64_t n_out, int64_t n_in,
-                            const float *x /* (n_tok, n_in) */, int64_t n_tok,
-                            float *y /* (n_tok, n_out) */, int64_t row_begin, int64_t row_end) {
-    for (int64_t r0 = row_begin; r0 < row_end; r0 += COL_MATMUL_ROW_TILE) {
-        const int64_t r1 = r0 + COL_MATMUL_ROW_TILE < row_end ? r0 + COL_MATMUL_ROW_TILE : row_end;
-        for (int64_t t = 0; t < n_tok; t++) {
-            const float *xt = x + t * n_in; /* (n_in) */
-            float *yt = y + t * n_out;      /* (n_out) */
-            for (int64_t r = r0; r < r1; r++) yt[r] = tt->vec_dot(w + r * row_bytes, xt, n_in);
+void col_rows_times_xq(const col_kernel_set *k, int type, const uint8_t *w, int64_t row_bytes, int64_t r0,
+                       int64_t r1, const col_xq_row *x, int64_t n, int64_t nb, float *y, int64_t y_stride) {
+    const col_dot4_xq_fn dot4 = k->dot4_xq[type];
+    const col_dot_xq_fn dot = k->dot_xq[type];
+    int64_t i = 0;
+    if (dot4) {
+        for (; i + 4 <= n; i += 4) {
+            for (int64_t r = r0; r < r1; r++) {
+                float v[4];
+                dot4(w + r * row_bytes, x + i, nb, v);
+                for (int j = 0; j < 4; j++) y[(i + j) * y_stride + (r - r0)] = v[j];
+            }
+        }
+    }
+    for (; i < n; i++)
+        for (int64_t r = r0; r < r1; r++) y[i * y_stride + (r - r0)] = dot(w + r * row_bytes, &x[i], nb);
+}
+
+typedef struct {
+    const col_type_traits *tt;
+    const col_kernel_set *k;
+    int type;
+    int integer;           /* 1: quantized activations */
+    int simd_f32;          /* 1: f32 weights through the level's dot_f32 (SIMD levels) */
+    const uint8_t *w;      /* (n_out, row_bytes) */
+    int64_t row_bytes, n_out, n_in, n_tok;
+    const float *x;        /* (n_tok, n_in) */
+    uint8_t *xq;           /* (n_tok, xq_bytes) quantized activations, integer path only */
+    size_t xq_bytes;
+    float *y;              /* (n_tok, n_out) */
+    col_barrier barrier;
+} matmul_job;
+
+static void matmul_task(void *arg, int ith, int nth) {
+    matmul_job *j = arg;
+    const int64_t nb = j->n_in / COL_QK_X;
+    if (j->integer) {
+        int64_t t0, t1;
+        col_split(j->n_tok, ith, nth, &t0, &t1);
+        for (int64_t t = t0; t < t1; t++) col_quantize_x(j->type, j->x + t * j->n_in, j->n_in, j->xq + t * j->xq_bytes);
+        col_barrier_wait(&j->barrier, nth);
+    }
+    int64_t r_begin, r_end;
+    col_split(j->n_out, ith, nth, &r_begin, &r_end);
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += COL_MATMUL_ROW_TILE) {
+        const int64_t r1 = r0 + COL_MATMUL_ROW_TILE < r_end ? r0 + COL_MATMUL_ROW_TILE : r_end;
+        for (int64_t t0 = 0; t0 < j->n_tok; t0 += COL_MATMUL_TOKEN_GROUP) {
+            const int64_t n = j->n_tok - t0 < COL_MATMUL_TOKEN_GROUP ? j->n_tok - t0 : COL_MATMUL_TOKEN_GROUP;
+            if (j->integer) {
+                col_xq_row xr[COL_MATMUL_TOKEN_GROUP];
+                for (int64_t i = 0; i < n; i++) xr[i] = col_xq_view(j->xq + (t0 + i) * j->xq_bytes, nb);
+                col_rows_times_xq(j->k, j->type, j->w, j->row_bytes, r0, r1, xr, n, nb, j->y + t0 * j->n_out + r0, j->n_out);
+            } else {
+                for (int64_t t = t0; t < t0 + n; t++) {
+                    const float *xt = j->x + t * j->n_in; /* (n_in) */
+                    float *yt = j->y + t * j->n_out;      /* (n_out) */
+                    if (j->simd_f32) /* f32 weights on a SIMD level: the level's float dot */
+                        for (int64_t r = r0; r < r1; r++)
+                            yt[r] = j->k->dot_f32((const float *)(const void *)(j->w + r * j->row_bytes), xt, j->n_in);
+                    else
+                        for (int64_t r = r0; r < r1; r++) yt[r] = j->tt->vec_dot(j->w + r * j->row_bytes, xt, j->n_in);
+                }
+            }
         }
     }
 }
 
-int col_matmul(int type, const void *w, int64_t n_out, int64_t n_in, const float *x,
+int col_matmul(col_pool *pool, int type, const void *w, int64_t n_out, int64_t n_in, const float *x,
                int64_t n_tok, float *y) {
     const col_type_traits *tt = col_get_type_traits(type);
     if (!tt || n_out < 0 || n_in < 0 || n_tok < 0) return COL_EINVAL;
@@ -37,6 +97,16 @@ int col_matmul(int type, const void *w, int64_t n_out, int64_t n_in, const float
         memset(y, 0, (size_t)(n_out * n_tok) * sizeof(float));
         return COL_OK;
     }
-    col_matmul_rows(tt, w, row_bytes, n_out, n_in, x, n_tok, y, 0, n_out);
+    const col_kernel_set *k = col_kernels_active();
+    matmul_job job = {tt, k, type, k->dot_xq[type] != NULL,
+                      type == COL_TYPE_F32 && k->level != COL_KERNELS_PORTABLE, w, row_bytes, n_out, n_in,
+                      n_tok, x, NULL, 0, y, {0, 0}};
+    if (job.integer) {
+        job.xq_bytes = col_xq_bytes(n_in / COL_QK_X);
+        job.xq = col_alloc(job.xq_bytes * (size_t)n_tok);
+        if (!job.xq) return COL_ENOMEM;
+    }
+    col_pool_run(pool, matmul_task, &job);
+    col_free(job.xq);
     return COL_OK;
 }

@@ -38,6 +38,11 @@ def test_flags_override_the_file(demo_pack, tmp_path):
 
 @pytest.mark.parametrize("file_text, flags, expected", [
     ("max_queue = -1\n", [], "max_queue = -1: must be an integer >= 1"),
+    ('cache_size = "lots"\n', [], 'cache_size = "lots": must be a size above 0'),
+    ("", ["--cache-size", "0"], "cache_size = 0: must be a size above 0"),
+    ("", ["--prefetch", "maybe"], 'prefetch = "maybe": must be "lookahead" or "off"'),
+    ("hugepages = -3\n", [], 'hugepages = -3: must be "auto", "thp", "off" or a whole number'),
+    ("", ["--io-queue-depth", "99"], "io_queue_depth = 99: must be an integer in [1, 32]"),
     ("", ["--max-queue", "-1"], "max_queue = -1: must be an integer >= 1"),
     ("", ["--max-queue", "many"], 'max_queue = "many": must be an integer >= 1'),
     ('max_queue = "4"\n', [], 'max_queue = "4": must be an integer >= 1'),

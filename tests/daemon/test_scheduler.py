@@ -19,7 +19,8 @@ class ScriptedEngine:
 
     def __init__(self, token_delay_s: float = 0.002) -> None:
         self.token_delay_s = token_delay_s
-        self.experts = SimpleNamespace(stats=SimpleNamespace(loads=0, bytes_read=0))
+        self.loads = 0
+        self.experts = SimpleNamespace(summary=lambda: {"hits": 0, "misses": self.loads, "bytes_read": 0})
         self.tokenizer = SimpleNamespace(decode=lambda ids: f"<{ids[0]}>")
         self.active = 0
         self.max_active = 0
@@ -44,7 +45,7 @@ class ScriptedEngine:
                 time.sleep(self.token_delay_s)
                 if prompt_ids[0] == ord("!"):
                     raise ExpertLoadError("expert 3 of layer 1 fails its checksum", 1, 3, 0, "x")
-                self.experts.stats.loads += 1
+                self.loads += 1
                 yield GenerationEvent(n, "t", -1.0, [(n, -1.0)])
             yield GenerationDone("length", len(prompt_ids), params.max_tokens, 0.001, 100.0, "t" * params.max_tokens)
         finally:

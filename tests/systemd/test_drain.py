@@ -8,6 +8,9 @@ import time
 from tests.daemon.wire import Closed, WireClient, wait_for_socket
 
 
+RUNNING_TOKENS = 600
+
+
 def events_until_closed(client: WireClient) -> dict:
     ends = {}
     try:
@@ -25,7 +28,8 @@ def test_requests_accepted_before_sigterm_finish_and_new_ones_are_refused(start_
     wait_for_socket(work_dir / "colibrid.sock", service.proc)
     with WireClient(work_dir / "colibrid.sock") as client:
         client.hello()
-        client.ask("running", max_tokens=60)
+        # Long enough to still be running well after SIGTERM has been handled, however fast the kernels.
+        client.ask("running", max_tokens=RUNNING_TOKENS)
         client.ask("queued", max_tokens=5)
         assert client.recv()["event"] == "token"
         service.proc.send_signal(signal.SIGTERM)
@@ -33,7 +37,7 @@ def test_requests_accepted_before_sigterm_finish_and_new_ones_are_refused(start_
         client.ask("late", max_tokens=5)
         ends = events_until_closed(client)
     assert ends["running"]["event"] == "done" and ends["running"]["finish_reason"] == "length"
-    assert ends["running"]["usage"]["generated_tokens"] == 60
+    assert ends["running"]["usage"]["generated_tokens"] == RUNNING_TOKENS
     assert ends["queued"]["event"] == "done"
     assert (ends["late"]["event"], ends["late"]["code"]) == ("error", "shutdown")
     assert service.proc.wait(20) == 0

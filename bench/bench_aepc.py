@@ -1,0 +1,392 @@
+"""AEPC benchmark: decode speed with routed experts streamed from disk through the slab cache.
+
+    python bench/bench_aepc.py build /var/tmp/olmoe-q8.pack --quant q8_0      # OLMoE-1B-7B shape
+    python bench/bench_aepc.py disk  /var/tmp/olmoe-q8.pack                   # O_DIRECT bandwidth
+    python bench/bench_aepc.py run   /var/tmp/olmoe-q8.pack --fractions 0.25,0.5,1.0
+    python bench/bench_aepc.py run   /var/tmp/olmoe-q8.pack --cgroup-limit 3G --fractions 0.25
+
+`build` writes a pack of the real OLMoE-1B-7B dimensions (16 layers, 64 experts, top-8,
+hidden 2048, expert ffn 1024, vocab 50304) with random quantized weights, directly in the
+pack format (no checkpoint in between: 7 GB of f32 would not be quick to make).
+
+`run` measures, per cache size (a fraction of the expert bytes) and policy: decode
+tokens/s, hit rate, MB read per token, read bandwidth during decode next to the disk's
+O_DIRECT bandwidth measured in the same run, and prefetch precision/recall. Prefetch uses a
+lookahead installed here (layer l+1's router applied to layer l's FFN input), the same
+wiring colibrid's model is to get. `--cgroup-limit` re-runs the measurement inside a child
+memory cgroup (v1) with that memory.limit_in_bytes.
+
+Not a test: numbers depend on the machine and on what else runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from colibrid import native  # noqa: E402
+from colibrid.memory import format_bytes, parse_size  # noqa: E402
+
+OLMOE_SHAPE = dict(num_layers=16, num_experts=64, top_k=8, hidden=2048, ffn=1024, vocab=50304, heads=16, kv_heads=16)
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+
+
+# --------------------------------------------------------------------------------------------
+# A pack of a given shape, random quantized weights
+# --------------------------------------------------------------------------------------------
+
+
+def _random_blocks(rng: np.random.Generator, type_: native.TensorType, rows: int, cols: int, std: float) -> np.ndarray:
+    """Encoded bytes (rows, row_bytes) of a random matrix, made block by block without
+    going through float32 (q8_0: uniform int8 codes; q4_g64: uniform nibbles around 0)."""
+    if type_ is native.TensorType.F32:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * std).view(np.uint8).reshape(rows, -1)
+    n_blocks = rows * cols // type_.block_elems
+    if type_ is native.TensorType.Q8_0:
+        blocks = np.frombuffer(rng.bytes(n_blocks * 34), dtype=np.uint8).reshape(n_blocks, 34).copy()
+        d = np.float16(std / 73.0)  # uniform int8 codes: std = 73 d
+        blocks[:, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+    elif type_ is native.TensorType.Q4_G64:
+        blocks = np.frombuffer(rng.bytes(n_blocks * 36), dtype=np.uint8).reshape(n_blocks, 36).copy()
+        d = np.float16(std / 4.6)  # uniform 0..15 codes: std = 4.6 d
+        blocks[:, 0:2] = np.frombuffer(d.tobytes(), dtype=np.uint8)
+        blocks[:, 2:4] = np.frombuffer(np.float16(-7.5 * float(d)).tobytes(), dtype=np.uint8)
+    else:
+        raise ValueError(f"no random generator for {type_.name_in_pack}")
+    return blocks.reshape(rows, type_.row_bytes(cols))
+
+
+def build_shaped_pack(out: Path, num_layers: int, num_experts: int, top_k: int, hidden: int, ffn: int, vocab: int,
+                      heads: int, kv_heads: int, quant: str = "q8_0", dense_quant: str = "q8_0", seed: int = 0,
+                      force: bool = True) -> Path:
+    """Writes an OLMoE-architecture pack of this shape; returns its path."""
+    from colibrid.models.config import ModelConfig
+    from colibrid.pack.writer import PackWriter
+
+    out = Path(out)
+    rng = np.random.default_rng(seed)
+    et, dt = native.TensorType.from_name(quant), native.TensorType.from_name(dense_quant)
+    f32 = native.TensorType.F32
+    head_dim = hidden // heads
+    with tempfile.TemporaryDirectory(prefix="aepc-template-") as tmp:
+        template = Path(tmp) / "demo.pack"
+        subprocess.run([sys.executable, "-m", "colibrid.demo", str(template), "--force"], check=True,
+                       capture_output=True, cwd=ROOT)
+        manifest = json.loads((template / "manifest.json").read_text())
+        model = dict(manifest["model"])
+        model.update(vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=top_k, expert_ffn=ffn,
+                     sliding_window=[None] * num_layers, moe_layers=[True] * num_layers)
+        config = ModelConfig.from_json(model)
+        with PackWriter(out, 4096, force) as writer:
+            def dense(name, type_, shape, std=0.02):
+                writer.add_dense(name, type_, shape, _random_blocks(rng, type_, shape[0], shape[1], std))
+
+            def ones(name, n):
+                writer.add_dense(name, f32, (n,), np.ones(n, dtype=np.float32))
+
+            dense("embed", dt, (vocab, hidden), std=1.0)
+            ones("final_norm", hidden)
+            dense("lm_head", dt, (vocab, hidden))
+            for layer in range(num_layers):
+                p = f"layers.{layer}."
+                ones(p + "attn_norm", hidden)
+                ones(p + "ffn_norm", hidden)
+                dense(p + "attn.q", dt, (heads * head_dim, hidden))
+                dense(p + "attn.k", dt, (kv_heads * head_dim, hidden))
+                dense(p + "attn.v", dt, (kv_heads * head_dim, hidden))
+                dense(p + "attn.o", dt, (hidden, heads * head_dim))
+                ones(p + "attn.q_norm", heads * head_dim)
+                ones(p + "attn.k_norm", kv_heads * head_dim)
+                dense(p + "router", f32, (num_experts, hidden), std=0.05)
+            for layer in range(num_layers):
+                for expert in range(num_experts):
+                    writer.add_expert(layer, expert, {
+                        "gate": (et, (ffn, hidden), _random_blocks(rng, et, ffn, hidden, 0.02)),
+                        "up": (et, (ffn, hidden), _random_blocks(rng, et, ffn, hidden, 0.02)),
+                        "down": (et, (hidden, ffn), _random_blocks(rng, et, hidden, ffn, 0.02)),
+                    })
+                print(f"  layer {layer + 1}/{num_layers} written", file=sys.stderr, flush=True)
+            names = []
+            for name in manifest["tokenizer_files"]:
+                writer.add_file(template / name, name)
+                names.append(name)
+            writer.commit(dict(model=config, quantization={"experts": quant, "dense": dense_quant, "embeddings": dense_quant},
+                               tokenizer_files=names, source={"model_type": "olmoe", "synthetic": True},
+                               producer="bench_aepc.py"))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Disk bandwidth (O_DIRECT, the loader's own threads)
+# --------------------------------------------------------------------------------------------
+
+
+def measure_disk(pack_path: Path, queue_depth: int = 16, seconds: float = 4.0, seed: int = 1) -> dict:
+    """O_DIRECT read bandwidth of random whole expert records at ``queue_depth``."""
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(pack_path)
+    records = pack.manifest.expert_records
+    slot = -(-max(r.length for r in records) // 4096) * 4096
+    slab = native.Slab(slot, queue_depth * 2, hugetlb=native.AepcMode.OFF, lock=native.AepcMode.OFF)
+    loader = native.Loader(pack.experts_path, queue_depth=queue_depth, max_queue_depth=max(32, queue_depth))
+    rng = np.random.default_rng(seed)
+    total, start = 0, time.perf_counter()
+    try:
+        while time.perf_counter() - start < seconds:
+            batch = [records[int(i)] for i in rng.choice(len(records), size=queue_depth * 2, replace=False)]
+            reqs = [(slab.data[i * slot:(i + 1) * slot], r.offset, r.length, r.crc32c) for i, r in enumerate(batch)]
+            status, _ = loader.read(reqs)
+            if status:
+                raise RuntimeError(f"disk measurement: read failed with status {status}")
+            total += sum(r.length for r in batch)
+        elapsed = time.perf_counter() - start
+        direct = bool(loader.info()["direct"])
+    finally:
+        loader.close()
+        slab.close()
+    return {"bytes": total, "seconds": elapsed, "gb_per_s": total / elapsed / 1e9, "queue_depth": queue_depth,
+            "record_bytes": slot, "direct": direct}
+
+
+# --------------------------------------------------------------------------------------------
+# Lookahead prefetch (what moe.py / model.py are to get)
+# --------------------------------------------------------------------------------------------
+
+
+class _LookaheadExperts:
+    """The ExpertSource one MoE block sees: passes that block's prediction for the next MoE
+    layer to the first acquire of its step (queued after the step's own reads)."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+        self.max_pinned = source.max_pinned
+        self.pending = None  # (layer, experts) to prefetch with the next acquire
+
+    def acquire(self, layer, experts):
+        pending, self.pending = self.pending, None
+        return self.source.acquire(layer, experts, prefetch_next=pending)
+
+    def get(self, layer, expert):
+        return self.source.get(layer, expert)
+
+
+class _Lookahead:
+    """Wraps a MoE block: before it runs, apply the NEXT MoE layer's router to this layer's
+    FFN input and hand the predicted experts to the block's source."""
+
+    def __init__(self, block, next_block, source) -> None:
+        from colibrid.engine.moe import route
+
+        self.block, self.next_block, self.route = block, next_block, route
+        self.proxy = _LookaheadExperts(source)
+        block.experts = self.proxy
+        self.cap = max(1, source.max_pinned // 2)  # leave room for the current layer's experts
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        c = self.block.c
+        routing = self.route(x, self.next_block.w["router"], c.num_experts_per_tok, c.norm_topk_prob)
+        predicted = [int(e) for e in np.unique(routing.experts)][: self.cap]
+        self.proxy.pending = (self.next_block.layer, predicted)
+        return self.block(x)
+
+
+def install_lookahead(model, source) -> None:
+    from colibrid.engine.moe import MoeBlock
+
+    layers = [layer for layer in model.layers if isinstance(layer.ffn, MoeBlock)]
+    for cur, nxt in zip(layers, layers[1:]):
+        cur.ffn = _Lookahead(cur.ffn, nxt.ffn, source)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode measurement
+# --------------------------------------------------------------------------------------------
+
+
+def decode_run(pack_path: Path, cache_bytes: int, policy: str, prefetch: bool, tokens: int, warmup: int,
+               queue_depth: int, seed: int = 0, feed: str = "random") -> dict:
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(pack_path)
+    source = CachedExpertSource(pack, cache_bytes, policy=policy, io_queue_depth=queue_depth, hugepages="off",
+                                lock_memory="try", prefetch=prefetch)
+    try:
+        engine = Engine(pack, experts=source)
+        if prefetch:
+            install_lookahead(engine.model, source)
+        session = engine.new_session(max_context=warmup + tokens + 16)
+        rng = np.random.default_rng(seed)
+        vocab = engine.config.vocab_size
+
+        def step(token: int) -> int:
+            greedy = int(np.argmax(session.forward([token], all_logits=False)[-1]))
+            # A random-weight model's greedy output soon repeats one token, and with it the same
+            # experts: feeding random tokens instead gives the random routing the targets assume.
+            return greedy if feed == "greedy" else int(rng.integers(0, vocab))
+
+        records = pack.manifest.expert_records
+        if source.n_slots >= len(records):  # the cache holds every expert: load them all first
+            for layer in pack.manifest.model.moe_layer_ids:
+                with source.acquire(layer, range(pack.manifest.model.num_experts)):
+                    pass
+        token = int(rng.integers(0, vocab))
+        for _ in range(warmup):  # fills the cache
+            token = step(token)
+        source.reset_stats()
+        loader0 = source.stats()["loader"]
+        start = time.perf_counter()
+        for _ in range(tokens):
+            token = step(token)
+        elapsed = time.perf_counter() - start
+        st = source.stats()
+        total = st["total"]
+        busy_s = (st["loader"]["busy_ns"] - loader0["busy_ns"]) / 1e9
+        return {
+            "cache_bytes": source.n_slots * source.slot_bytes, "slots": source.n_slots, "policy": policy,
+            "prefetch": prefetch, "tokens": tokens, "tok_per_s": tokens / elapsed,
+            "hit_rate": total["hit_rate"], "mb_read_per_token": total["bytes_read"] / tokens / 1e6,
+            "read_gb_per_s": total["bytes_read"] / elapsed / 1e9, "disk_busy_fraction": busy_s / elapsed,
+            "read_ms_p50": total["read_ms_p50"], "read_ms_p99": total["read_ms_p99"],
+            "prefetch_issued": total["prefetch_issued"], "prefetch_useful": total["prefetch_useful"],
+            "prediction_precision": total["prediction_precision"], "prediction_recall": total["prediction_recall"],
+            "backing": source.backing_info()["backing"], "direct": source.backing_info()["direct"],
+        }
+    finally:
+        source.close()
+
+
+def _rss_peak_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cmd_run(args) -> int:
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(args.pack)
+    expert_bytes = sum(r.length for r in pack.manifest.expert_records)
+    print(f"pack {args.pack}: experts {format_bytes(expert_bytes)}, dense {format_bytes(pack.manifest.dense_size)}")
+    disk = measure_disk(args.pack, queue_depth=args.queue_depth)
+    print(f"disk: {disk['gb_per_s']:.2f} GB/s O_DIRECT (records of {format_bytes(disk['record_bytes'])}, "
+          f"queue depth {disk['queue_depth']}, direct={disk['direct']})")
+    rows = []
+    for fraction in [float(f) for f in args.fractions.split(",")]:
+        for policy in args.policies.split(","):
+            for prefetch in [p == "on" for p in args.prefetch.split(",")]:
+                row = decode_run(args.pack, int(expert_bytes * fraction), policy, prefetch, args.tokens, args.warmup,
+                                 args.queue_depth, feed=args.feed)
+                row.update(fraction=fraction, disk_gb_per_s=disk["gb_per_s"],
+                           read_vs_disk=row["read_gb_per_s"] / disk["gb_per_s"])
+                rows.append(row)
+                print(f"cache {fraction:4.0%} {policy:4s} prefetch {'on ' if prefetch else 'off'}: "
+                      f"{row['tok_per_s']:6.2f} tok/s  hit {row['hit_rate'] or 0:5.1%}  "
+                      f"{row['mb_read_per_token']:7.1f} MB/tok  read {row['read_gb_per_s']:.2f} GB/s "
+                      f"({row['read_vs_disk']:.0%} of disk, busy {row['disk_busy_fraction']:.0%})  "
+                      f"p50 {row['read_ms_p50']} ms  precision {row['prediction_precision']}", flush=True)
+    result = {"disk": disk, "runs": rows, "peak_rss_bytes": _rss_peak_bytes()}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# cgroup v1
+# --------------------------------------------------------------------------------------------
+
+
+def drop_from_page_cache(pack_path: Path) -> None:
+    """Evicts the pack's files from the page cache, so that the pages the run faults in are
+    charged to its cgroup (page cache is charged to whoever reads it first)."""
+    for name in ("dense.bin", "experts.bin"):
+        fd = os.open(Path(pack_path) / name, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_in_memory_cgroup(limit_bytes: int, argv: list[str]) -> int:
+    """Runs ``argv`` in a new child of the v1 memory controller limited to ``limit_bytes``
+    (page cache included); returns its exit code. The cgroup is removed afterwards."""
+    group = CGROUP_ROOT / f"colibri-bench-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
+        proc = subprocess.Popen(argv, preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+        code = proc.wait()
+        peak = int((group / "memory.max_usage_in_bytes").read_text())
+        failcnt = int((group / "memory.failcnt").read_text())
+        print(f"cgroup {group.name}: limit {format_bytes(limit_bytes)}, peak usage {format_bytes(peak)}, "
+              f"limit hit {failcnt} times, exit code {code}")
+        return code
+    finally:
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="write an OLMoE-1B-7B-shaped pack with random weights")
+    b.add_argument("out", type=Path)
+    b.add_argument("--quant", default="q8_0", help="expert type: q8_0 or q4_g64")
+    for key, value in OLMOE_SHAPE.items():
+        b.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
+    d = sub.add_parser("disk", help="O_DIRECT bandwidth of this pack's records")
+    d.add_argument("pack", type=Path)
+    d.add_argument("--queue-depth", type=int, default=16)
+    r = sub.add_parser("run", help="decode with the expert cache at several sizes")
+    r.add_argument("pack", type=Path)
+    r.add_argument("--fractions", default="0.25,0.5,1.0", help="cache sizes as fractions of the expert bytes")
+    r.add_argument("--policies", default="lru,lfru")
+    r.add_argument("--prefetch", default="on", help="on, off or on,off")
+    r.add_argument("--tokens", type=int, default=16)
+    r.add_argument("--warmup", type=int, default=8)
+    r.add_argument("--queue-depth", type=int, default=16)
+    r.add_argument("--feed", default="random", choices=["random", "greedy"],
+                   help="next input token: random (random routing, the default) or the greedy choice")
+    r.add_argument("--cgroup-limit", help="run inside a v1 memory cgroup with this limit (\"3G\")")
+    r.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+    if args.cmd == "build":
+        shape = {k: getattr(args, k) for k in OLMOE_SHAPE}
+        start = time.perf_counter()
+        build_shaped_pack(args.out, quant=args.quant, **shape)
+        print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s")
+        return 0
+    if args.cmd == "disk":
+        print(json.dumps(measure_disk(args.pack, queue_depth=args.queue_depth), indent=1))
+        return 0
+    if args.cgroup_limit:
+        inner = [sys.executable, str(Path(__file__).resolve()), "run", str(args.pack), "--fractions", args.fractions,
+                 "--policies", args.policies, "--prefetch", args.prefetch, "--tokens", str(args.tokens),
+                 "--warmup", str(args.warmup), "--queue-depth", str(args.queue_depth), "--feed", args.feed]
+        if args.json:
+            inner += ["--json", args.json]
+        drop_from_page_cache(args.pack)
+        return run_in_memory_cgroup(parse_size(args.cgroup_limit), inner)
+    return cmd_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

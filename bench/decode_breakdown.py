@@ -1,0 +1,70 @@
+"""Where a decode token's time goes: every libcolibri call is wrapped with a timer, the
+rest is Python (wrappers, routing, numpy glue). Uses the packs bench_kernels.py builds.
+
+    python bench/decode_breakdown.py ~/.cache/colibri-bench/olmoe-q4_g64.pack --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import ResidentExpertSource  # noqa: E402
+
+CALLS = ("col_matmul", "col_moe_experts", "col_attention", "col_rms_norm", "col_rope", "col_get_rows")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("pack", type=Path)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    from colibrid import native
+    from colibrid.engine.engine import Engine
+    from colibrid.pack.reader import Pack
+
+    native.configure_default_pool(n_threads=args.threads)
+    pack = Pack.open(args.pack)
+    engine = Engine(pack, experts=ResidentExpertSource(pack))
+    lib = native._lib()
+    spent: dict[str, float] = {}
+    for name in CALLS:
+        fn = getattr(lib, name)
+
+        def timed(*a, _fn=fn, _name=name):
+            t0 = time.perf_counter()
+            result = _fn(*a)
+            spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t0
+            return result
+
+        setattr(lib, name, timed)
+
+    def decode() -> float:
+        session = engine.new_session(args.tokens + 8)
+        token = 1
+        t0 = time.perf_counter()
+        for _ in range(args.tokens):
+            token = int(np.argmax(session.forward([token], all_logits=False)[0]))
+        return time.perf_counter() - t0
+
+    decode()
+    spent.clear()
+    total = decode()
+    per = lambda s: 1e3 * s / args.tokens  # noqa: E731
+    print(f"{args.pack.name}, {args.threads} thread(s), kernels {native.kernels()}: {per(total):.2f} ms/token "
+          f"({args.tokens / total:.1f} tok/s)")
+    for name, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:18s} {per(seconds):6.2f} ms")
+    print(f"  {'python / other':18s} {per(total - sum(spent.values())):6.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

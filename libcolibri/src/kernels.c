@@ -1,0 +1,141 @@
+/*
+ * kernels.c — runtime kernel selection and the activation quantizer shared by every SIMD
+ * level. The portable level has no integer kernels: it multiplies with float activations
+ * through the reference vec_dot of each type (types.c), which is the semantics the public
+ * header states.
+ */
+#define _POSIX_C_SOURCE 200809L /* posix_memalign */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "col_internal.h"
+
+float col_dot_f32_portable(const float *a, const float *b, int64_t n) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+void col_axpy_f32_portable(float *y, float a, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+static const col_kernel_set portable_kernels = {COL_KERNELS_PORTABLE, {NULL}, col_dot_f32_portable,
+                                                col_axpy_f32_portable, {NULL}};
+
+static _Atomic(const col_kernel_set *) active_kernels = NULL;
+
+static const col_kernel_set *kernels_of(int level) {
+    switch (level) {
+    case COL_KERNELS_PORTABLE: return &portable_kernels;
+    case COL_KERNELS_AVX2: return col_kernels_avx2();
+    case COL_KERNELS_AVX512: return col_kernels_avx512();
+    case COL_KERNELS_AVX512_VNNI: return col_kernels_avx512_vnni();
+    case COL_KERNELS_NEON: return col_kernels_neon();
+    default: return NULL;
+    }
+}
+
+static const col_kernel_set *best_kernels(void) {
+    static const int preference[] = {COL_KERNELS_AVX512_VNNI, COL_KERNELS_AVX512, COL_KERNELS_AVX2,
+                                     COL_KERNELS_NEON};
+    for (size_t i = 0; i < sizeof preference / sizeof preference[0]; i++) {
+        const col_kernel_set *k = kernels_of(preference[i]);
+        if (k) return k;
+    }
+    return &portable_kernels;
+}
+
+const col_kernel_set *col_kernels_active(void) {
+    const col_kernel_set *k = atomic_load_explicit(&active_kernels, memory_order_acquire);
+    if (!k) { /* first use: every thread computes the same answer, so a race is harmless */
+        k = best_kernels();
+        atomic_store_explicit(&active_kernels, k, memory_order_release);
+    }
+    return k;
+}
+
+int col_kernels_get(void) { return col_kernels_active()->level; }
+
+int col_kernels_supported(int level) { return kernels_of(level) != NULL; }
+
+int col_kernels_set(int level) {
+    if (level < 0 || level >= COL_KERNELS_COUNT) return COL_EINVAL;
+    const col_kernel_set *k = kernels_of(level);
+    if (!k) return COL_ENOTSUP;
+    atomic_store_explicit(&active_kernels, k, memory_order_release);
+    return COL_OK;
+}
+
+const char *col_kernels_name(int level) {
+    switch (level) {
+    case COL_KERNELS_PORTABLE: return "portable";
+    case COL_KERNELS_AVX2: return "avx2";
+    case COL_KERNELS_AVX512: return "avx512";
+    case COL_KERNELS_AVX512_VNNI: return "avx512_vnni";
+    case COL_KERNELS_NEON: return "neon";
+    default: return "unknown";
+    }
+}
+
+/* q = nearbyint(v * id) clamped to [-127, 127]; NaN and overflow never reach the int
+ * conversion. Returns sum(q). */
+static int32_t quantize_run(const float *x, int n, float id, int8_t *qs) {
+    int32_t sum = 0;
+    for (int j = 0; j < n; j++) {
+        const float v = fminf(fmaxf(x[j] * id, -127.0f), 127.0f);
+        const int q = (int)((v + 12582912.0f) - 12582912.0f); /* round half to even */
+        qs[j] = (int8_t)q;
+        sum += q;
+    }
+    return sum;
+}
+
+static float block_amax(const float *x, int n) {
+    float amax = 0.0f;
+    for (int j = 0; j < n; j++) amax = fmaxf(amax, fabsf(x[j]));
+    return amax;
+}
+
+void col_quantize_x(int type, const float *x, int64_t n, uint8_t *base) {
+    const int64_t nb = n / COL_QK_X;
+    const int64_t nbe = col_xq_nb_even(nb);
+    int8_t *qs = (int8_t *)base;                                 /* (nb, 32) */
+    int32_t *bias = (int32_t *)(base + COL_XQ_OFF_BIAS(nbe));    /* (nb, 8) */
+    float *dv = (float *)(base + COL_XQ_OFF_DV(nbe));            /* (nb, 8) */
+    float *d = (float *)(base + COL_XQ_OFF_D(nbe));              /* (nb) */
+    float *ds = (float *)(base + COL_XQ_OFF_DS(nbe));            /* (nb) */
+    float *ds2 = (float *)(base + COL_XQ_OFF_DS2(nbe));          /* (nb / 2) */
+    if (type == COL_TYPE_Q4_G64) { /* one scale per 64 values, the weight's own block */
+        for (int64_t k = 0; k < n / 64; k++) {
+            const float amax = block_amax(x + k * 64, 64);
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            d[k] = amax / 127.0f;
+            ds2[k] = d[k] * (float)quantize_run(x + k * 64, 64, id, qs + k * 64);
+        }
+        return;
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const float amax = block_amax(x + b * COL_QK_X, COL_QK_X);
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float db = amax / 127.0f;
+        const int32_t sum = quantize_run(x + b * COL_QK_X, COL_QK_X, id, qs + b * COL_QK_X);
+        d[b] = db;
+        ds[b] = db * (float)sum;
+        for (int l = 0; l < 8; l++) {
+            dv[b * 8 + l] = db;
+            bias[b * 8 + l] = 0;
+        }
+        bias[b * 8] = -128 * sum;
+        if (b & 1) ds2[b / 2] = ds[b - 1] + ds[b];
+    }
+}
+
+void *col_alloc(size_t bytes) {
+    void *p = NULL;
+    if (posix_memalign(&p, 64, bytes ? (bytes + 63) / 64 * 64 : 64) != 0) return NULL;
+    return p;
+}
+
+void col_free(void *p) { free(p); }

@@ -1,0 +1,100 @@
+/*
+ * ops.c — the small dense steps of a decoder layer: RMSNorm, RoPE and attention over the
+ * KV cache. All float32; attention's inner products go through the active level's float
+ * vector helpers (dot_f32 / axpy_f32).
+ */
+#include <math.h>
+
+#include "col_internal.h"
+
+int col_rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, float eps, float *y) {
+    if (rows < 0 || n < 0) return COL_EINVAL;
+    if (rows == 0 || n == 0) return COL_OK;
+    if (!x || !weight || !y) return COL_EINVAL;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n; /* (n) */
+        float *yr = y + r * n;       /* (n) */
+        double sum_sq = 0.0;         /* double: the mean does not depend on n's size */
+        for (int64_t i = 0; i < n; i++) sum_sq += (double)xr[i] * (double)xr[i];
+        const float rms = sqrtf((float)(sum_sq / (double)n) + eps);
+        for (int64_t i = 0; i < n; i++) yr[i] = weight[i] * (xr[i] / rms);
+    }
+    return COL_OK;
+}
+
+int col_rope(float *x, int64_t n_tok, int64_t n_heads, int64_t head_dim, const float *cos,
+             const float *sin) {
+    if (n_tok < 0 || n_heads < 0 || head_dim < 0 || head_dim % 2 != 0) return COL_EINVAL;
+    if (n_tok == 0 || n_heads == 0 || head_dim == 0) return COL_OK;
+    if (!x || !cos || !sin) return COL_EINVAL;
+    const int64_t half = head_dim / 2;
+    for (int64_t t = 0; t < n_tok; t++) {
+        const float *c = cos + t * head_dim, *s = sin + t * head_dim; /* (Hd) */
+        for (int64_t h = 0; h < n_heads; h++) {
+            float *v = x + (t * n_heads + h) * head_dim; /* (Hd) */
+            for (int64_t i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+    return COL_OK;
+}
+
+typedef struct {
+    const col_kernel_set *k;
+    const float *q, *keys, *vals; /* (Tq, H, Hd), (S, K, Hd), (S, K, Hd) */
+    int64_t n_q, n_keys, n_heads, n_kv_heads, head_dim, window;
+    const int64_t *positions;     /* (Tq) */
+    float scale;
+    float *scores;                /* (nth, S) one row per thread */
+    float *out;                   /* (Tq, H * Hd) */
+} attention_job;
+
+static void attention_task(void *arg, int ith, int nth) {
+    attention_job *j = arg;
+    const int64_t Hd = j->head_dim, K = j->n_kv_heads, group = j->n_heads / K;
+    float *sc = j->scores + ith * j->n_keys; /* (S) */
+    int64_t b, e;
+    col_split(j->n_q * j->n_heads, ith, nth, &b, &e);
+    for (int64_t item = b; item < e; item++) {
+        const int64_t t = item / j->n_heads, h = item % j->n_heads, kh = h / group;
+        const float *qv = j->q + item * Hd;       /* (Hd) */
+        float *ov = j->out + item * Hd;           /* (Hd) */
+        const int64_t pos = j->positions[t];
+        int64_t lo = 0, hi = pos < j->n_keys - 1 ? pos : j->n_keys - 1;
+        if (j->window > 0 && pos - j->window + 1 > lo) lo = pos - j->window + 1;
+        for (int64_t i = 0; i < Hd; i++) ov[i] = 0.0f;
+        if (hi < lo) continue;
+        float mx = -INFINITY;
+        for (int64_t s = lo; s <= hi; s++) {
+            sc[s] = j->k->dot_f32(qv, j->keys + (s * K + kh) * Hd, Hd) * j->scale;
+            if (sc[s] > mx) mx = sc[s];
+        }
+        float sum = 0.0f;
+        for (int64_t s = lo; s <= hi; s++) {
+            sc[s] = expf(sc[s] - mx);
+            sum += sc[s];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t s = lo; s <= hi; s++) j->k->axpy_f32(ov, sc[s] * inv, j->vals + (s * K + kh) * Hd, Hd);
+    }
+}
+
+int col_attention(col_pool *pool, const float *q, const float *keys, const float *vals, int64_t n_q,
+                  int64_t n_keys, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                  const int64_t *positions, int64_t window, float scale, float *out) {
+    if (n_q < 0 || n_keys < 0 || n_heads < 0 || n_kv_heads <= 0 || head_dim < 0 || n_heads % n_kv_heads != 0)
+        return COL_EINVAL;
+    if (n_q == 0 || n_heads == 0 || head_dim == 0) return COL_OK;
+    if (!q || !positions || !out || (n_keys > 0 && (!keys || !vals))) return COL_EINVAL;
+    const int nth = col_pool_n_threads(pool);
+    float *scores = col_alloc((size_t)nth * (size_t)(n_keys > 0 ? n_keys : 1) * sizeof(float));
+    if (!scores) return COL_ENOMEM;
+    attention_job job = {col_kernels_active(), q, keys, vals, n_q, n_keys, n_heads, n_kv_heads,
+                         head_dim, window, positions, scale, scores, out};
+    col_pool_run(pool, attention_task, &job);
+    col_free(scores);
+    return COL_OK;
+}

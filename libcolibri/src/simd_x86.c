@@ -1,0 +1,410 @@
+/*
+ * simd_x86.c — integer dot products of q8_0 / q4_g64 weight rows with int8 activations
+ * (col_xq_row, see col_internal.h) for AVX2, AVX-512 and AVX-512 VNNI.
+ *
+ * Each function is compiled for its own ISA with __attribute__((target)), so the library as
+ * a whole still runs on any x86-64; kernels.c only hands out a level after
+ * __builtin_cpu_supports said yes.
+ *
+ * The integer core of every variant is "sum of u8 x s8 products in int32 lanes":
+ *   AVX2 / AVX-512: vpmaddubsw (pairs into int16) then vpmaddwd with ones (into int32);
+ *                   the u8 operand must be small enough not to saturate int16: |w| <= 128
+ *                   via the sign trick for q8_0, q <= 15 for q4_g64.
+ *   VNNI:           vpdpbusd does both steps without saturation; q8_0 weights are made
+ *                   unsigned by adding 128 (xor 0x80), and the sum starts at -128 * sum(x)
+ *                   (the activation row's precomputed bias lane) to cancel it.
+ * Lanes are converted to float per block and scaled by (weight scale) x (activation scale).
+ */
+#include "col_internal.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
+#define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")))
+
+/* ---- AVX2 ----------------------------------------------------------------------------- */
+
+TARGET_AVX2 static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+TARGET_AVX2 static inline float f16_avx2(const uint8_t *p) { return _cvtsh_ss(col_load_u16(p)); }
+
+TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        for (int k = 0; k < 2; k++) {
+            const uint8_t *blk = w + (b + k) * 34;
+            const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256i xq = _mm256_load_si256((const __m256i *)(x->qs + (b + k) * 32));
+            const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+            const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+            const __m256 s = _mm256_set1_ps(f16_avx2(blk) * x->d[b + k]);
+            if (k == 0) acc0 = _mm256_fmadd_ps(p, s, acc0);
+            else acc1 = _mm256_fmadd_ps(p, s, acc1);
+        }
+    }
+    for (; b < nb; b++) {
+        const uint8_t *blk = w + b * 34;
+        const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        const __m256i xq = _mm256_load_si256((const __m256i *)(x->qs + b * 32));
+        const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+        acc0 = _mm256_fmadd_ps(p, _mm256_set1_ps(f16_avx2(blk) * x->d[b]), acc0);
+    }
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
+
+/* q4_g64 activations come in blocks of 64 (col_quantize_x): block k has scale x->d[k] and
+ * offset sum x->ds2[k]; nb still counts 32-value blocks. */
+TARGET_AVX2 static float dot_q4_g64_avx2(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+    float offset_sum = 0.0f;
+    for (int64_t k = 0; k < nb / 2; k++) {
+        const uint8_t *blk = w + k * 36;
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 4));
+        const __m256i lo = _mm256_and_si256(q, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        const __m256i x0 = _mm256_load_si256((const __m256i *)(x->qs + k * 64));
+        const __m256i x1 = _mm256_load_si256((const __m256i *)(x->qs + k * 64 + 32));
+        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones),
+                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f16_avx2(blk) * x->d[k]), acc);
+        offset_sum += f16_avx2(blk + 2) * x->ds2[k];
+    }
+    return hsum256(acc) + offset_sum;
+}
+
+/* ---- AVX-512 (with and without VNNI) -------------------------------------------------- */
+
+/* Two q8_0 blocks' quants side by side in one register. */
+#define LOAD_Q8_PAIR(blk)                                                                       \
+    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)((blk) + 2))), \
+                       _mm256_loadu_si256((const __m256i *)((blk) + 36)), 1)
+
+/* [s0 x 8, s1 x 8] */
+#define SCALE_PAIR(s0, s1) _mm512_insertf32x8(_mm512_set1_ps(s0), _mm256_set1_ps(s1), 1)
+
+TARGET_AVX512 static inline __m512i dot_u8s8_avx512(__m512i u, __m512i s) {
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+}
+
+TARGET_AVX512 static inline float f16_avx512(const uint8_t *p) { return _cvtsh_ss(col_load_u16(p)); }
+TARGET_VNNI static inline float f16_vnni(const uint8_t *p) { return _cvtsh_ss(col_load_u16(p)); }
+
+/* The tail block (odd nb) of q8_0, 256-bit, shared by both AVX-512 variants. */
+TARGET_AVX512 static inline __m256 q8_tail_avx512(const uint8_t *blk, const int8_t *xqs, float dx) {
+    const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const __m256i xq = _mm256_load_si256((const __m256i *)xqs);
+    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+    const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+    return _mm256_mul_ps(p, _mm256_set1_ps(f16_avx512(blk) * dx));
+}
+
+TARGET_AVX512 static float dot_q8_0_avx512(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *blk = w + b * 34;
+        const __m512i wq = LOAD_Q8_PAIR(blk);
+        const __m512i xq = _mm512_load_si512((const void *)(x->qs + b * 32));
+        /* |w| and x with w's sign: the u8 operand stays <= 128, no int16 saturation */
+        const __mmask64 neg = _mm512_movepi8_mask(wq);
+        const __m512i aw = _mm512_abs_epi8(wq);
+        const __m512i sx = _mm512_mask_sub_epi8(xq, neg, zero, xq);
+        const __m512 p = _mm512_cvtepi32_ps(dot_u8s8_avx512(aw, sx));
+        const __m512 s = _mm512_mul_ps(_mm512_load_ps(x->dv + b * 8),
+                                       SCALE_PAIR(f16_avx512(blk), f16_avx512(blk + 34)));
+        acc = _mm512_fmadd_ps(p, s, acc);
+    }
+    float total = _mm512_reduce_add_ps(acc);
+    if (b < nb) {
+        const __m256 t = q8_tail_avx512(w + b * 34, x->qs + b * 32, x->d[b]);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        total += _mm_cvtss_f32(s);
+    }
+    return total;
+}
+
+TARGET_VNNI static inline float q8_finish(__m512 acc, const uint8_t *w, const col_xq_row *xt, int64_t b, int64_t nb) {
+    float total = _mm512_reduce_add_ps(acc);
+    if (b < nb) {
+        const __m256 tail = q8_tail_avx512(w + b * 34, xt->qs + b * 32, xt->d[b]);
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(tail), _mm256_extractf128_ps(tail, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        total += _mm_cvtss_f32(s);
+    }
+    return total;
+}
+
+/* One accumulator, two blocks per step: the same arithmetic, in the same order, as one
+ * token of dot4_q8_0_vnni, so a token's result does not depend on how many tokens share the
+ * call (decode with a KV cache equals a full forward bit for bit). */
+TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *blk = w + b * 34;
+        const __m512i u = _mm512_xor_si512(LOAD_Q8_PAIR(blk), flip); /* w + 128 */
+        const __m512 sw = SCALE_PAIR(f16_vnni(blk), f16_vnni(blk + 34));
+        const __m512i i = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(x->bias + b * 8)), u,
+                                              _mm512_load_si512((const void *)(x->qs + b * 32)));
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_load_ps(x->dv + b * 8)), sw, acc);
+    }
+    return q8_finish(acc, w, x, b, nb);
+}
+
+/* One q4_g64 block's 64 quants in element order: low nibbles (0..31) then high (32..63). */
+TARGET_AVX512 static inline __m512i load_q4_block(const uint8_t *blk, __m256i low4) {
+    const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 4));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q, low4)),
+                              _mm256_and_si256(_mm256_srli_epi16(q, 4), low4), 1);
+}
+
+TARGET_AVX512 static float dot_q4_g64_avx512(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+    float offset_sum = 0.0f;
+    for (int64_t k = 0; k < nb / 2; k++) {
+        const uint8_t *blk = w + k * 36;
+        const __m512i q = load_q4_block(blk, low4);
+        const __m512i xq = _mm512_load_si512((const void *)(x->qs + k * 64));
+        const __m512i p = dot_u8s8_avx512(q, xq); /* (16) int32: fold to 8 lanes, one scale */
+        const __m256i p8 = _mm256_add_epi32(_mm512_castsi512_si256(p), _mm512_extracti64x4_epi64(p, 1));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p8), _mm256_set1_ps(f16_avx512(blk) * x->d[k]), acc);
+        offset_sum += f16_avx512(blk + 2) * x->ds2[k];
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s) + offset_sum;
+}
+
+/* One q4_g64 block against its 64 activations (one scale: q4_g64 activations come in
+ * blocks of 64): two 256-bit vpdpbusd into one int32 vector, one conversion, one fma.
+ * dot_q4_g64_vnni runs four chains (block k into chain k % 4) and sums them at the end: the
+ * same arithmetic, in the same order, as one token of dot4_q4_g64_vnni. */
+#define Q4_ONE(kk, acc, off)                                                                             \
+    do {                                                                                                 \
+        const uint8_t *blk_ = w + (kk) * 36;                                                             \
+        const __m256i q_ = _mm256_loadu_si256((const __m256i *)(blk_ + 4));                              \
+        const __m256i lo_ = _mm256_and_si256(q_, low4), hi_ = _mm256_and_si256(_mm256_srli_epi16(q_, 4), low4); \
+        const int8_t *xs_ = x->qs + (kk) * 64;                                                           \
+        __m256i s_ = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo_, _mm256_load_si256((const __m256i *)xs_)); \
+        s_ = _mm256_dpbusd_epi32(s_, hi_, _mm256_load_si256((const __m256i *)(xs_ + 32)));               \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), _mm256_set1_ps(f16_vnni(blk_) * x->d[kk]), acc);   \
+        off += f16_vnni(blk_ + 2) * x->ds2[kk];                                                          \
+    } while (0)
+
+TARGET_VNNI static float dot_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    float o0 = 0.0f, o1 = 0.0f, o2 = 0.0f, o3 = 0.0f;
+    const int64_t n64 = nb / 2;
+    int64_t k = 0;
+    for (; k + 4 <= n64; k += 4) { /* four independent chains: the fma latency is hidden */
+        Q4_ONE(k, a0, o0);
+        Q4_ONE(k + 1, a1, o1);
+        Q4_ONE(k + 2, a2, o2);
+        Q4_ONE(k + 3, a3, o3);
+    }
+    for (; k < n64; k++) Q4_ONE(k, a0, o0);
+    const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r) + ((o0 + o1) + (o2 + o3));
+}
+
+/* ---- four activation rows at once (prefill, several tokens per expert) --------------------
+ * The weight row is decoded once per block pair and used for four tokens: the shared work
+ * (loads, xor / nibble split, weight scales) is paid once, the per-token work is one
+ * vpdpbusd, one conversion and two float ops per 64 values. */
+
+/* The four tokens are written out (not a loop over an array of accumulators) so that the
+ * accumulators live in registers at -O2. */
+#define Q8_STEP4(t, acc)                                                                               \
+    acc = _mm512_fmadd_ps(                                                                             \
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(                                          \
+                          _mm512_load_si512((const void *)(x[t].bias + b * 8)), u,                     \
+                          _mm512_load_si512((const void *)(x[t].qs + b * 32)))),                       \
+                      _mm512_load_ps(x[t].dv + b * 8)),                                                \
+        sw, acc)
+
+
+TARGET_VNNI static void dot4_q8_0_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb, float *out) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *blk = w + b * 34;
+        const __m512i u = _mm512_xor_si512(LOAD_Q8_PAIR(blk), flip); /* w + 128 */
+        const __m512 sw = SCALE_PAIR(f16_vnni(blk), f16_vnni(blk + 34));
+        Q8_STEP4(0, a0);
+        Q8_STEP4(1, a1);
+        Q8_STEP4(2, a2);
+        Q8_STEP4(3, a3);
+    }
+    out[0] = q8_finish(a0, w, &x[0], b, nb);
+    out[1] = q8_finish(a1, w, &x[1], b, nb);
+    out[2] = q8_finish(a2, w, &x[2], b, nb);
+    out[3] = q8_finish(a3, w, &x[3], b, nb);
+}
+
+#define Q4_STEP4(t, acc)                                                                                  \
+    do {                                                                                                  \
+        const int8_t *xs_ = x[t].qs + k * 64;                                                             \
+        __m256i s_ = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_load_si256((const __m256i *)xs_)); \
+        s_ = _mm256_dpbusd_epi32(s_, hi, _mm256_load_si256((const __m256i *)(xs_ + 32)));                 \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), _mm256_set1_ps(d * x[t].d[k]), acc);               \
+    } while (0)
+
+TARGET_VNNI static inline float hsum256_vnni(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Block k of the row against token t, into token t's chain `acc` / `off`. */
+#define Q4_T(t, acc, off)                                                                                 \
+    do {                                                                                                  \
+        const int8_t *xs_ = x[t].qs + kk * 64;                                                            \
+        __m256i s_ = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_load_si256((const __m256i *)xs_)); \
+        s_ = _mm256_dpbusd_epi32(s_, hi, _mm256_load_si256((const __m256i *)(xs_ + 32)));                 \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), _mm256_set1_ps(d * x[t].d[kk]), acc);              \
+        off += m * x[t].ds2[kk];                                                                          \
+    } while (0)
+
+/* Block kk into chain c (0..3) of every token. */
+#define Q4_BLOCK4(c)                                                                                      \
+    do {                                                                                                  \
+        const uint8_t *blk = w + kk * 36;                                                                 \
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 4));                                 \
+        const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
+        const float d = f16_vnni(blk), m = f16_vnni(blk + 2);                                             \
+        Q4_T(0, a[0][c], o[0][c]);                                                                        \
+        Q4_T(1, a[1][c], o[1][c]);                                                                        \
+        Q4_T(2, a[2][c], o[2][c]);                                                                        \
+        Q4_T(3, a[3][c], o[3][c]);                                                                        \
+    } while (0)
+
+TARGET_VNNI static void dot4_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb, float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+    __m256 a[4][4]; /* (token, chain) */
+    float o[4][4];  /* (token, chain) offset terms m * sum(x) */
+    for (int t = 0; t < 4; t++)
+        for (int c = 0; c < 4; c++) a[t][c] = _mm256_setzero_ps(), o[t][c] = 0.0f;
+    const int64_t n64 = nb / 2;
+    int64_t k = 0, kk;
+    for (; k + 4 <= n64; k += 4) {
+        kk = k;
+        Q4_BLOCK4(0);
+        kk = k + 1;
+        Q4_BLOCK4(1);
+        kk = k + 2;
+        Q4_BLOCK4(2);
+        kk = k + 3;
+        Q4_BLOCK4(3);
+    }
+    for (; k < n64; k++) {
+        kk = k;
+        Q4_BLOCK4(0);
+    }
+    for (int t = 0; t < 4; t++) {
+        const __m256 s = _mm256_add_ps(_mm256_add_ps(a[t][0], a[t][1]), _mm256_add_ps(a[t][2], a[t][3]));
+        out[t] = hsum256_vnni(s) + ((o[t][0] + o[t][1]) + (o[t][2] + o[t][3]));
+    }
+}
+
+/* ---- float helpers for attention -------------------------------------------------------- */
+
+TARGET_AVX2 static float dot_f32_avx2(const float *a, const float *b, int64_t n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    float sum = hsum256(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+TARGET_AVX2 static void axpy_f32_avx2(float *y, float a, const float *x, int64_t n) {
+    const __m256 va = _mm256_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+TARGET_AVX512 static float dot_f32_avx512(const float *a, const float *b, int64_t n) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    for (; i + 16 <= n; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+TARGET_AVX512 static void axpy_f32_avx512(float *y, float a, const float *x, int64_t n) {
+    const __m512 va = _mm512_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* ---- kernel sets ------------------------------------------------------------------------ */
+
+static const col_kernel_set avx2_kernels = {
+    COL_KERNELS_AVX2, {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2},
+    dot_f32_avx2, axpy_f32_avx2, {NULL}};
+static const col_kernel_set avx512_kernels = {
+    COL_KERNELS_AVX512, {[COL_TYPE_Q8_0] = dot_q8_0_avx512, [COL_TYPE_Q4_G64] = dot_q4_g64_avx512},
+    dot_f32_avx512, axpy_f32_avx512, {NULL}};
+static const col_kernel_set vnni_kernels = {
+    COL_KERNELS_AVX512_VNNI, {[COL_TYPE_Q8_0] = dot_q8_0_vnni, [COL_TYPE_Q4_G64] = dot_q4_g64_vnni},
+    dot_f32_avx512, axpy_f32_avx512,
+    {[COL_TYPE_Q8_0] = dot4_q8_0_vnni, [COL_TYPE_Q4_G64] = dot4_q4_g64_vnni}};
+
+static int has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+static int has_avx512(void) {
+    return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
+
+const col_kernel_set *col_kernels_avx2(void) { return has_avx2() ? &avx2_kernels : NULL; }
+const col_kernel_set *col_kernels_avx512(void) { return has_avx512() ? &avx512_kernels : NULL; }
+const col_kernel_set *col_kernels_avx512_vnni(void) {
+    return has_avx512() && __builtin_cpu_supports("avx512vnni") ? &vnni_kernels : NULL;
+}
+
+#else /* not x86 */
+
+const col_kernel_set *col_kernels_avx2(void) { return NULL; }
+const col_kernel_set *col_kernels_avx512(void) { return NULL; }
+const col_kernel_set *col_kernels_avx512_vnni(void) { return NULL; }
+
+#endif

@@ -1,0 +1,411 @@
+"""CachedExpertSource as the engine's ExpertSource: the same logits and tokens as the plain
+pread path for every cache size and policy, clean errors for damaged or missing expert
+files, and a lock_memory = "required" failure that says how to fix the machine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from tests.tiny_checkpoints import CheckpointSpec
+
+# 8 experts, top-2, a shared expert; layers 0 and 2 are dense MLPs, so the expert index has holes.
+SPEC = CheckpointSpec("qwen2_moe", {"num_hidden_layers": 4, "decoder_sparse_step": 2})
+MOE_LAYERS = [1, 3]
+PROMPT = [5, 17, 42, 99, 3, 250, 7, 61, 11, 200, 31, 8]
+
+
+@pytest.fixture(scope="module")
+def pack_path(packs):
+    return packs.pack(SPEC, "q8_0")
+
+
+@pytest.fixture(scope="module")
+def reference(pack_path):
+    from colibrid.engine.engine import Engine
+    from colibrid.pack.reader import Pack
+
+    engine = Engine(Pack.open(pack_path))
+    return engine.forward(PROMPT), engine.greedy(PROMPT, 10)
+
+
+def _cached_engine(path, **kwargs):
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(path)
+    kwargs.setdefault("hugepages", "off")
+    source = CachedExpertSource(pack, **kwargs)
+    return Engine(pack, experts=source), source
+
+
+def _slot_bytes(path) -> int:
+    from colibrid.pack.reader import Pack
+
+    record = Pack.open(path).manifest.expert_records[0].length
+    return -(-record // 4096) * 4096
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+@pytest.mark.parametrize("n_slots", [1, 2, 3, 7, 64])  # 1 < top-k; 64 > every expert of the pack
+def test_any_cache_size_gives_bit_identical_output(pack_path, reference, n_slots, policy):
+    logits_ref, tokens_ref = reference
+    engine, source = _cached_engine(pack_path, cache_bytes=n_slots * _slot_bytes(pack_path), policy=policy)
+    try:
+        assert source.max_pinned == min(n_slots, 16)
+        logits = engine.forward(PROMPT)
+        assert logits.dtype == logits_ref.dtype and np.array_equal(logits, logits_ref)
+        assert engine.greedy(PROMPT, 10) == tokens_ref
+        st = source.stats()
+        assert st["pinned"] == 0 and st["total"]["load_failures"] == 0
+        assert [layer["layer"] for layer in st["layers"]] == MOE_LAYERS
+        if n_slots >= 16:
+            assert st["total"]["evictions"] == 0 and st["total"]["misses"] <= 16
+    finally:
+        source.close()
+
+
+class _PrefetchingSource:
+    """Wraps a CachedExpertSource and, at every layer step, prefetches a guess for the next
+    MoE layer (the real lookahead is wired in moe.py): checks that prefetch, even one that
+    guesses wrong and fights a tiny cache for slots, never changes the output."""
+
+    def __init__(self, source, rng):
+        self.source, self.rng = source, rng
+        self.max_pinned = source.max_pinned
+
+    def acquire(self, layer, experts):
+        nxt = (layer + 2) % 4
+        self.source.prefetch(nxt, [int(e) for e in self.rng.choice(8, size=3, replace=False)])
+        return self.source.acquire(layer, experts)
+
+    def get(self, layer, expert):
+        return self.source.get(layer, expert)
+
+
+@pytest.mark.parametrize("n_slots", [1, 3, 16])
+def test_prefetch_never_changes_the_output(pack_path, reference, n_slots):
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(pack_path)
+    source = CachedExpertSource(pack, n_slots * _slot_bytes(pack_path), hugepages="off", io_queue_depth=4)
+    try:
+        engine = Engine(pack, experts=_PrefetchingSource(source, np.random.default_rng(n_slots)))
+        assert np.array_equal(engine.forward(PROMPT), reference[0])
+        assert engine.greedy(PROMPT, 10) == reference[1]
+        total = source.stats()["total"]
+        assert total["prefetch_issued"] + total["prefetch_skipped"] > 0
+        assert total["prediction_precision"] is not None and 0 <= total["prediction_recall"] <= 1
+        source.set_prefetch(False)
+        assert source.prefetch(0, [1, 2]) == 0
+    finally:
+        source.close()
+
+
+def test_stats_and_backing_info_say_what_happened(pack_path):
+    engine, source = _cached_engine(pack_path, cache_bytes="64M", lock_memory="try")
+    try:
+        engine.forward(PROMPT)
+        first = source.stats()["total"]
+        engine.forward(PROMPT)
+        second = source.stats()["total"]
+        assert second["misses"] == first["misses"]  # all 16 experts fit: the second pass only hits
+        assert second["hits"] > first["hits"] and second["hit_rate"] > first["hit_rate"]
+        assert first["bytes_read"] == first["loads"] * _slot_bytes(pack_path) and first["loads"] >= first["misses"]
+        assert first["read_ms_p50"] is not None and first["read_ms_p50"] <= first["read_ms_p99"]
+        info = source.backing_info()
+        assert info["backing"] == "pages" and info["direct"] is True and info["slots"] == 16
+        assert info["locked"] == (info["lock_errno"] is None)
+        source.set_io_queue_depth(2)
+        assert source.backing_info()["io_queue_depth"] == 2
+        with pytest.raises(ValueError):
+            source.set_io_queue_depth(0)
+        source.reset_stats()
+        assert source.stats()["total"]["requests"] == 0
+    finally:
+        source.close()
+
+
+def test_get_returns_a_copy_that_outlives_the_pin(pack_path):
+    from colibrid.engine.experts import PreadExpertSource
+    from colibrid.pack.reader import Pack
+
+    _, source = _cached_engine(pack_path, cache_bytes=_slot_bytes(pack_path))
+    plain = PreadExpertSource(Pack.open(pack_path))
+    try:
+        a = source.get(1, 3)
+        source.get(3, 5)  # reuses the only slot
+        b = plain.get(1, 3)
+        for part in ("gate", "up", "down"):
+            assert np.array_equal(np.asarray(getattr(a, part).data), np.asarray(getattr(b, part).data))
+    finally:
+        source.close()
+        plain.close()
+
+
+def _flip(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+class _Recorder:
+    """A PreadExpertSource that remembers which experts each layer step asked for."""
+
+    def __init__(self, source):
+        self.source, self.max_pinned, self.asked = source, source.max_pinned, {}
+
+    def acquire(self, layer, experts):
+        self.asked.setdefault(layer, set()).update(int(e) for e in experts)
+        return self.source.acquire(layer, experts)
+
+    def get(self, layer, expert):
+        return self.source.get(layer, expert)
+
+
+def test_a_flipped_byte_fails_that_request_and_the_next_one_succeeds(pack_path, reference, tmp_path):
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.experts import ExpertChecksumError, PreadExpertSource
+    from colibrid.pack.reader import Pack
+
+    path = shutil.copytree(pack_path, tmp_path / "pack")
+    recorder = _Recorder(PreadExpertSource(Pack.open(path)))
+    Engine(Pack.open(path), experts=recorder).forward(PROMPT)
+    layer = MOE_LAYERS[0]
+    assert sorted(recorder.asked) == MOE_LAYERS
+    used = sorted(recorder.asked[layer])
+    unused = sorted(set(range(8)) - recorder.asked[layer])
+    damaged = used[0]
+    record = Pack.open(path).expert_record(layer, damaged)
+    engine, source = _cached_engine(path, cache_bytes=4 * _slot_bytes(path))
+    try:
+        _flip(path / "experts.bin", record.offset + 1000)
+        with pytest.raises(ExpertChecksumError) as err:
+            engine.forward(PROMPT)
+        e = err.value
+        assert (e.layer, e.expert, e.offset) == (layer, damaged, record.offset)
+        assert f"expert {damaged} of layer {layer}" in str(e) and f"offset {record.offset}" in str(e)
+        assert source.stats()["pinned"] == 0  # the failed step released its pins
+        assert source.stats()["total"]["load_failures"] == 1
+        for expert in unused[:2] + used[1:2]:
+            source.get(layer, expert)  # requests that do not need the damaged expert succeed
+        _flip(path / "experts.bin", record.offset + 1000)  # the file is fixed
+        assert np.array_equal(engine.forward(PROMPT), reference[0])  # re-read, not a stale slot
+    finally:
+        source.close()
+
+
+def test_a_truncated_experts_file_gives_a_clean_error(pack_path, tmp_path):
+    from colibrid.engine.experts import ExpertLoadError
+    from colibrid.pack.reader import Pack
+
+    path = shutil.copytree(pack_path, tmp_path / "pack")
+    last = Pack.open(path).manifest.expert_records[-1]
+    engine, source = _cached_engine(path, cache_bytes="1M")
+    try:
+        os.truncate(path / "experts.bin", last.offset)
+        with pytest.raises(ExpertLoadError, match="short read") as err:
+            source.get(last.layer, last.expert)
+        assert (err.value.layer, err.value.expert, err.value.offset) == (last.layer, last.expert, last.offset)
+    finally:
+        source.close()
+
+
+def test_a_missing_experts_file_fails_at_start(pack_path, tmp_path):
+    from colibrid.engine.expert_cache import CachedExpertSource, ExpertCacheError
+    from colibrid.pack.reader import Pack
+
+    path = shutil.copytree(pack_path, tmp_path / "pack")
+    pack = Pack.open(path)
+    (path / "experts.bin").unlink()
+    with pytest.raises(ExpertCacheError, match="experts.bin.*No such file"):
+        CachedExpertSource(pack, "1M", hugepages="off")
+
+
+def test_a_cache_smaller_than_one_record_says_how_big_it_must_be(pack_path):
+    from colibrid.engine.expert_cache import CachedExpertSource, ExpertCacheError
+    from colibrid.pack.reader import Pack
+
+    with pytest.raises(ExpertCacheError, match="smaller than one expert record"):
+        CachedExpertSource(Pack.open(pack_path), 4096, hugepages="off")
+    with pytest.raises(ExpertCacheError, match="lock_memory"):
+        CachedExpertSource(Pack.open(pack_path), "1M", lock_memory="always")
+
+
+_LOCK_SCRIPT = textwrap.dedent("""
+    import sys
+    from colibrid.engine.expert_cache import CachedExpertSource, ExpertCacheError
+    from colibrid.pack.reader import Pack
+    pack = Pack.open(sys.argv[1])
+    source = CachedExpertSource(pack, "1M", hugepages="off", lock_memory="try")
+    info = source.backing_info()
+    print("try:", info["locked"], info["lock_errno"], len(info["notes"]))
+    source.close()
+    try:
+        CachedExpertSource(pack, "1M", hugepages="off", lock_memory="required")
+    except ExpertCacheError as exc:
+        print("required:", exc)
+        sys.exit(3)
+""")
+
+
+def test_lock_memory_required_fails_with_a_fix_when_the_limit_is_too_low(pack_path):
+    """RLIMIT_MEMLOCK lowered to 64 KiB and CAP_IPC_LOCK dropped (root would bypass the limit)."""
+    import resource
+
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("setpriv (util-linux) is needed to drop CAP_IPC_LOCK")
+
+    def lower_limit():
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536))
+
+    proc = subprocess.run(
+        [setpriv, "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", sys.executable, "-c", _LOCK_SCRIPT, str(pack_path)],
+        capture_output=True, text=True, timeout=120, preexec_fn=lower_limit,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "try: False ENOMEM 1" in proc.stdout
+    message = proc.stdout.split("required:", 1)[1]
+    for needle in ("lock_memory = \"required\"", "LimitMEMLOCK", "CAP_IPC_LOCK", "64.0 KiB"):
+        assert needle in message
+
+
+def test_sizes_parse_like_the_config_says():
+    from colibrid.memory import parse_size
+
+    assert parse_size("6G") == 6 << 30 and parse_size("512M") == 512 << 20 and parse_size("1.5GiB") == 3 << 29
+    assert parse_size(12345) == 12345 and parse_size("4096") == 4096
+    assert parse_size("40%", available_bytes=1000) == 400
+    assert 0 < parse_size("10%") < parse_size("20%")
+    for bad in ("6X", "-1G", "0%", "150%", True):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+# ---- memory: RSS within budget, and a cgroup limit below the pack size --------------------------
+
+_DECODE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    def rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.pack.reader import Pack
+    pack = Pack.open(sys.argv[1])
+    baseline = rss()
+    source = CachedExpertSource(pack, int(sys.argv[2]), hugepages="off", lock_memory="try")
+    engine = Engine(pack, experts=source)
+    session = engine.new_session(max_context=64)
+    token, peak = 1, rss()
+    for _ in range(int(sys.argv[3])):
+        token = int(session.forward([token], all_logits=False)[-1].argmax())
+        peak = max(peak, rss())
+    stats = source.stats()["total"]
+    c = engine.config
+    kv_bytes = 2 * c.num_layers * session.max_context * c.num_kv_heads * c.head_dim * 4  # f32 keys + values
+    print(json.dumps({"baseline": baseline, "peak": peak, "cache_bytes": source.n_slots * source.slot_bytes,
+                      "dense_bytes": pack.manifest.dense_size, "kv_bytes": kv_bytes,
+                      "misses": stats["misses"], "bytes_read": stats["bytes_read"]}))
+""")
+
+# Python-side working memory of a decode step (activations, logits, numpy temporaries, the
+# loader threads' stacks as touched) on top of dense + cache + KV. Documented in the report.
+RSS_OVERHEAD_BYTES = 32 << 20
+
+
+@pytest.fixture(scope="module")
+def big_pack(tmp_path_factory):
+    """A pack whose experts (157 MiB) are larger than the memory limit below."""
+    import importlib.util
+
+    bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_aepc.py")
+    spec = importlib.util.spec_from_file_location("bench_aepc", bench)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path_factory.mktemp("aepc") / "big.pack"
+    return module.build_shaped_pack(out, num_layers=4, num_experts=48, top_k=4, hidden=512, ffn=512, vocab=2048,
+                                    heads=8, kv_heads=8, quant="q8_0")
+
+
+def _run_decode(pack, cache_bytes: int, tokens: int, preexec_fn=None):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", _DECODE_SCRIPT, str(pack), str(cache_bytes), str(tokens)],
+                          capture_output=True, text=True, timeout=300, cwd=root, preexec_fn=preexec_fn)
+    return proc
+
+
+def test_resident_memory_stays_within_dense_plus_cache_plus_kv(big_pack):
+    import json
+
+    proc = _run_decode(big_pack, 12 << 20, 12)
+    assert proc.returncode == 0, proc.stderr
+    m = json.loads(proc.stdout)
+    assert m["bytes_read"] > 12 << 20  # experts really streamed through the cache
+    budget = m["dense_bytes"] + m["cache_bytes"] + m["kv_bytes"] + RSS_OVERHEAD_BYTES
+    assert m["peak"] - m["baseline"] <= budget, m
+
+
+CGROUP = "/sys/fs/cgroup/memory"
+
+
+@pytest.mark.skipif(not os.access(CGROUP, os.W_OK), reason="needs a writable cgroup v1 memory controller")
+def test_generation_completes_in_a_memory_cgroup_smaller_than_the_pack(big_pack, tmp_path):
+    import json
+
+    pack_bytes = sum(f.stat().st_size for f in big_pack.iterdir())
+    limit = 112 << 20
+    assert limit < pack_bytes
+    group = os.path.join(CGROUP, f"colibri-test-{os.getpid()}")
+    os.mkdir(group)
+    try:
+        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit))
+
+        def enter():
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+
+        proc = _run_decode(big_pack, 8 << 20, 24, preexec_fn=enter)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        m = json.loads(proc.stdout)
+        with open(os.path.join(group, "memory.max_usage_in_bytes")) as f:
+            peak = int(f.read())
+        assert peak <= limit
+        assert m["bytes_read"] > limit  # more expert bytes went through than the limit holds
+    finally:
+        os.rmdir(group)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/proc/sys/vm/nr_hugepages", os.W_OK),
+                    reason="raising vm.nr_hugepages needs root")
+def test_hugepages_auto_raises_the_pool_and_gives_it_back(pack_path, reference):
+    from colibrid.memory import meminfo
+
+    before = int(open("/proc/sys/vm/nr_hugepages").read())
+    engine, source = _cached_engine(pack_path, cache_bytes="2M", hugepages="auto")
+    try:
+        info = source.backing_info()
+        if info["backing"] != "hugetlb":  # the kernel could not find free 2 MiB pages
+            assert info["notes"] and "hugetlb pages not used" in info["notes"][0]
+        else:
+            assert info["region_bytes"] % (2 << 20) == 0
+            assert meminfo()["HugePages_Total"] >= before + info["hugepages_added"]
+        assert np.array_equal(engine.forward(PROMPT), reference[0])
+    finally:
+        source.close()
+    assert int(open("/proc/sys/vm/nr_hugepages").read()) == before

@@ -318,9 +318,19 @@ class Daemon:
         if self._server is not None:
             await self._server.drain(self.config.shutdown_grace_s, self._stop_now)
             await self._server.stop()
+            self._close_expert_cache()
         self._close_listeners()
         self._cancel_background()
         log.info("stopped")
+
+    def _close_expert_cache(self) -> None:
+        """Free the cache and give back the hugetlb pages we added to vm.nr_hugepages — but
+        only once the engine thread is gone: it may still be reading from the slots."""
+        assert self._server is not None and self._scheduler is not None
+        if self._scheduler.finished:
+            self._server.engine.experts.close()
+        else:
+            log.warning("the engine thread is still running; leaving the expert cache to the kernel")
 
     def _close_listeners(self) -> None:
         for listener in self._listeners:

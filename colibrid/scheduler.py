@@ -172,6 +172,11 @@ class Scheduler:
             self._cond.notify_all()
         return waiting
 
+    @property
+    def finished(self) -> bool:
+        """The engine thread has exited (or never started): nothing uses the engine any more."""
+        return not self._thread.is_alive()
+
     def join(self, timeout_s: float) -> bool:
         """Wait for the worker to finish its current token; False if it did not within timeout_s."""
         self._thread.join(timeout_s)

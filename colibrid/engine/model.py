@@ -56,6 +56,9 @@ class Model:
         self.lm_head = _dense(pack, "lm_head") if not c.tie_word_embeddings else self.embed  # (V, D)
         self.final_norm = _dense(pack, "final_norm")
         self.layers = [Layer(pack, layer, self.rotary, experts) for layer in range(c.num_layers)]
+        moe_blocks = [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoeBlock)]
+        for block, next_block in zip(moe_blocks, moe_blocks[1:]):
+            block.next_block = next_block  # lookahead prefetch: layer l predicts layer l+1's experts
 
     def embed_tokens(self, token_ids: np.ndarray) -> np.ndarray:
         if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size):

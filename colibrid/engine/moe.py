@@ -39,6 +39,7 @@ class MoeBlock:
         self.layer = layer
         self.w = weights  # pack names without the "layers.{l}." prefix
         self.experts = experts
+        self.next_block: "MoeBlock | None" = None  # the next MoE layer, for lookahead prefetch (Model sets it)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -47,10 +48,12 @@ class MoeBlock:
         selected = [int(e) for e in np.unique(routing.experts)]  # batch-union: each expert once per step
         # A long prompt may touch more experts than the cache can pin at once: run them in waves.
         wave_size = max(1, getattr(self.experts, "max_pinned", len(selected)))
+        prefetch_next = self._lookahead(x, wave_size)
         for start in range(0, len(selected), wave_size):
             wave = selected[start : start + wave_size]
-            with self.experts.acquire(self.layer, wave) as weights:
-                self._run_wave(x, routing, wave, [weights[e] for e in wave], out)
+            extra = {"prefetch_next": prefetch_next} if prefetch_next is not None and start == 0 else {}
+            with self.experts.acquire(self.layer, wave, **extra) as weights:
+                self._run_ready_runs(x, routing, wave, weights, out)
         if self.c.shared_expert_ffn:
             shared = swiglu_mlp(x, self.w["shared.gate"], self.w["shared.up"], self.w["shared.down"])
             if self.c.shared_expert_gated:
@@ -60,6 +63,30 @@ class MoeBlock:
             out += shared
         return out
 
+    def _lookahead(self, x: np.ndarray, wave_size: int) -> tuple[int, list[int]] | None:
+        """Predicts the next MoE layer's experts by applying its router to this layer's input:
+        (layer, experts) to prefetch while this layer computes, or None (no cache, prefetch
+        off, last MoE layer)."""
+        nxt = self.next_block
+        if nxt is None or not getattr(self.experts, "prefetch_enabled", False):
+            return None
+        guess = route(x, nxt.w["router"], self.c.num_experts_per_tok, self.c.norm_topk_prob)
+        predicted = [int(e) for e in np.unique(guess.experts)]
+        return nxt.layer, predicted[: max(1, wave_size // 2)]  # leave room for this layer's own experts
+
+    def _run_ready_runs(self, x: np.ndarray, routing: Routing, wave: list[int], weights, out: np.ndarray) -> None:
+        """Runs ``wave`` in increasing expert order (so sums are the same for every cache size),
+        each call taking the longest run of experts already loaded: cached experts compute
+        while the reads of later ones are still in flight."""
+        is_ready = getattr(weights, "is_ready", None)
+        start = 0
+        while start < len(wave):
+            end = start + 1  # weights[wave[start]] waits for that expert if needed
+            while end < len(wave) and (is_ready is None or is_ready(wave[end])):
+                end += 1
+            run = wave[start:end]
+            self._run_wave(x, routing, run, [weights[e] for e in run], out)
+            start = end
 
     def _run_wave(self, x: np.ndarray, routing: Routing, wave: list[int], weights: list, out: np.ndarray) -> None:
         """Adds the experts of ``wave`` (increasing ids) to ``out``: one libcolibri call."""

@@ -122,6 +122,10 @@ class Daemon:
         # The loading thread and the engine thread are created while this thread runs on the
         # compute CPUs, so they and any native threads they start inherit that mask.
         affinity.pin_current_thread(cpus.compute)
+        from colibrid import native  # imported here: it loads libcolibri
+
+        # libcolibri's compute workers: one per compute CPU, each pinned to it.
+        native.configure_default_pool(cpus=sorted(cpus.compute))
         engine = await asyncio.to_thread(self._load_engine)
         try:
             self._listeners = open_listeners(self.config.socket, self.config.socket_group)

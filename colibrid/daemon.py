@@ -67,6 +67,7 @@ class Daemon:
         self.config = config
         self._argv = list(argv)  # read again on reload: flags keep overriding the file
         self._notifier = Notifier()
+        self._cpus: affinity.CpuPlan | None = None  # planned at startup
         interval_s = watchdog_interval_s()
         self._watchdog = Watchdog(self._notifier, interval_s, config.stall_timeout_s) if interval_s else None
         # Set by signal handlers, and only there.
@@ -118,7 +119,7 @@ class Daemon:
     async def startup(self) -> None:
         self._notifier.status(f"loading {self.config.model}")
         nice = affinity.apply_nice(self.config.nice)  # before any thread exists: they all inherit it
-        cpus = self._plan_cpus()
+        cpus = self._cpus = self._plan_cpus()
         # The loading thread and the engine thread are created while this thread runs on the
         # compute CPUs, so they and any native threads they start inherit that mask.
         affinity.pin_current_thread(cpus.compute)
@@ -163,8 +164,15 @@ class Daemon:
         from colibrid.engine.expert_cache import CachedExpertSource
 
         c = self.config
-        return CachedExpertSource(pack, cache_size, policy=c.cache_policy, io_queue_depth=c.io_queue_depth,
-                                  hugepages=c.hugepages, lock_memory=c.lock_memory, prefetch=c.prefetch == "lookahead")
+        # Called on a compute thread; the cache's loader threads are I/O threads and inherit
+        # the CPUs of the thread that creates them.
+        affinity.pin_current_thread(self._cpus.io)
+        try:
+            return CachedExpertSource(pack, cache_size, policy=c.cache_policy, io_queue_depth=c.io_queue_depth,
+                                      hugepages=c.hugepages, lock_memory=c.lock_memory,
+                                      prefetch=c.prefetch == "lookahead")
+        finally:
+            affinity.pin_current_thread(self._cpus.compute)
 
     def _resize_expert_cache(self, engine, cache_size) -> None:
         """On the engine thread, between requests: build the new pool, swap it in, free the old.

@@ -48,8 +48,9 @@ def test_closed_stdout_exits_quietly_and_frees_the_daemon(shared_daemon):
     pipeline = (f"{sys.executable} -m colibrictl --socket {shared_daemon.socket_path} ask --raw "
                 f"--max-tokens 3000 'import os' | head -c 20")
     started = time.monotonic()
-    result = subprocess.run(["bash", "-o", "pipefail", "-c", pipeline], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stderr == ""
+    # Bytes, not text: head may cut a UTF-8 character in two.
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", pipeline], capture_output=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == b""
     assert len(result.stdout) <= 20
     # The generation was cancelled on the daemon: the next request runs at once.
     with WireClient(shared_daemon.socket_path) as client:

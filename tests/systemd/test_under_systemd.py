@@ -168,6 +168,15 @@ def booted_systemd(demo_pack):
         Path(f"{work_dir}.boot.log").unlink(missing_ok=True)
 
 
+def _source_binding() -> str:
+    """A checkout under /tmp (a CI clone) is hidden from the service by its PrivateTmp=yes:
+    bind it back, read-only, at the path the editable install points to."""
+    source = _carried_source_root()
+    if not source or not Path(source).is_relative_to("/tmp"):
+        return ""
+    return f"# The checkout under test lives under /tmp, which PrivateTmp=yes hides.\nBindReadOnlyPaths={source}\n"
+
+
 def colibrictl(systemd: BootedSystemd, *argv: str) -> subprocess.CompletedProcess:
     return systemd.run(PYTHON, "-m", "colibrictl", "--socket", SOCKET, *argv, check=False)
 
@@ -183,7 +192,7 @@ def test_socket_activated_reloaded_and_stopped_by_systemd(booted_systemd):
                   f"ExecStart={PYTHON} -m colibrid --config /etc/colibri/colibrid.toml "
                   "--model /run/colibri-test/demo.pack\n"
                   "# This Python lives under /root: readable, not hidden (the namespace's /root holds only it).\n"
-                  "ProtectHome=read-only\n")
+                  "ProtectHome=read-only\n" + _source_binding())
     systemd.write("/etc/systemd/system/colibrid.socket.d/test.conf",
                   f"[Socket]\nListenStream=\nListenStream={SOCKET}\n")
     systemd.run("systemctl", "daemon-reload")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.wire import wait_for_socket
+from tests.daemon.wire import stop_process, wait_for_socket
 
 
 @pytest.fixture(scope="session")
@@ -35,15 +34,7 @@ class DaemonProcess:
 
     def terminate(self, timeout_s: float = 20.0) -> tuple[int, str]:
         """SIGTERM, then the exit code and everything it logged."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            _, stderr = self.proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, stderr = self.proc.communicate()
-            raise
-        return self.proc.returncode, stderr
+        return stop_process(self.proc, timeout_s)
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from tests.daemon.conftest import DaemonProcess
-from tests.daemon.wire import Closed, WireClient
+from tests.daemon.wire import WireClient
 
 
 def test_sigterm_without_a_grace_period_ends_running_requests_with_shutdown_and_removes_the_socket(start_daemon):
@@ -19,14 +19,7 @@ def test_sigterm_without_a_grace_period_ends_running_requests_with_shutdown_and_
         client.ask("queued", max_tokens=5)
         assert client.recv()["event"] == "token"
         daemon.proc.send_signal(signal.SIGTERM)
-        ends = {}
-        try:
-            while True:
-                event = client.recv()
-                if event["event"] != "token":
-                    ends[event["id"]] = event
-        except (Closed, ConnectionResetError):
-            pass
+        ends = client.ends_until_closed()
     assert {rid: (e["event"], e["code"]) for rid, e in ends.items()} == {
         "long": ("error", "shutdown"), "queued": ("error", "shutdown")}
     returncode, stderr = daemon.terminate()

@@ -6,8 +6,10 @@ against code that might share its mistakes.
 
 from __future__ import annotations
 
+import signal
 import socket
 import struct
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,18 @@ class WireClient:
             else:
                 return tokens, event
 
+    def ends_until_closed(self) -> dict[Any, dict]:
+        """The last event (done or error) of every request, read until the server closes."""
+        ends = {}
+        try:
+            while True:
+                event = self.recv()
+                if event["event"] != "token":
+                    ends[event["id"]] = event
+        except (Closed, ConnectionResetError):
+            pass
+        return ends
+
     def collect_all(self, request_ids: list[Any]) -> dict[Any, tuple[list[dict], dict]]:
         """Events of several requests on this connection, sorted by id, until each has ended."""
         tokens: dict[Any, list[dict]] = {rid: [] for rid in request_ids}
@@ -101,6 +115,19 @@ class WireClient:
             else:
                 ends[event["id"]] = event
         return {rid: (tokens[rid], ends[rid]) for rid in request_ids}
+
+
+def stop_process(proc, timeout_s: float) -> tuple[int, str]:
+    """SIGTERM (if still running), then the exit code and everything it wrote to stderr."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, stderr = proc.communicate()
+        raise
+    return proc.returncode, stderr
 
 
 def wait_for_socket(path: Path, proc, timeout_s: float = 30.0) -> None:

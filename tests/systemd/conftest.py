@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon.conftest import demo_pack  # noqa: F401  (the same session fixture: one pack)
+from tests.daemon.wire import stop_process
 from tests.systemd.notify_socket import NotifySocket
 
 
@@ -42,15 +42,7 @@ class Service:
                                      env=env)
 
     def stop(self, timeout_s: float = 30.0) -> tuple[int, str]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            _, stderr = self.proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, stderr = self.proc.communicate()
-            raise
-        return self.proc.returncode, stderr
+        return stop_process(self.proc, timeout_s)
 
 
 @pytest.fixture

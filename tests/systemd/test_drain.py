@@ -5,22 +5,10 @@ from __future__ import annotations
 import signal
 import time
 
-from tests.daemon.wire import Closed, WireClient, wait_for_socket
+from tests.daemon.wire import WireClient, wait_for_socket
 
 
 RUNNING_TOKENS = 600
-
-
-def events_until_closed(client: WireClient) -> dict:
-    ends = {}
-    try:
-        while True:
-            event = client.recv()
-            if event["event"] != "token":
-                ends[event["id"]] = event
-    except (Closed, ConnectionResetError):
-        pass
-    return ends
 
 
 def test_requests_accepted_before_sigterm_finish_and_new_ones_are_refused(start_service, work_dir):
@@ -35,7 +23,7 @@ def test_requests_accepted_before_sigterm_finish_and_new_ones_are_refused(start_
         service.proc.send_signal(signal.SIGTERM)
         time.sleep(0.1)
         client.ask("late", max_tokens=5)
-        ends = events_until_closed(client)
+        ends = client.ends_until_closed()
     assert ends["running"]["event"] == "done" and ends["running"]["finish_reason"] == "length"
     assert ends["running"]["usage"]["generated_tokens"] == RUNNING_TOKENS
     assert ends["queued"]["event"] == "done"
@@ -53,7 +41,7 @@ def test_what_is_not_finished_after_the_grace_period_ends_with_shutdown(start_se
         assert client.recv()["event"] == "token"
         service.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
-        ends = events_until_closed(client)
+        ends = client.ends_until_closed()
         ended = time.monotonic()
     assert (ends["long"]["event"], ends["long"]["code"]) == ("error", "shutdown")
     assert 0.9 < ended - signalled < 5.0
@@ -70,6 +58,6 @@ def test_a_second_sigterm_ends_the_grace_period_at_once(start_service, work_dir)
         service.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         service.proc.send_signal(signal.SIGTERM)
-        ends = events_until_closed(client)
+        ends = client.ends_until_closed()
     assert ends["long"]["code"] == "shutdown"
     assert service.proc.wait(20) == 0

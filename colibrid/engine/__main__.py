@@ -19,9 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pack", help="pack directory written by colibri-convert")
     parser.add_argument("prompt", nargs="?", help="prompt text (default: read stdin)")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float,
+                        help="0 = greedy (default: the model's generation_config.json, else greedy)")
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--top-p", type=float)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--system", default=None, help="system prompt (chat models)")
     parser.add_argument("--raw", action="store_true", help="no chat template")
@@ -30,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     engine = load(args.pack)
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+    given = {k: v for k, v in vars(args).items() if k in ("temperature", "top_k", "top_p") and v is not None}
+    params = SamplingParams(**{"temperature": 0.0, **engine.sampling_defaults, **given}, seed=args.seed,
                             max_tokens=args.max_tokens)
     try:
         ids = engine.prompt_ids(prompt=prompt, system=args.system, raw=args.raw)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -12,7 +13,7 @@ from colibrid.engine.experts import ExpertSource, PreadExpertSource
 from colibrid.engine.generate import GenerationDone, GenerationEvent, generate
 from colibrid.engine.kv_cache import KVCache
 from colibrid.engine.model import Model
-from colibrid.engine.sampling import SamplingParams
+from colibrid.engine.sampling import SamplingParams, model_sampling_defaults
 from colibrid.engine.tokenizer import Tokenizer
 from colibrid.models.config import parameter_counts
 from colibrid.pack.reader import Pack
@@ -46,6 +47,7 @@ class Engine:
         self.experts = experts if experts is not None else PreadExpertSource(pack)
         self.model = Model(pack, self.experts)
         self.tokenizer = Tokenizer.from_dir(pack.path)
+        self.sampling_defaults = _sampling_defaults(Path(pack.path))
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.config.max_position_embeddings)
         self.parameters_total, self.parameters_active = parameter_counts(self.config)
 
@@ -87,6 +89,15 @@ class Engine:
         return [e.token_id for e in self.generate(prompt_ids, params) if isinstance(e, GenerationEvent)]
 
 
+def _sampling_defaults(pack_dir: Path) -> dict:
+    """SamplingParams fields the model's generation_config.json sets (see model_sampling_defaults)."""
+    path = pack_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())  # the tokenizer has already read it: it parses
+    return model_sampling_defaults(config) if isinstance(config, dict) else {}
+
+
 def load(path: str | Path, max_context: int | None = None) -> Engine:
     """Open the pack at ``path`` and build an engine on it."""
     pack = Pack.open(path)
@@ -96,4 +107,6 @@ def load(path: str | Path, max_context: int | None = None) -> Engine:
         path, engine.config.architecture, engine.parameters_total / 1e9, engine.parameters_active / 1e9,
         pack.manifest.quantization,
     )
+    if engine.sampling_defaults:
+        log.info("sampling defaults from generation_config.json: %s", engine.sampling_defaults)
     return engine

@@ -67,6 +67,39 @@ class SamplingParams:
         return self.temperature == 0
 
 
+# generation_config.json keys that set a sampling default, and SamplingParams' name for each.
+_GENERATION_CONFIG_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                               "repetition_penalty": "repetition_penalty"}
+
+
+def model_sampling_defaults(generation_config: dict) -> dict:
+    """The sampling settings a checkpoint's generation_config.json asks for, as SamplingParams
+    fields: what a request that names none of them gets.
+
+    Follows transformers where the file is explicit: ``do_sample: true`` makes its
+    temperature/top_p/top_k/min_p the defaults, ``do_sample: false`` makes the default greedy,
+    and repetition_penalty applies either way. A file that says nothing about sampling (most
+    only list token ids) leaves Colibri's own defaults — not transformers' greedy, which would
+    silently change what every such model answers. Out-of-range values are ignored with a warning.
+    """
+    defaults = {}
+    do_sample = generation_config.get("do_sample")
+    if do_sample is False:
+        defaults["temperature"] = 0.0
+    keys = _GENERATION_CONFIG_SAMPLING if do_sample is True else {"repetition_penalty": "repetition_penalty"}
+    for key, field_name in keys.items():
+        value = generation_config.get(key)
+        if value is None:
+            continue
+        try:
+            SamplingParams(**{field_name: value}).validate()
+        except (TypeError, ValueError) as exc:
+            logger.warning("generation_config.json: ignoring %s: %s", key, exc)
+            continue
+        defaults[field_name] = value
+    return defaults
+
+
 def _check_real(name: str, value: object, allowed: str, in_range) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and in_range(value)
     if not ok:

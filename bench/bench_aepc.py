@@ -11,10 +11,15 @@ pack format (no checkpoint in between: 7 GB of f32 would not be quick to make).
 
 `run` measures, per cache size (a fraction of the expert bytes) and policy: decode
 tokens/s, hit rate, MB read per token, read bandwidth during decode next to the disk's
-O_DIRECT bandwidth measured in the same run, and prefetch precision/recall. Prefetch uses a
-lookahead installed here (layer l+1's router applied to layer l's FFN input), the same
-wiring colibrid's model is to get. `--cgroup-limit` re-runs the measurement inside a child
-memory cgroup (v1) with that memory.limit_in_bytes.
+O_DIRECT bandwidth measured in the same run, and prefetch precision/recall. Prefetch is the
+engine's lookahead (layer l+1's router applied to layer l's FFN input). `--cgroup-limit`
+re-runs the measurement inside a child memory cgroup (v1) with that memory.limit_in_bytes.
+
+`versus` runs llama.cpp (llama-bench, its default mmap loading) on a GGUF of the same model
+and Colibri on the pack, one after the other inside the same memory cgroup limit (default
+40 % of the pack), each starting with its files evicted from the page cache, and prints
+the decode ratio. Colibri's cache gets what the limit leaves after the dense weights and a
+fixed allowance for the process itself.
 
 Not a test: numbers depend on the machine and on what else runs on it.
 """
@@ -162,56 +167,6 @@ def measure_disk(pack_path: Path, queue_depth: int = 16, seconds: float = 4.0, s
 
 
 # --------------------------------------------------------------------------------------------
-# Lookahead prefetch (what moe.py / model.py are to get)
-# --------------------------------------------------------------------------------------------
-
-
-class _LookaheadExperts:
-    """The ExpertSource one MoE block sees: passes that block's prediction for the next MoE
-    layer to the first acquire of its step (queued after the step's own reads)."""
-
-    def __init__(self, source) -> None:
-        self.source = source
-        self.max_pinned = source.max_pinned
-        self.pending = None  # (layer, experts) to prefetch with the next acquire
-
-    def acquire(self, layer, experts):
-        pending, self.pending = self.pending, None
-        return self.source.acquire(layer, experts, prefetch_next=pending)
-
-    def get(self, layer, expert):
-        return self.source.get(layer, expert)
-
-
-class _Lookahead:
-    """Wraps a MoE block: before it runs, apply the NEXT MoE layer's router to this layer's
-    FFN input and hand the predicted experts to the block's source."""
-
-    def __init__(self, block, next_block, source) -> None:
-        from colibrid.engine.moe import route
-
-        self.block, self.next_block, self.route = block, next_block, route
-        self.proxy = _LookaheadExperts(source)
-        block.experts = self.proxy
-        self.cap = max(1, source.max_pinned // 2)  # leave room for the current layer's experts
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        c = self.block.c
-        routing = self.route(x, self.next_block.w["router"], c.num_experts_per_tok, c.norm_topk_prob)
-        predicted = [int(e) for e in np.unique(routing.experts)][: self.cap]
-        self.proxy.pending = (self.next_block.layer, predicted)
-        return self.block(x)
-
-
-def install_lookahead(model, source) -> None:
-    from colibrid.engine.moe import MoeBlock
-
-    layers = [layer for layer in model.layers if isinstance(layer.ffn, MoeBlock)]
-    for cur, nxt in zip(layers, layers[1:]):
-        cur.ffn = _Lookahead(cur.ffn, nxt.ffn, source)
-
-
-# --------------------------------------------------------------------------------------------
 # Decode measurement
 # --------------------------------------------------------------------------------------------
 
@@ -226,9 +181,7 @@ def decode_run(pack_path: Path, cache_bytes: int, policy: str, prefetch: bool, t
     source = CachedExpertSource(pack, cache_bytes, policy=policy, io_queue_depth=queue_depth, hugepages="off",
                                 lock_memory="try", prefetch=prefetch)
     try:
-        engine = Engine(pack, experts=source)
-        if prefetch:
-            install_lookahead(engine.model, source)
+        engine = Engine(pack, experts=source)  # with prefetch on, each MoE layer predicts the next one's experts
         session = engine.new_session(max_context=warmup + tokens + 16)
         rng = np.random.default_rng(seed)
         vocab = engine.config.vocab_size
@@ -279,6 +232,8 @@ def _rss_peak_bytes() -> int:
 def cmd_run(args) -> int:
     from colibrid.pack.reader import Pack
 
+    if args.threads:
+        native.configure_default_pool(n_threads=args.threads)
     pack = Pack.open(args.pack)
     expert_bytes = sum(r.length for r in pack.manifest.expert_records)
     print(f"pack {args.pack}: experts {format_bytes(expert_bytes)}, dense {format_bytes(pack.manifest.dense_size)}")
@@ -286,7 +241,8 @@ def cmd_run(args) -> int:
     print(f"disk: {disk['gb_per_s']:.2f} GB/s O_DIRECT (records of {format_bytes(disk['record_bytes'])}, "
           f"queue depth {disk['queue_depth']}, direct={disk['direct']})")
     rows = []
-    for fraction in [float(f) for f in args.fractions.split(",")]:
+    fractions = [args.cache_bytes / expert_bytes] if args.cache_bytes else [float(f) for f in args.fractions.split(",")]
+    for fraction in fractions:
         for policy in args.policies.split(","):
             for prefetch in [p == "on" for p in args.prefetch.split(",")]:
                 row = decode_run(args.pack, int(expert_bytes * fraction), policy, prefetch, args.tokens, args.warmup,
@@ -321,20 +277,23 @@ def drop_from_page_cache(pack_path: Path) -> None:
             os.close(fd)
 
 
-def run_in_memory_cgroup(limit_bytes: int, argv: list[str]) -> int:
+def run_in_memory_cgroup(limit_bytes: int, argv: list[str], capture: bool = False) -> dict:
     """Runs ``argv`` in a new child of the v1 memory controller limited to ``limit_bytes``
-    (page cache included); returns its exit code. The cgroup is removed afterwards."""
+    (page cache included): its exit code, peak usage, how often it hit the limit and (with
+    ``capture``) its stdout. The cgroup is removed afterwards."""
     group = CGROUP_ROOT / f"colibri-bench-{os.getpid()}"
     group.mkdir()
     try:
         (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        proc = subprocess.Popen(argv, preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
-        code = proc.wait()
-        peak = int((group / "memory.max_usage_in_bytes").read_text())
-        failcnt = int((group / "memory.failcnt").read_text())
-        print(f"cgroup {group.name}: limit {format_bytes(limit_bytes)}, peak usage {format_bytes(peak)}, "
-              f"limit hit {failcnt} times, exit code {code}")
-        return code
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE if capture else None, text=True,
+                                preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
+        stdout, _ = proc.communicate()
+        result = {"code": proc.returncode, "stdout": stdout, "limit_bytes": limit_bytes,
+                  "peak_bytes": int((group / "memory.max_usage_in_bytes").read_text()),
+                  "limit_hits": int((group / "memory.failcnt").read_text())}
+        print(f"cgroup {group.name}: limit {format_bytes(limit_bytes)}, peak usage {format_bytes(result['peak_bytes'])}, "
+              f"limit hit {result['limit_hits']} times, exit code {result['code']}", flush=True)
+        return result
     finally:
         for _ in range(50):
             try:
@@ -342,6 +301,75 @@ def run_in_memory_cgroup(limit_bytes: int, argv: list[str]) -> int:
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------------------------
+# Side by side with llama.cpp under one memory limit
+# --------------------------------------------------------------------------------------------
+
+LLAMA_BENCH = Path.home() / ".cache/colibri-bench/llama.cpp/build/bin/llama-bench"
+# What the Colibri process needs besides its dense weights and the expert cache: the
+# interpreter, numpy, tokenizers, libcolibri, the KV cache and logits. Measured peak RSS of
+# the process without the two is ~250 MB; the rest is headroom so the cgroup never has to
+# reclaim the pages Colibri uses (it reclaims llama.cpp's, which is the point of the test).
+PROCESS_ALLOWANCE = 512 << 20
+
+
+def evict_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def llama_decode_in_cgroup(gguf: Path, limit: int, tokens: int, threads: int) -> dict:
+    evict_from_page_cache(gguf)
+    argv = [str(LLAMA_BENCH), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1",
+            "-o", "json"]
+    run = run_in_memory_cgroup(limit, argv, capture=True)
+    if run["code"] != 0:
+        raise RuntimeError(f"llama-bench failed with exit code {run['code']}")
+    (test,) = json.loads(run["stdout"])
+    return {**run, "tok_per_s": float(test["avg_ts"]), "stdout": None}
+
+
+def colibri_decode_in_cgroup(pack_path: Path, limit: int, tokens: int, warmup: int, queue_depth: int,
+                             policy: str, threads: int) -> dict:
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(pack_path)
+    cache_bytes = limit - pack.manifest.dense_size - PROCESS_ALLOWANCE
+    drop_from_page_cache(pack_path)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        argv = [sys.executable, str(Path(__file__).resolve()), "run", str(pack_path), "--cache-bytes", str(cache_bytes),
+                "--policies", policy, "--prefetch", "on", "--tokens", str(tokens), "--warmup", str(warmup),
+                "--queue-depth", str(queue_depth), "--threads", str(threads), "--json", str(out)]
+        run = run_in_memory_cgroup(limit, argv)
+        if run["code"] != 0:
+            raise RuntimeError(f"the Colibri run failed with exit code {run['code']}")
+        (row,) = json.loads(out.read_text())["runs"]
+    return {**run, **row}
+
+
+def cmd_versus(args) -> int:
+    size = sum(f.stat().st_size for f in Path(args.pack).iterdir() if f.is_file())
+    limit = parse_size(args.limit) if args.limit else int(size * args.limit_fraction)
+    print(f"pack {format_bytes(size)}; memory limit {format_bytes(limit)} ({limit / size:.0%} of the pack); "
+          f"{args.threads} threads", flush=True)
+    llama = llama_decode_in_cgroup(args.gguf, limit, args.llama_tokens, args.threads)
+    print(f"llama.cpp (mmap): {llama['tok_per_s']:.2f} tok/s", flush=True)
+    colibri = colibri_decode_in_cgroup(args.pack, limit, args.tokens, args.warmup, args.queue_depth, args.policy,
+                                       args.threads)
+    print(f"colibri ({format_bytes(colibri['cache_bytes'])} expert cache, {args.policy}, lookahead): "
+          f"{colibri['tok_per_s']:.2f} tok/s, hit {colibri['hit_rate']:.1%}, "
+          f"{colibri['mb_read_per_token']:.0f} MB/token, {colibri['read_gb_per_s']:.2f} GB/s", flush=True)
+    print(f"ratio colibri / llama.cpp: {colibri['tok_per_s'] / llama['tok_per_s']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"limit_bytes": limit, "pack_bytes": size, "llama": llama,
+                                               "colibri": colibri}, indent=1))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -366,7 +394,21 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--feed", default="random", choices=["random", "greedy"],
                    help="next input token: random (random routing, the default) or the greedy choice")
     r.add_argument("--cgroup-limit", help="run inside a v1 memory cgroup with this limit (\"3G\")")
+    r.add_argument("--threads", type=int, help="compute threads (default: one per CPU)")
+    r.add_argument("--cache-bytes", type=int, help="one cache size in bytes instead of --fractions")
     r.add_argument("--json", help="also write the results here")
+    v = sub.add_parser("versus", help="llama.cpp and Colibri decode under the same memory cgroup limit")
+    v.add_argument("pack", type=Path)
+    v.add_argument("gguf", type=Path, help="the same model as a GGUF for llama.cpp")
+    v.add_argument("--limit-fraction", type=float, default=0.4, help="memory limit as a fraction of the pack")
+    v.add_argument("--limit", help="memory limit (\"3G\"), instead of --limit-fraction")
+    v.add_argument("--threads", type=int, default=2)
+    v.add_argument("--tokens", type=int, default=32)
+    v.add_argument("--warmup", type=int, default=8)
+    v.add_argument("--llama-tokens", type=int, default=16)
+    v.add_argument("--queue-depth", type=int, default=16)
+    v.add_argument("--policy", default="lru")
+    v.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
     if args.cmd == "build":
         shape = {k: getattr(args, k) for k in OLMOE_SHAPE}
@@ -379,12 +421,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cgroup_limit:
         inner = [sys.executable, str(Path(__file__).resolve()), "run", str(args.pack), "--fractions", args.fractions,
+                 *(["--cache-bytes", str(args.cache_bytes)] if args.cache_bytes else []),
                  "--policies", args.policies, "--prefetch", args.prefetch, "--tokens", str(args.tokens),
                  "--warmup", str(args.warmup), "--queue-depth", str(args.queue_depth), "--feed", args.feed]
         if args.json:
             inner += ["--json", args.json]
         drop_from_page_cache(args.pack)
-        return run_in_memory_cgroup(parse_size(args.cgroup_limit), inner)
+        return run_in_memory_cgroup(parse_size(args.cgroup_limit), inner)["code"]
+    if args.cmd == "versus":
+        return cmd_versus(args)
     return cmd_run(args)
 
 

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from colibrid.engine.expert_cache import ExpertLoadingPaused
 from colibrid.engine.experts import ExpertLoadError
 from colibrid.engine.generate import GenerationDone, GenerationEvent
 from colibrid.protocol import Ask, error_event
@@ -239,6 +240,9 @@ class Scheduler:
                   time.monotonic() - job.submitted_s)
         try:
             return self._stream(job, events, progress)
+        except ExpertLoadingPaused as exc:  # the drive is too hot or gone: this request only, by design
+            log.warning("request %r from %s: %s", ask.id, job.origin, exc)
+            return error_event(ask.id, exc.code, str(exc))
         except ExpertLoadError as exc:
             log.error("request %r from %s: %s", ask.id, job.origin, exc)
             return error_event(ask.id, "engine", str(exc))

@@ -45,6 +45,23 @@ class ExpertCacheError(Exception):
     """The expert cache cannot be set up as configured; the message says how to fix it."""
 
 
+@dataclass(frozen=True)
+class LoadingPause:
+    """Why expert loading is paused (set by the thermal watch): misses fail, hits still serve."""
+
+    code: str  # the protocol error code a refused request gets: "thermal" or "device_missing"
+    reason: str  # one line for people: "nvme0 at 84 °C (critical threshold 80 °C)"
+
+
+class ExpertLoadingPaused(ExpertLoadError):
+    """A request needed an expert that is not in the cache while loading is paused; ``code``
+    is the protocol error code for it."""
+
+    def __init__(self, message: str, code: str, layer: int, expert: int, offset: int, path) -> None:
+        super().__init__(message, layer, expert, offset, path)
+        self.code = code
+
+
 @dataclass
 class _Prediction:
     """Prefetch prediction quality of one layer: predicted vs. actually requested experts."""
@@ -166,6 +183,7 @@ class CachedExpertSource:
             raise
         self.policy = policy
         self.prefetch_enabled = bool(prefetch)
+        self.loading_pause: LoadingPause | None = None
         self._region = self._slab.data.view()
         self._region.flags.writeable = False  # experts are read-only to the model
         self._predictions = [_Prediction() for _ in range(config.num_layers)]
@@ -280,6 +298,7 @@ class CachedExpertSource:
         (else the caller waits per slot: _wait_slot)."""
         if len(ids) > self.max_pinned:
             raise ValueError(f"acquire of {len(ids)} experts, the cache pins at most {self.max_pinned}: split into waves")
+        self._refuse_misses_while_paused(layer, ids)
         slots = self._cache.acquire(layer, ids)  # (N,) int32
         try:
             if prefetch_next is not None:
@@ -292,6 +311,20 @@ class CachedExpertSource:
             yield [int(s) for s in slots]
         finally:
             self._cache.release(slots)
+
+    def _refuse_misses_while_paused(self, layer: int, ids: list[int]) -> None:
+        """While loading is paused, a step that would read any expert fails before it pins
+        anything; a step whose experts are all cached goes on. (Another session could evict
+        one between this check and the pin; that read then happens - one read, not a stream.)"""
+        pause = self.loading_pause
+        if pause is None:
+            return
+        missing = [e for e in ids if not self._cache.contains(layer, e)]
+        if missing:
+            expert = missing[0]
+            raise ExpertLoadingPaused(
+                f"expert {expert} of layer {layer} is not in the cache and expert loading is paused: {pause.reason}",
+                pause.code, layer, expert, int(self._offsets[layer, expert]), self.path)
 
     def _wait_slot(self, layer: int, expert: int, slot: int) -> ExpertWeights:
         """Blocks (GIL released) until ``slot``, pinned for (layer, expert), is loaded."""
@@ -328,7 +361,7 @@ class CachedExpertSource:
         pred = self._predictions[layer]
         pred.last = set(ids)
         pred.predicted += len(ids)
-        if not self.prefetch_enabled or not ids:
+        if not self.prefetch_enabled or self.loading_pause is not None or not ids:
             return 0
         return self._cache.prefetch(layer, ids)
 
@@ -351,6 +384,14 @@ class CachedExpertSource:
     def set_prefetch(self, enabled: bool) -> None:
         self.prefetch_enabled = bool(enabled)
         log.info("prefetch %s", "on" if enabled else "off")
+
+    def set_loading_paused(self, pause: LoadingPause | None) -> None:
+        """Pause expert loading (misses fail with ExpertLoadingPaused, hits serve) or resume it (None)."""
+        self.loading_pause = pause
+        if pause is None:
+            log.info("expert loading resumed")
+        else:
+            log.warning("expert loading paused: %s", pause.reason)
 
     def set_policy(self, policy: str) -> None:
         if policy not in POLICIES:
@@ -380,6 +421,7 @@ class CachedExpertSource:
             "io_queue_depth": loader["queue_depth"],
             "max_io_queue_depth": loader["max_queue_depth"],
             "prefetch": self.prefetch_enabled,
+            "loading_paused": self.loading_pause.reason if self.loading_pause else None,
             "policy": self.policy,
             "notes": list(self.notes),
         }

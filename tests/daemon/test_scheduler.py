@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from colibrid.engine.expert_cache import ExpertLoadingPaused
 from colibrid.engine.experts import ExpertLoadError
 from colibrid.engine.generate import GenerationDone, GenerationEvent
 from colibrid.protocol import parse_request
@@ -45,6 +46,9 @@ class ScriptedEngine:
                 time.sleep(self.token_delay_s)
                 if prompt_ids[0] == ord("!"):
                     raise ExpertLoadError("expert 3 of layer 1 fails its checksum", 1, 3, 0, "x")
+                if prompt_ids[0] == ord("~"):
+                    raise ExpertLoadingPaused("expert 2 of layer 0 is not in the cache and expert loading is "
+                                              "paused: the NVMe drive is at 86 °C", "thermal", 0, 2, 0, "x")
                 self.loads += 1
                 yield GenerationEvent(n, "t", -1.0, [(n, -1.0)])
             yield GenerationDone("length", len(prompt_ids), params.max_tokens, 0.001, 100.0, "t" * params.max_tokens)
@@ -159,6 +163,16 @@ def test_engine_errors_end_only_their_request(scheduler):
     assert recorder.until_end("empty")[1]["code"] == "invalid_params"
     assert recorder.until_end("chat")[1]["code"] == "invalid_params"
     assert recorder.until_end("good")[1]["event"] == "done"
+
+
+def test_a_paused_expert_load_ends_its_request_with_the_pause_code(scheduler):
+    """The thermal watch paused loading: the request that needed a read gets `thermal`, the next runs."""
+    recorder = Recorder()
+    scheduler.submit(recorder.job(ask("hot", prompt="~x")))
+    scheduler.submit(recorder.job(ask("cool")))
+    error = recorder.until_end("hot")[1]
+    assert (error["event"], error["code"]) == ("error", "thermal") and "86 °C" in error["message"]
+    assert recorder.until_end("cool")[1]["event"] == "done"
 
 
 def test_stop_ends_the_running_and_the_waiting_jobs(engine):

@@ -94,7 +94,9 @@ def status_rows(status: dict) -> list[tuple[str, str]]:
     for key, value in status.items():
         if key in _ENVELOPE_KEYS:
             continue
-        if isinstance(value, dict) and key not in _INLINE_MAPS:
+        if key == "thermal" and isinstance(value, dict):
+            rows.extend(thermal_rows(value))
+        elif isinstance(value, dict) and key not in _INLINE_MAPS:
             for child_key, child_value in value.items():
                 rows.append((_label(f"{key}.{child_key}"), format_value(child_key, child_value)))
             if key == "cache":
@@ -110,6 +112,76 @@ def _cache_hit_rate_row(cache: dict) -> list[tuple[str, str]]:
     if not isinstance(hits, int) or not isinstance(misses, int) or hits + misses == 0:
         return []
     return [("cache hit rate", f"{100.0 * hits / (hits + misses):.1f} %")]
+
+
+def _celsius(value: Any) -> str:
+    return format_value("_c", value)
+
+
+# The thermal map's fields that thermal_rows() words itself; any other is shown by the usual rules.
+_THERMAL_KEYS = frozenset({"state", "reason", "temperature_c", "throttle_c", "resume_c", "critical_c",
+                           "io_queue_depth", "prefetch_paused", "loading_paused", "throttled_s", "critical_s",
+                           "transitions", "drives", "poll_s", "polls", "read_failures", "removals", "returns"})
+
+
+def thermal_rows(thermal: dict) -> list[tuple[str, str]]:
+    """The thermal watch in sentences: state and temperature against the thresholds, what the
+    loader may do, time throttled, then one block per drive (identity, temperatures, SMART)."""
+    rows: list[tuple[str, str]] = []
+    state = thermal.get("state")
+    if state is not None:
+        line = str(state)
+        if thermal.get("temperature_c") is not None:
+            line += f" at {_celsius(thermal['temperature_c'])}"
+        if thermal.get("reason"):
+            line += f": {thermal['reason']}"
+        elif "throttle_c" in thermal and state not in ("off", "unthrottled"):
+            line += (f" (throttle {_celsius(thermal['throttle_c'])}, resume {_celsius(thermal.get('resume_c'))}, "
+                     f"critical {_celsius(thermal.get('critical_c'))})")
+        rows.append(("thermal", line))
+    if "io_queue_depth" in thermal and state not in ("off", "unthrottled", None):
+        reads = f"{thermal['io_queue_depth']}" + (", prefetch paused" if thermal.get("prefetch_paused") else "")
+        rows.append(("thermal reads in flight", reads))
+        rows.append(("thermal loading paused", format_value("loading_paused", thermal.get("loading_paused"))))
+    if "throttled_s" in thermal and state not in ("off", "unthrottled", None):
+        rows.append(("thermal time throttled", f"{format_duration(thermal['throttled_s'])} "
+                                               f"(critical {format_duration(thermal.get('critical_s', 0))})"))
+        transitions = thermal.get("transitions") or {}
+        rows.append(("thermal transitions", ", ".join(f"{k} {v}x" for k, v in transitions.items()) or "none"))
+        rows.append(("thermal polls", f"every {format_duration(thermal.get('poll_s', 0))}, {thermal.get('polls', 0)} so far, "
+                                      f"{thermal.get('read_failures', 0)} failed reads"))
+        if thermal.get("removals"):
+            rows.append(("thermal removals", f"{thermal['removals']} removed, {thermal.get('returns', 0)} back"))
+    for key, value in thermal.items():
+        if key not in _THERMAL_KEYS:
+            rows.append((_label(f"thermal.{key}"), format_value(key, value)))
+    for drive in thermal.get("drives") or []:
+        rows.extend(_drive_rows(drive))
+    return rows
+
+
+def _drive_rows(drive: dict) -> list[tuple[str, str]]:
+    name = f"drive {drive.get('controller', '?')}"
+    identity = (f"{drive.get('model', '?')}, serial {drive.get('serial', '?')}, firmware {drive.get('firmware', '?')}, "
+                f"on {drive.get('block_device', '?')}, {drive.get('logical_block_bytes', '?')}-byte blocks")
+    if drive.get("present") is False:
+        identity = "REMOVED — " + identity
+    rows = [(name, identity)]
+    temperatures = [f"composite {_celsius(drive.get('composite_c'))}"]
+    temperatures += [f"{label} {_celsius(t)}" for label, t in (drive.get("sensors_c") or {}).items()]
+    limits = [f"{word} {_celsius(drive[key])}" for word, key in (("warning", "warning_c"), ("critical", "critical_c"))
+              if drive.get(key) is not None]
+    rows.append((f"{name} temperatures", ", ".join(temperatures) + (f" ({', '.join(limits)})" if limits else "")))
+    smart = drive.get("smart")
+    source = drive.get("smart_source", "none")
+    if smart:
+        warnings = ", ".join(smart.get("critical_warnings") or []) or "none"
+        rows.append((f"{name} SMART", f"via {source}: spare {smart.get('available_spare_pct')} % (threshold "
+                                      f"{smart.get('available_spare_threshold_pct')} %), {smart.get('percentage_used')} % used, "
+                                      f"{smart.get('media_errors')} media errors, critical warnings: {warnings}"))
+    else:
+        rows.append((f"{name} SMART", f"not read (source: {source}); temperatures from hwmon"))
+    return rows
 
 
 def format_status(status: dict) -> str:

@@ -33,6 +33,10 @@ MAX_SOCKET_PATH_BYTES = 107
 # A frame must hold a hello and a short ask; above 64 MiB one client could pin too much memory.
 MIN_FRAME_BYTES = 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+# Thermal thresholds a drive can meaningfully have, and the shortest poll: every poll makes the
+# drive answer SMART commands, so it must stay a matter of seconds, never a tight loop.
+MIN_THERMAL_C, MAX_THERMAL_C = 20.0, 120.0
+MIN_THERMAL_POLL_S = 1.0
 
 
 class ConfigError(Exception):
@@ -56,6 +60,10 @@ class DaemonConfig:
     prefetch: str = "lookahead"  # "lookahead": predict the next layer's experts and read them early; "off"
     hugepages: str | int = "auto"  # "auto", "thp", "off", or a count of 2 MiB pages to reserve
     lock_memory: str = "try"  # mlock the cache: "required", "try" or "off"
+    thermal: str = "auto"  # "auto": watch the NVMe drive(s) under the experts file and throttle; "off"
+    thermal_poll_s: float = 5.0  # seconds between temperature reads (each one is a command to the drive)
+    thermal_throttle: float | str = "auto"  # °C; "auto": the drive's warning threshold - 5, else 65
+    thermal_resume: float | str = "auto"  # °C; "auto": thermal_throttle - 5
     shutdown_grace_s: float = 30.0  # how long accepted requests may still run after SIGTERM
     stall_timeout_s: float = 120.0  # longest wait for a request's next token before the health check fails
     cpu_affinity: str = "auto"  # CPUs of the engine (compute) thread: "auto" or a list like "0-3,8"
@@ -136,6 +144,19 @@ def _parse_principals_flag(text: str) -> list[str | int]:
     return [int(item) if item.strip().isdigit() else item.strip() for item in text.split(",") if item.strip()]
 
 
+def _parse_celsius_flag(text: str) -> float | str:
+    return text if text == "auto" else _parse_float_flag(text)
+
+
+def _is_celsius_setting(value: Any) -> bool:
+    """"auto" or a temperature a drive can have, in °C."""
+    return value == "auto" or (_number_at_least(MIN_THERMAL_C)(value) and value <= MAX_THERMAL_C)
+
+
+def _celsius(value: Any) -> float | str:
+    return value if value == "auto" else float(value)
+
+
 def _is_principal_list(value: Any) -> bool:
     return isinstance(value, list) and all((isinstance(v, str) and v != "") or (_is_int(v) and v >= 0) for v in value)
 
@@ -186,6 +207,17 @@ KEYS: tuple[_Key, ...] = (
          'must be "auto", "thp", "off" or a whole number of 2 MiB pages', _parse_hugepages_flag, _is_hugepages, "MODE"),
     _Key("lock_memory", "mlock the expert cache: required, try or off", 'must be "required", "try" or "off"', str,
          lambda v: v in ("required", "try", "off"), "MODE"),
+    _Key("thermal", "throttle expert reads when the NVMe drive under the pack runs hot: auto or off",
+         'must be "auto" or "off"', str, lambda v: v in ("auto", "off"), "MODE", reloadable=True),
+    _Key("thermal_poll_s", "seconds between reads of the drive's temperature",
+         f"must be a number >= {MIN_THERMAL_POLL_S:g} (seconds)", _parse_float_flag,
+         _number_at_least(MIN_THERMAL_POLL_S), "SECONDS", reloadable=True, normalise=float),
+    _Key("thermal_throttle", 'temperature (°C) above which expert reads are throttled, or "auto"',
+         f'must be "auto" or a temperature in [{MIN_THERMAL_C:g}, {MAX_THERMAL_C:g}] (°C)', _parse_celsius_flag,
+         _is_celsius_setting, "CELSIUS", reloadable=True, normalise=_celsius),
+    _Key("thermal_resume", 'temperature (°C) below which throttled reads are restored, or "auto"',
+         f'must be "auto" or a temperature in [{MIN_THERMAL_C:g}, {MAX_THERMAL_C:g}] (°C)', _parse_celsius_flag,
+         _is_celsius_setting, "CELSIUS", reloadable=True, normalise=_celsius),
     _Key("shutdown_grace_s", "seconds accepted requests may still run after SIGTERM", "must be a number >= 0 (seconds)",
          _parse_float_flag, _number_at_least(0), "SECONDS", reloadable=True, normalise=float),
     _Key("stall_timeout_s", "seconds without a token on an accepted request before the health check fails",
@@ -251,6 +283,14 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return table
 
 
+def _check_thermal_hysteresis(values: dict[str, Any]) -> None:
+    """Resuming at or above the throttle temperature would flap at every poll."""
+    throttle, resume = values.get("thermal_throttle", "auto"), values.get("thermal_resume", "auto")
+    if throttle != "auto" and resume != "auto" and resume >= throttle:
+        raise ConfigError(f"thermal_resume = {resume:g} must be below thermal_throttle = {throttle:g} "
+                          "(the gap keeps the throttle from switching on and off at every poll)")
+
+
 def load_config(argv: Sequence[str] | None = None) -> DaemonConfig:
     """Defaults, then the file, then the flags; raise ConfigError for the first bad key."""
     args = build_arg_parser().parse_args(argv)
@@ -274,6 +314,7 @@ def load_config(argv: Sequence[str] | None = None) -> DaemonConfig:
 
     if "model" not in values:
         raise ConfigError(f"model is not set: pass --model PATH or set model in {config_path}")
+    _check_thermal_hysteresis(values)
     for path_key in ("model", "socket"):
         if path_key in values:
             values[path_key] = Path(values[path_key])

@@ -2,7 +2,8 @@
 
     run()      config -> logging -> asyncio.run(serve())           exit code
     startup    niceness and CPUs, load the engine, open the socket(s), start the engine
-               thread and the server, check that the socket answers, then READY=1
+               thread and the server, find the NVMe drive under the pack and start the thermal
+               watch (colibrid/thermal), check that the socket answers, then READY=1
     main loop  wait for SIGTERM/SIGINT (stop) or SIGHUP (reload the config, not the model)
     shutdown   STOPPING=1; refuse new requests, let accepted ones finish for shutdown_grace_s,
                end the rest with `shutdown`, close connections, remove the socket
@@ -39,6 +40,7 @@ from colibrid.protocol import LENGTH_PREFIX, PROTOCOL_VERSION, decode_body, enco
 from colibrid.scheduler import Scheduler
 from colibrid.server import Server, model_name
 from colibrid.systemd_notify import Notifier, watchdog_interval_s
+from colibrid.thermal.watch import ThermalSettings, ThermalWatch
 from colibrid.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -77,6 +79,7 @@ class Daemon:
         self._listeners: list[Listener] = []
         self._scheduler: Scheduler | None = None
         self._server: Server | None = None
+        self._thermal: ThermalWatch | None = None
         self._background: list[asyncio.Task] = []
 
     # -- run ------------------------------------------------------------------------------
@@ -140,6 +143,7 @@ class Daemon:
                               AccessPolicy(self.config.allow_users, self.config.allow_groups))
         self._server.machine = {"cpus": cpus.describe(), "nice": nice}
         self._show_settings()
+        await self._start_thermal_watch(engine)
         await self._server.start(self._listeners)
         await self._check_socket_answers()
         if self._watchdog is not None:
@@ -153,6 +157,21 @@ class Daemon:
         log.debug("compute threads on CPUs %s, I/O threads on CPUs %s", cpus.describe()["compute"],
                   cpus.describe()["io"])
         self._notifier.ready(self._server.service_status(0.0))
+
+    async def _start_thermal_watch(self, engine) -> None:
+        """Find the drive under the experts file and start watching it; from here on the watch
+        owns the loader's queue depth and prefetch (it applies the configured values when cool)."""
+        assert self._server is not None
+        self._thermal = ThermalWatch(engine.pack.experts_path, lambda: engine.experts, self._thermal_settings())
+        await asyncio.to_thread(self._thermal.start)
+        self._server.thermal = self._thermal
+        self._background.append(asyncio.create_task(self._thermal.run()))
+
+    def _thermal_settings(self) -> ThermalSettings:
+        c = self.config
+        return ThermalSettings(mode=c.thermal, poll_s=c.thermal_poll_s, throttle=c.thermal_throttle,
+                               resume=c.thermal_resume, io_queue_depth=c.io_queue_depth,
+                               prefetch=c.prefetch == "lookahead")
 
     def _plan_cpus(self) -> affinity.CpuPlan:
         try:
@@ -185,6 +204,8 @@ class Daemon:
             log.error("cache_size = %s cannot be applied, keeping the current cache: %s", cache_size, exc)
             return
         engine.set_experts(new).close()
+        if self._thermal is not None:
+            self._thermal.reconcile()  # the new cache starts unthrottled: apply what the drive's heat allows
         self._log_cache(new)
         log.info("expert cache resized to %d slots (cache_size = %s)", new.n_slots, cache_size)
 
@@ -293,10 +314,10 @@ class Daemon:
             cache_size = self.config.cache_size
             self._scheduler.run_between_requests(lambda: self._resize_expert_cache(engine, cache_size))
         else:
-            experts = engine.experts
-            experts.set_io_queue_depth(self.config.io_queue_depth)
-            experts.set_prefetch(self.config.prefetch == "lookahead")
-            experts.set_policy(self.config.cache_policy)
+            engine.experts.set_policy(self.config.cache_policy)
+        if self._thermal is not None:
+            # io_queue_depth and prefetch go through the watch: a reload must not lift a throttle.
+            self._thermal.update_settings(self._thermal_settings())
         self._server.max_frame_bytes = self.config.max_frame_bytes
         self._server.default_max_tokens = self.config.default_max_tokens
         self._server.access = AccessPolicy(self.config.allow_users, self.config.allow_groups)

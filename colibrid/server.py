@@ -72,6 +72,7 @@ class Server:
         self.default_max_tokens = default_max_tokens
         self.access = access or AccessPolicy()
         self.machine: dict[str, Any] = {}  # what status shows of the daemon's setup (cpus, nice, ...)
+        self.thermal = None  # the daemon's ThermalWatch, once started: status() and status_line()
         self.started_s = time.monotonic()
         self._connections: set[Connection] = set()
         self._connection_numbers = itertools.count(1)
@@ -140,6 +141,7 @@ class Server:
             "queue_limit": self.scheduler.max_queue,
             "version": __version__,
             "listening": self._listening,
+            **({"thermal": self.thermal.status()} if self.thermal is not None else {}),
             **self.machine,
         }
 
@@ -150,9 +152,10 @@ class Server:
         hit_rate = f"{100 * hits / (hits + misses):.0f}% expert hits" if hits + misses else "no experts loaded yet"
         if "slots" in cache:
             hit_rate = f"cache {cache['resident_slots']}/{cache['slots']} experts, {hit_rate}"
+        thermal = f"; {self.thermal.status_line()}" if self.thermal is not None else ""
         return (f"serving {self.model['name']}: {self.scheduler.requests_running} running, "
                 f"{self.scheduler.queue_depth} waiting, {self.scheduler.requests_served} served; "
-                f"{recent_tokens_per_s:.1f} tokens/s recently; {hit_rate}")
+                f"{recent_tokens_per_s:.1f} tokens/s recently; {hit_rate}{thermal}")
 
     def hello_event(self, request_id: RequestId) -> Event:
         return {"event": "hello", "id": request_id, "protocol": PROTOCOL_VERSION, "server": SERVER_NAME,

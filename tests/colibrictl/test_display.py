@@ -56,6 +56,39 @@ def test_fields_this_client_does_not_know_are_still_shown():
     ]
 
 
+THROTTLED = {
+    "state": "throttled", "reason": None, "temperature_c": 78.5, "throttle_c": 77.0, "resume_c": 72.0,
+    "critical_c": 85.0, "io_queue_depth": 4, "prefetch_paused": True, "loading_paused": None, "throttled_s": 65.0,
+    "critical_s": 0.0, "transitions": {"normal->throttled": 1}, "poll_s": 5.0, "polls": 40, "read_failures": 0,
+    "removals": 0, "returns": 0,
+    "drives": [{"controller": "nvme0", "namespace": "nvme0n1", "block_device": "nvme0n1p2",
+                "model": "Fake NVMe 980 PRO 1TB", "serial": "S5GX", "firmware": "5B2QGXA7",
+                "logical_block_bytes": 512, "present": True, "composite_c": 78.5, "sensors_c": {"Sensor 1": 81.0},
+                "warning_c": 82.0, "critical_c": 85.0, "smart_source": "none", "smart": None}],
+}
+
+
+def test_a_throttled_drive_reads_as_sentences():
+    assert format_status({"thermal": THROTTLED}).splitlines() == [
+        "thermal                   throttled at 78.5 °C (throttle 77 °C, resume 72 °C, critical 85 °C)",
+        "thermal reads in flight   4, prefetch paused",
+        "thermal loading paused    -",
+        "thermal time throttled    1m 05s (critical 0.0 s)",
+        "thermal transitions       normal->throttled 1x",
+        "thermal polls             every 5.0 s, 40 so far, 0 failed reads",
+        "drive nvme0               Fake NVMe 980 PRO 1TB, serial S5GX, firmware 5B2QGXA7, on nvme0n1p2, 512-byte blocks",
+        "drive nvme0 temperatures  composite 78.5 °C, Sensor 1 81 °C (warning 82 °C, critical 85 °C)",
+        "drive nvme0 SMART         not read (source: none); temperatures from hwmon",
+    ]
+
+
+def test_a_pack_not_on_nvme_is_one_line():
+    thermal = {"state": "unthrottled", "reason": "no NVMe device: /p/experts.bin is on vda (virtio_blk)",
+               "temperature_c": None, "throttle_c": 65.0, "io_queue_depth": 16, "throttled_s": 0.0, "drives": []}
+    assert format_status({"thermal": thermal}) == \
+        "thermal  unthrottled: no NVMe device: /p/experts.bin is on vda (virtio_blk)"
+
+
 def test_models_without_any_model_is_just_the_header():
     assert format_models([]).split() == ["NAME", "ARCHITECTURE", "PARAMETERS", "ACTIVE",
                                          "QUANTIZATION", "PATH"]

@@ -52,6 +52,11 @@ def test_flags_override_the_file(demo_pack, tmp_path):
     ("", ["--max-context", "1"], "max_context = 1: must be an integer >= 2 (tokens)"),
     ("", ["--socket", "/" + "s" * 200], "socket = "),
     ("max_queues = 3\n", [], "unknown key 'max_queues'"),
+    ('thermal = "on"\n', [], 'thermal = "on": must be "auto" or "off"'),
+    ("", ["--thermal-poll-s", "0.2"], "thermal_poll_s = 0.2: must be a number >= 1 (seconds)"),
+    ('thermal_throttle = "hot"\n', [], 'thermal_throttle = "hot": must be "auto" or a temperature in [20, 120]'),
+    ("", ["--thermal-resume", "400"], 'thermal_resume = 400.0: must be "auto" or a temperature in [20, 120]'),
+    ("thermal_throttle = 70\nthermal_resume = 70\n", [], "thermal_resume = 70 must be below thermal_throttle = 70"),
     ("max_queue = \n", [], "is not valid TOML"),
 ])
 def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(demo_pack, tmp_path, file_text, flags, expected):
@@ -60,6 +65,15 @@ def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(demo_pack, tmp_
         load_config(["--config", str(path), "--model", str(demo_pack), *flags])
     message = str(caught.value)
     assert expected in message and "\n" not in message
+
+
+def test_thermal_thresholds_are_auto_or_degrees(demo_pack, tmp_path):
+    path = write_config(tmp_path, "thermal_throttle = 70\n")
+    config = load_config(["--config", str(path), "--model", str(demo_pack), "--thermal-resume", "62.5"])
+    assert (config.thermal, config.thermal_poll_s, config.thermal_throttle, config.thermal_resume) == (
+        "auto", 5.0, 70.0, 62.5)
+    assert load_config(["--config", str(path), "--model", str(demo_pack), "--thermal-throttle", "auto"]
+                       ).thermal_throttle == "auto"
 
 
 def test_model_is_required_and_must_be_a_pack_directory(tmp_path):

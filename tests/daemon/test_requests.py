@@ -190,6 +190,18 @@ def test_status_reports_the_model_the_cache_and_the_queue(shared_daemon):
     assert model["parameters_total"] == status["parameters_total"]
 
 
+def test_status_says_the_pack_is_not_on_nvme_and_runs_unthrottled(shared_daemon):
+    """These machines have one virtio disk: the thermal watch must say so plainly, not fail."""
+    with WireClient(shared_daemon.socket_path) as client:
+        client.hello()
+        client.send({"op": "status", "id": "s"})
+        thermal = client.recv()["thermal"]
+    assert thermal["state"] == "unthrottled" and thermal["drives"] == []
+    assert thermal["reason"].startswith("no NVMe device: ") and "experts.bin is on " in thermal["reason"]
+    assert thermal["loading_paused"] is None and thermal["prefetch_paused"] is False
+    assert thermal["io_queue_depth"] == 16
+
+
 def test_a_full_queue_answers_busy_at_once(start_daemon):
     daemon = start_daemon("--max-queue", "1")
     with WireClient(daemon.socket_path) as client:

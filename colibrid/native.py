@@ -124,6 +124,13 @@ _SIGNATURES = {
     "col_attention": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
                                      ctypes.c_void_p]),
+    "col_attention_layer_size": (ctypes.c_size_t, []),
+    # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, Hd), sin (T, Hd), keys (>= S, K, Hd), vals, n_past)
+    "col_attention_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
+    # (pool, type, router (E, row_bytes(D)), E, D, x (T, D) f32, n_tok, top_k, normalize, experts (T, A) i32, weights (T, A) f32)
+    "col_moe_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]),
     "col_crc32c": (ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]),
     "col_crc32c_sw": (ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]),
     "col_crc32c_hw": (ctypes.c_int, []),
@@ -355,7 +362,7 @@ class _PoolParams(ctypes.Structure):
 
 
 def _check_struct_sizes(lib: ctypes.CDLL) -> None:
-    for struct, size_fn in ((_PoolParams, lib.col_pool_params_size),):
+    for struct, size_fn in ((_PoolParams, lib.col_pool_params_size), (AttentionLayer, lib.col_attention_layer_size)):
         if ctypes.sizeof(struct) != size_fn():
             raise LibraryNotFoundError(
                 f"{struct.__name__} is {ctypes.sizeof(struct)} bytes, libcolibri says {size_fn()}: the build is stale"
@@ -609,6 +616,131 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np
     check(_lib().col_attention(_pool_handle(pool), _ptr(q), _ptr(keys), _ptr(values), Tq, S, H, K, Hd, _ptr(pos),
                                int(window or 0), float(scale), _ptr(out)), "attention")
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Fused decoder steps
+# --------------------------------------------------------------------------------------------
+
+QK_NORM_CODES = {"none": 0, "full": 1, "head": 2}  # enum col_qk_norm
+
+
+class AttentionLayer(ctypes.Structure):
+    """Mirror of col_attention_layer (colibri.h); its size is checked against C at load.
+    Build it with attention_layer(), which checks every size once and keeps the arrays it
+    points into alive for as long as the structure lives."""
+
+    _fields_ = [
+        ("dim", ctypes.c_int64), ("n_heads", ctypes.c_int64), ("n_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64), ("window", ctypes.c_int64),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("clip_qkv", ctypes.c_float),
+        ("qk_norm", ctypes.c_int32), ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32),
+        *((name, ctypes.c_void_p) for name in ("norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")),
+    ]
+
+
+def _f32_vector(a, name: str, n: int) -> np.ndarray:
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != (n,) or not a.flags.c_contiguous:
+        raise InvalidArgumentError(f"{name} must be a C-contiguous float32 ({n},) array")
+    return a
+
+
+def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm: np.ndarray,
+                    qkv_type: TensorType | int | str, wq, wk, wv, o_type: TensorType | int | str, wo, *,
+                    eps: float, scale: float, window: int | None = None, clip_qkv: float | None = None,
+                    qk_norm: str = "none", q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
+                    bq: np.ndarray | None = None, bk: np.ndarray | None = None, bv: np.ndarray | None = None,
+                    bo: np.ndarray | None = None) -> AttentionLayer:
+    """One layer's attention for attention_block(): ``wq`` (H*Hd, D), ``wk``/``wv`` (K*Hd, D)
+    encoded as ``qkv_type``, ``wo`` (D, H*Hd) as ``o_type`` (contiguous buffers, read in place);
+    ``norm`` (D) the input RMSNorm; biases and q/k norm weights float32 or None."""
+    dim, n_heads, n_kv_heads, head_dim = (_as_count(v, n) for v, n in (
+        (dim, "dim"), (n_heads, "n_heads"), (n_kv_heads, "n_kv_heads"), (head_dim, "head_dim")))
+    if min(dim, n_heads, n_kv_heads, head_dim) == 0 or n_heads % n_kv_heads or head_dim % 2:
+        raise InvalidArgumentError("attention needs dim, heads > 0, n_heads % n_kv_heads == 0 and an even head_dim")
+    if qk_norm not in QK_NORM_CODES:
+        raise InvalidArgumentError(f"qk_norm must be one of {', '.join(QK_NORM_CODES)}, got {qk_norm!r}")
+    t_qkv, t_o = _as_type(qkv_type), _as_type(o_type)
+    Q, KV = n_heads * head_dim, n_kv_heads * head_dim
+    keep = [_f32_vector(norm, "norm", dim)]
+    layer = AttentionLayer(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, window=int(window or 0),
+                           eps=float(eps), scale=float(scale), clip_qkv=float(clip_qkv or 0.0),
+                           qk_norm=QK_NORM_CODES[qk_norm], qkv_type=int(t_qkv), o_type=int(t_o), norm=_ptr(norm))
+    for field, data, t, rows, cols in (("wq", wq, t_qkv, Q, dim), ("wk", wk, t_qkv, KV, dim), ("wv", wv, t_qkv, KV, dim),
+                                       ("wo", wo, t_o, dim, Q)):
+        raw = _byte_view(data, field)
+        if raw.nbytes != rows * t.row_bytes(cols):
+            raise InvalidArgumentError(f"{field} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs {rows * t.row_bytes(cols)}")
+        keep.append(raw)
+        setattr(layer, field, _ptr(raw))
+    norm_width = {"none": None, "full": (Q, KV), "head": (head_dim, head_dim)}[qk_norm]
+    vectors = [("bq", bq, Q), ("bk", bk, KV), ("bv", bv, KV), ("bo", bo, dim)]
+    if norm_width is not None:
+        if q_norm is None or k_norm is None:
+            raise InvalidArgumentError(f"qk_norm {qk_norm!r} needs q_norm and k_norm")
+        vectors += [("q_norm", q_norm, norm_width[0]), ("k_norm", k_norm, norm_width[1])]
+    for field, vector, n in vectors:
+        if vector is not None:
+            keep.append(_f32_vector(vector, field, n))
+            setattr(layer, field, _ptr(vector))
+    layer._keep = keep  # the buffers the pointers point into
+    return layer
+
+
+def _f32_out(a, name: str, shape: tuple) -> None:
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or not a.flags.c_contiguous or not a.flags.writeable \
+            or a.shape != shape:
+        raise InvalidArgumentError(f"{name} must be a writable C-contiguous float32 array of shape {shape}")
+
+
+def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
+                    values: np.ndarray, n_past: int, pool: "ThreadPool | None" = None) -> None:
+    """x += attention(rms_norm(x)) for T new tokens at positions n_past .., in place (see
+    col_attention_block): ``x`` (T, D), ``cos``/``sin`` (T, Hd), ``keys``/``values`` the
+    layer's whole cache buffers (capacity >= n_past + T, K, Hd), float32; rows n_past ..
+    n_past + T - 1 of the cache are written."""
+    if not isinstance(layer, AttentionLayer) or not hasattr(layer, "_keep"):
+        raise InvalidArgumentError("layer must come from attention_layer()")
+    n_past = _as_count(n_past, "n_past")
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise InvalidArgumentError("x must be a (T, D) float32 array")
+    T, Hd = x.shape[0], layer.head_dim
+    _f32_out(x, "x", (T, layer.dim))
+    for name, table in (("cos", cos), ("sin", sin)):
+        if not isinstance(table, np.ndarray) or table.dtype != np.float32 or table.shape != (T, Hd) or not table.flags.c_contiguous:
+            raise InvalidArgumentError(f"{name} must be a C-contiguous float32 ({T}, {Hd}) array")
+    capacity = keys.shape[0] if isinstance(keys, np.ndarray) and keys.ndim == 3 else -1
+    if capacity < n_past + T:
+        raise InvalidArgumentError(f"keys must be a (>= {n_past + T}, K, Hd) array")
+    _f32_out(keys, "keys", (capacity, layer.n_kv_heads, Hd))
+    _f32_out(values, "values", (capacity, layer.n_kv_heads, Hd))
+    check(_lib().col_attention_block(_pool_handle(pool), ctypes.addressof(layer), x.ctypes.data, T, cos.ctypes.data,
+                                     sin.ctypes.data, keys.ctypes.data, values.ctypes.data, n_past), "attention_block")
+
+
+def moe_route(type_: TensorType | int | str, data, n_experts: int, dim: int, x: np.ndarray, top_k: int,
+              normalize: bool, pool: "ThreadPool | None" = None) -> tuple[np.ndarray, np.ndarray]:
+    """A MoE router (see col_moe_route): ``data`` the router (E, D) encoded as ``type_``,
+    ``x`` float32 (T, D). Returns (experts int32 (T, A), weights float32 (T, A)): per token
+    the top_k experts of the softmax over x @ router^T, best first (lower index on ties),
+    and their probabilities, renormalised to sum 1 if ``normalize``."""
+    t = _as_type(type_)
+    n_experts, dim, top_k = _as_count(n_experts, "n_experts"), _as_count(dim, "dim"), _as_count(top_k, "top_k")
+    if not 1 <= top_k <= n_experts:
+        raise InvalidArgumentError(f"top_k must be in [1, {n_experts}], got {top_k}")
+    if type(data) is np.ndarray and data.flags.c_contiguous and not data.dtype.hasobject:
+        raw = data
+    else:
+        raw = _byte_view(data, "data")
+    if raw.nbytes != n_experts * t.row_bytes(dim):
+        raise InvalidArgumentError(f"router has {raw.nbytes} bytes, {t.name_in_pack} ({n_experts}, {dim}) needs {n_experts * t.row_bytes(dim)}")
+    x = _f32_matrix(x, "x", cols=dim)
+    n_tok = x.shape[0]
+    experts = np.empty((n_tok, top_k), dtype=np.int32)
+    weights = np.empty((n_tok, top_k), dtype=np.float32)
+    check(_lib().col_moe_route(_pool_handle(pool), int(t), raw.ctypes.data, n_experts, dim, x.ctypes.data, n_tok, top_k,
+                               int(bool(normalize)), experts.ctypes.data, weights.ctypes.data), f"moe_route {t.name_in_pack}")
+    return experts, weights
 
 
 # --------------------------------------------------------------------------------------------

@@ -259,3 +259,139 @@ def test_attention_matches_masked_softmax(window, n_q, kernel_level, pools):
         for n in (1, 2, 3):
             got = native.attention(q, keys, values, positions, window, scale, pool=pools[n])
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# Fused attention step and router
+# ---------------------------------------------------------------------------------------
+
+D_ATTN, H_ATTN, K_ATTN, HD_ATTN = 128, 4, 2, 32  # Q = 128, KV = 64
+
+
+def _attention_weights(qkv_type, o_type, qk_norm, biases, seed):
+    Q, KV = H_ATTN * HD_ATTN, K_ATTN * HD_ATTN
+    w = {name: native.quantize(t, gaussian(shape, seed + i, 0.2)) if t is not TensorType.F32 else gaussian(shape, seed + i, 0.2)
+         for i, (name, t, shape) in enumerate((("wq", qkv_type, (Q, D_ATTN)), ("wk", qkv_type, (KV, D_ATTN)),
+                                               ("wv", qkv_type, (KV, D_ATTN)), ("wo", o_type, (D_ATTN, Q))))}
+    norm = 1.0 + gaussian((D_ATTN,), seed + 5, 0.1)
+    extra = {}
+    if biases:
+        extra.update(bq=gaussian((Q,), seed + 6, 0.1), bk=gaussian((KV,), seed + 7, 0.1), bv=gaussian((KV,), seed + 8, 0.1),
+                     bo=gaussian((D_ATTN,), seed + 9, 0.1))
+    if qk_norm != "none":
+        widths = (Q, KV) if qk_norm == "full" else (HD_ATTN, HD_ATTN)
+        extra.update(q_norm=1.0 + gaussian((widths[0],), seed + 10, 0.1), k_norm=1.0 + gaussian((widths[1],), seed + 11, 0.1))
+    return norm, w, extra
+
+
+def _attention_steps(qkv_type, o_type, norm, w, extra, qk_norm, clip, window, x, cos, sin, keys, values, n_past, pool):
+    """The reference: the separate entry points and numpy, in the order of engine/attention.py."""
+    Q, KV, T = H_ATTN * HD_ATTN, K_ATTN * HD_ATTN, x.shape[0]
+    eps = 1e-5
+    h = native.rms_norm(x, norm, eps)
+    q, k, v = (native.matmul(qkv_type, w[name], rows, D_ATTN, h, pool=pool) for name, rows in (("wq", Q), ("wk", KV), ("wv", KV)))
+    for name, bias in (("bq", 0), ("bk", 1), ("bv", 2)):
+        if name in extra:
+            (q, k, v)[bias][...] = (q, k, v)[bias] + extra[name]
+    if qk_norm == "full":
+        q, k = native.rms_norm(q, extra["q_norm"], eps), native.rms_norm(k, extra["k_norm"], eps)
+    if clip is not None:
+        q, k, v = (np.clip(t, -clip, clip) for t in (q, k, v))
+    q, k, v = q.reshape(T, H_ATTN, HD_ATTN), k.reshape(T, K_ATTN, HD_ATTN), v.reshape(T, K_ATTN, HD_ATTN)
+    if qk_norm == "head":
+        q, k = native.rms_norm(q, extra["q_norm"], eps), native.rms_norm(k, extra["k_norm"], eps)
+    q, k = native.rope(q, cos, sin), native.rope(k, cos, sin)
+    keys[n_past:n_past + T], values[n_past:n_past + T] = k, v
+    positions = np.arange(n_past, n_past + T)
+    a = native.attention(q, keys[:n_past + T], values[:n_past + T], positions, window, HD_ATTN ** -0.5, pool=pool)
+    o = native.matmul(o_type, w["wo"], D_ATTN, Q, a, pool=pool)
+    if "bo" in extra:
+        o = o + extra["bo"]
+    return x + o
+
+
+ATTENTION_CASES = [  # (qkv type, o type, qk_norm, biases, clip, window)
+    (TensorType.F32, TensorType.F32, "none", True, None, None),
+    (TensorType.BF16, TensorType.Q8_0, "head", False, None, 3),
+    (TensorType.Q8_0, TensorType.Q8_0, "full", False, 0.6, None),
+    (TensorType.Q4_G64, TensorType.Q4_G64, "none", True, None, 4),
+    (TensorType.Q4_G64, TensorType.Q8_0, "head", True, 0.5, None),
+]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"{c[0].name_in_pack}-{c[1].name_in_pack}-{c[2]}-bias{int(c[3])}-clip{c[4]}-win{c[5]}")
+@pytest.mark.parametrize("n_tok", [1, 3])
+def test_attention_block_equals_the_separate_steps_bit_for_bit(case, n_tok, kernel_level, pools):
+    qkv_type, o_type, qk_norm, biases, clip, window = case
+    norm, w, extra = _attention_weights(qkv_type, o_type, qk_norm, biases, 70)
+    layer = native.attention_layer(D_ATTN, H_ATTN, K_ATTN, HD_ATTN, norm, qkv_type, w["wq"], w["wk"], w["wv"], o_type, w["wo"],
+                                   eps=1e-5, scale=HD_ATTN ** -0.5, window=window, clip_qkv=clip, qk_norm=qk_norm, **extra)
+    n_past, capacity = 5, 11
+    x = gaussian((n_tok, D_ATTN), 80)
+    angles = gaussian((n_tok, HD_ATTN), 81)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    past_keys, past_values = gaussian((capacity, K_ATTN, HD_ATTN), 82), gaussian((capacity, K_ATTN, HD_ATTN), 83)
+    for level in native.supported_kernels():
+        kernel_level(level)
+        want_keys, want_values = past_keys.copy(), past_values.copy()
+        want = _attention_steps(qkv_type, o_type, norm, w, extra, qk_norm, clip, window, x, cos, sin, want_keys, want_values,
+                                n_past, pools[1])
+        for n in (1, 2, 3):
+            got, keys, values = x.copy(), past_keys.copy(), past_values.copy()
+            native.attention_block(layer, got, cos, sin, keys, values, n_past, pool=pools[n])
+            np.testing.assert_array_equal(got, want, err_msg=f"{level}, {n} threads")
+            np.testing.assert_array_equal(keys, want_keys)  # rows n_past.. written, the others kept
+            np.testing.assert_array_equal(values, want_values)
+
+
+def test_attention_block_rejects_bad_arguments():
+    norm, w, extra = _attention_weights(TensorType.Q8_0, TensorType.Q8_0, "none", False, 90)
+    args = (D_ATTN, H_ATTN, K_ATTN, HD_ATTN, norm, TensorType.Q8_0, w["wq"], w["wk"], w["wv"], TensorType.Q8_0)
+    with pytest.raises(native.InvalidArgumentError):  # wo of the wrong size
+        native.attention_layer(*args, w["wq"][:1], eps=1e-5, scale=1.0)
+    with pytest.raises(native.InvalidArgumentError):  # head norm without its weights
+        native.attention_layer(*args, w["wo"], eps=1e-5, scale=1.0, qk_norm="head")
+    layer = native.attention_layer(*args, w["wo"], eps=1e-5, scale=1.0)
+    x = gaussian((2, D_ATTN), 91)
+    cos = sin = np.ones((2, HD_ATTN), np.float32)
+    keys = values = np.zeros((4, K_ATTN, HD_ATTN), np.float32)
+    with pytest.raises(native.InvalidArgumentError):  # the cache is too short for 3 + 2 tokens
+        native.attention_block(layer, x, cos, sin, keys, values, 3)
+    with pytest.raises(native.InvalidArgumentError):
+        native.attention_block(layer, x, cos[:1], sin[:1], keys, values, 0)
+    bad = native.AttentionLayer.from_buffer_copy(layer)
+    bad.n_kv_heads = 3  # 4 heads are not a multiple of 3
+    before = x.copy()
+    assert native._lib().col_attention_block(None, native.ctypes.addressof(bad), x.ctypes.data, 2, cos.ctypes.data,
+                                             sin.ctypes.data, keys.ctypes.data, values.ctypes.data, 0) == 1
+    np.testing.assert_array_equal(x, before)
+    assert not keys.any()
+
+
+@pytest.mark.parametrize("type_", [TensorType.F32, TensorType.Q8_0], ids=lambda t: t.name_in_pack)
+@pytest.mark.parametrize("normalize", [False, True])
+def test_moe_route_picks_the_top_k_of_the_softmax(type_, normalize, pools):
+    n_experts, dim, top_k, n_tok = 12, 64, 3, 5
+    router = gaussian((n_experts, dim), 100)
+    data = router if type_ is TensorType.F32 else native.quantize(type_, router)
+    x = gaussian((n_tok, dim), 101)
+    logits = native.matmul(type_, data, n_experts, dim, x).astype(np.float64)
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    want_experts = np.argsort(-probs, axis=1, kind="stable")[:, :top_k]
+    want_weights = np.take_along_axis(probs, want_experts, axis=1)
+    if normalize:
+        want_weights /= want_weights.sum(axis=1, keepdims=True)
+    for n in (1, 2):
+        experts, weights = native.moe_route(type_, data, n_experts, dim, x, top_k, normalize, pool=pools[n])
+        np.testing.assert_array_equal(experts, want_experts)
+        np.testing.assert_allclose(weights, want_weights, rtol=1e-5, atol=1e-7)
+
+
+def test_moe_route_breaks_ties_toward_the_lower_index():
+    router = np.zeros((6, 32), np.float32)  # every logit 0: six equal probabilities
+    experts, weights = native.moe_route(TensorType.F32, router, 6, 32, gaussian((2, 32), 102), 4, True)
+    np.testing.assert_array_equal(experts, [[0, 1, 2, 3]] * 2)
+    np.testing.assert_allclose(weights, 0.25)
+    with pytest.raises(native.InvalidArgumentError):
+        native.moe_route(TensorType.F32, router, 6, 32, gaussian((2, 32), 102), 7, True)

@@ -282,6 +282,82 @@ COL_API int col_attention(col_pool *pool, const float *q, const float *keys, con
                           float *out);
 
 /* ---------------------------------------------------------------------------------------
+ * Fused decoder steps: one call per attention step, one per routing decision
+ * ------------------------------------------------------------------------------------ */
+
+enum col_qk_norm {
+    COL_QK_NORM_NONE = 0, /* no q/k normalisation */
+    COL_QK_NORM_FULL = 1, /* RMSNorm over all heads of a token: q (H * Hd), k (K * Hd) */
+    COL_QK_NORM_HEAD = 2, /* RMSNorm over each head: q and k (Hd) */
+};
+
+/* One layer's attention weights and shape, set up once and passed to every step. Weights
+ * are only read, during each call. Shapes: D dim, H n_heads, K n_kv_heads, Hd head_dim. */
+typedef struct col_attention_layer {
+    int64_t dim;          /* D */
+    int64_t n_heads;      /* H, a multiple of K */
+    int64_t n_kv_heads;   /* K */
+    int64_t head_dim;     /* Hd, even */
+    int64_t window;       /* sliding window in tokens; <= 0: full causal */
+    float eps;            /* RMSNorm epsilon of the input norm and the q/k norms */
+    float scale;          /* softmax scale, usually Hd^-0.5 */
+    float clip_qkv;       /* > 0: q, k, v clamped to [-clip_qkv, clip_qkv]; 0: no clamp */
+    int32_t qk_norm;      /* enum col_qk_norm */
+    int32_t qkv_type;     /* type of wq, wk, wv (one type: one activation quantization) */
+    int32_t o_type;       /* type of wo */
+    const float *norm;    /* (D) input RMSNorm weight */
+    const void *wq;       /* (H * Hd, row_bytes(qkv_type, D)) */
+    const void *wk;       /* (K * Hd, row_bytes(qkv_type, D)) */
+    const void *wv;       /* (K * Hd, row_bytes(qkv_type, D)) */
+    const void *wo;       /* (D, row_bytes(o_type, H * Hd)) */
+    const float *bq;      /* (H * Hd) or NULL */
+    const float *bk;      /* (K * Hd) or NULL */
+    const float *bv;      /* (K * Hd) or NULL */
+    const float *bo;      /* (D) or NULL */
+    const float *q_norm;  /* FULL: (H * Hd), HEAD: (Hd); NULL with COL_QK_NORM_NONE */
+    const float *k_norm;  /* FULL: (K * Hd), HEAD: (Hd); NULL with COL_QK_NORM_NONE */
+} col_attention_layer;
+
+/* sizeof(col_attention_layer), for bindings that mirror the struct. */
+COL_API size_t col_attention_layer_size(void);
+
+/* A whole attention step of n_tok new tokens at positions n_past .. n_past + n_tok - 1,
+ * residual included, in one pool job:
+ *     h = rms_norm(x) * norm
+ *     q = h wq^T + bq,  k = h wk^T + bk,  v = h wv^T + bv
+ *     FULL: q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm
+ *     clip: q, k, v clamped to [-clip_qkv, clip_qkv]
+ *     HEAD: each head of q, k = rms_norm(head) * q_norm / k_norm
+ *     q, k = rope(q, cos, sin), rope(k, cos, sin)
+ *     keys[n_past + t], vals[n_past + t] = k[t], v[t]
+ *     a = attention(q, keys[0 : n_past + n_tok], vals, positions n_past + t, window, scale)
+ *     x += a wo^T + bo
+ * each step with the arithmetic of col_rms_norm, col_matmul, col_rope and col_attention, so
+ * the result equals that sequence of calls (and numpy's float32 adds and clamps) bit for bit.
+ *   x:          (n_tok, D) float32, read and updated in place
+ *   cos, sin:   (n_tok, Hd) float32, the rotary tables of the new tokens
+ *   keys, vals: (>= n_past + n_tok, K, Hd) float32, the layer's KV cache; rows n_past ..
+ *               n_past + n_tok - 1 are written, rows before are read
+ * COL_EINVAL: bad sizes, types or NULL pointers; nothing written. COL_ENOMEM: scratch
+ * allocation failed; nothing written. */
+COL_API int col_attention_block(col_pool *pool, const col_attention_layer *layer, float *x, int64_t n_tok,
+                                const float *cos, const float *sin, float *keys, float *vals,
+                                int64_t n_past);
+
+/* Router of a MoE layer step: logits = x @ router^T (as col_matmul), then per token a
+ * float32 softmax over the n_experts logits, the top_k most probable experts (ties: the
+ * lower index first) best first, and their probabilities, renormalised to sum to 1 if
+ * `normalize`.
+ *   router:  (n_experts, row_bytes(type, D)) bytes
+ *   x:       (n_tok, D) float32
+ *   experts: (n_tok, top_k) int32 out;  weights: (n_tok, top_k) float32 out
+ * COL_EINVAL: bad sizes (top_k must be in 1..n_experts), type or NULL; outputs untouched.
+ * COL_ENOMEM: scratch; outputs untouched. */
+COL_API int col_moe_route(col_pool *pool, int type, const void *router, int64_t n_experts, int64_t dim,
+                          const float *x, int64_t n_tok, int64_t top_k, int normalize, int32_t *experts,
+                          float *weights);
+
+/* ---------------------------------------------------------------------------------------
  * CRC-32C (Castagnoli, reflected polynomial 0x82F63B78)
  * ------------------------------------------------------------------------------------ */
 

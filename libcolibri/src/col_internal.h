@@ -251,6 +251,33 @@ const col_kernel_set *col_kernels_neon(void);
 void col_rows_times_xq(const col_kernel_set *k, int type, const uint8_t *w, int64_t row_bytes, int64_t r0,
                        int64_t r1, const col_xq_row *x, int64_t n, int64_t nb, float *y, int64_t y_stride);
 
+/* One weight matrix as an operand of a product (matmul.c): how its rows meet activations
+ * on the active level. */
+typedef struct {
+    const col_type_traits *tt;
+    int type;
+    int integer;        /* 1: int8 activations (col_quantize_x rows), level's dot_xq */
+    int simd_f32;       /* 1: f32 weights through the level's dot_f32 */
+    const uint8_t *w;   /* (n_out, row_bytes) */
+    int64_t row_bytes, n_in;
+} col_matrix;
+
+/* Describes w (`type`, rows of n_in values) for kernel set k. COL_EINVAL: bad type or n_in. */
+int col_matrix_init(col_matrix *m, const col_kernel_set *k, int type, const void *w, int64_t n_in);
+
+/* y[t * y_stride + (r - r_begin)] = w_r . x_t for rows r_begin <= r < r_end and tokens
+ * t < n_tok, in tiles of 16 rows by groups of 4 tokens. Integer matrices read the quantized
+ * rows xq (n_tok, xq_bytes), the others x (n_tok, n_in). col_matmul is this over a row split. */
+void col_matrix_rows(const col_kernel_set *k, const col_matrix *m, int64_t r_begin, int64_t r_end,
+                     const float *x, const uint8_t *xq, size_t xq_bytes, int64_t n_tok, float *y,
+                     int64_t y_stride);
+
+/* One query head's attention over keys lo..hi (ops.c): ov (Hd) = softmax(scale * q.k_s) v_s,
+ * keys/vals (S, K, Hd) read at kv head kh, sc (>= hi + 1) scratch; zeros if hi < lo. */
+void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys, const float *vals,
+                     int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, float scale,
+                     float *sc, float *ov);
+
 /* ---------------------------------------------------------------------------------------
  * Running work on the pool
  * ------------------------------------------------------------------------------------ */

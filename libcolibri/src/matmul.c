@@ -36,14 +36,50 @@ void col_rows_times_xq(const col_kernel_set *k, int type, const uint8_t *w, int6
         for (int64_t r = r0; r < r1; r++) y[i * y_stride + (r - r0)] = dot(w + r * row_bytes, &x[i], nb);
 }
 
+int col_matrix_init(col_matrix *m, const col_kernel_set *k, int type, const void *w, int64_t n_in) {
+    m->tt = col_get_type_traits(type);
+    m->row_bytes = col_type_row_bytes(type, n_in);
+    if (!m->tt || m->row_bytes < 0) return COL_EINVAL;
+    m->type = type;
+    m->integer = k->dot_xq[type] != NULL;
+    m->simd_f32 = type == COL_TYPE_F32 && k->level != COL_KERNELS_PORTABLE;
+    m->w = w;
+    m->n_in = n_in;
+    return COL_OK;
+}
+
+void col_matrix_rows(const col_kernel_set *k, const col_matrix *m, int64_t r_begin, int64_t r_end,
+                     const float *x, const uint8_t *xq, size_t xq_bytes, int64_t n_tok, float *y,
+                     int64_t y_stride) {
+    const int64_t nb = m->n_in / COL_QK_X;
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += COL_MATMUL_ROW_TILE) {
+        const int64_t r1 = r0 + COL_MATMUL_ROW_TILE < r_end ? r0 + COL_MATMUL_ROW_TILE : r_end;
+        for (int64_t t0 = 0; t0 < n_tok; t0 += COL_MATMUL_TOKEN_GROUP) {
+            const int64_t n = n_tok - t0 < COL_MATMUL_TOKEN_GROUP ? n_tok - t0 : COL_MATMUL_TOKEN_GROUP;
+            float *yg = y + t0 * y_stride + (r0 - r_begin); /* token t0, row r0 */
+            if (m->integer) {
+                col_xq_row xr[COL_MATMUL_TOKEN_GROUP];
+                for (int64_t i = 0; i < n; i++) xr[i] = col_xq_view(xq + (size_t)(t0 + i) * xq_bytes, nb);
+                col_rows_times_xq(k, m->type, m->w, m->row_bytes, r0, r1, xr, n, nb, yg, y_stride);
+                continue;
+            }
+            for (int64_t i = 0; i < n; i++) {
+                const float *xt = x + (t0 + i) * m->n_in; /* (n_in) */
+                float *yt = yg + i * y_stride;            /* rows r0.. of token t0 + i */
+                if (m->simd_f32) /* f32 weights on a SIMD level: the level's float dot */
+                    for (int64_t r = r0; r < r1; r++)
+                        yt[r - r0] = k->dot_f32((const float *)(const void *)(m->w + r * m->row_bytes), xt, m->n_in);
+                else
+                    for (int64_t r = r0; r < r1; r++) yt[r - r0] = m->tt->vec_dot(m->w + r * m->row_bytes, xt, m->n_in);
+            }
+        }
+    }
+}
+
 typedef struct {
-    const col_type_traits *tt;
     const col_kernel_set *k;
-    int type;
-    int integer;           /* 1: quantized activations */
-    int simd_f32;          /* 1: f32 weights through the level's dot_f32 (SIMD levels) */
-    const uint8_t *w;      /* (n_out, row_bytes) */
-    int64_t row_bytes, n_out, n_in, n_tok;
+    col_matrix m;
+    int64_t n_out, n_tok;
     const float *x;        /* (n_tok, n_in) */
     uint8_t *xq;           /* (n_tok, xq_bytes) quantized activations, integer path only */
     size_t xq_bytes;
@@ -53,36 +89,15 @@ typedef struct {
 
 static void matmul_task(void *arg, int ith, int nth) {
     matmul_job *j = arg;
-    const int64_t nb = j->n_in / COL_QK_X;
-    if (j->integer) {
+    if (j->m.integer) {
         int64_t t0, t1;
         col_split(j->n_tok, ith, nth, &t0, &t1);
-        for (int64_t t = t0; t < t1; t++) col_quantize_x(j->type, j->x + t * j->n_in, j->n_in, j->xq + t * j->xq_bytes);
+        for (int64_t t = t0; t < t1; t++) col_quantize_x(j->m.type, j->x + t * j->m.n_in, j->m.n_in, j->xq + t * j->xq_bytes);
         col_barrier_wait(&j->barrier, nth);
     }
     int64_t r_begin, r_end;
     col_split(j->n_out, ith, nth, &r_begin, &r_end);
-    for (int64_t r0 = r_begin; r0 < r_end; r0 += COL_MATMUL_ROW_TILE) {
-        const int64_t r1 = r0 + COL_MATMUL_ROW_TILE < r_end ? r0 + COL_MATMUL_ROW_TILE : r_end;
-        for (int64_t t0 = 0; t0 < j->n_tok; t0 += COL_MATMUL_TOKEN_GROUP) {
-            const int64_t n = j->n_tok - t0 < COL_MATMUL_TOKEN_GROUP ? j->n_tok - t0 : COL_MATMUL_TOKEN_GROUP;
-            if (j->integer) {
-                col_xq_row xr[COL_MATMUL_TOKEN_GROUP];
-                for (int64_t i = 0; i < n; i++) xr[i] = col_xq_view(j->xq + (t0 + i) * j->xq_bytes, nb);
-                col_rows_times_xq(j->k, j->type, j->w, j->row_bytes, r0, r1, xr, n, nb, j->y + t0 * j->n_out + r0, j->n_out);
-            } else {
-                for (int64_t t = t0; t < t0 + n; t++) {
-                    const float *xt = j->x + t * j->n_in; /* (n_in) */
-                    float *yt = j->y + t * j->n_out;      /* (n_out) */
-                    if (j->simd_f32) /* f32 weights on a SIMD level: the level's float dot */
-                        for (int64_t r = r0; r < r1; r++)
-                            yt[r] = j->k->dot_f32((const float *)(const void *)(j->w + r * j->row_bytes), xt, j->n_in);
-                    else
-                        for (int64_t r = r0; r < r1; r++) yt[r] = j->tt->vec_dot(j->w + r * j->row_bytes, xt, j->n_in);
-                }
-            }
-        }
-    }
+    col_matrix_rows(j->k, &j->m, r_begin, r_end, j->x, j->xq, j->xq_bytes, j->n_tok, j->y + r_begin, j->n_out);
 }
 
 int col_matmul(col_pool *pool, int type, const void *w, int64_t n_out, int64_t n_in, const float *x,
@@ -97,11 +112,9 @@ int col_matmul(col_pool *pool, int type, const void *w, int64_t n_out, int64_t n
         memset(y, 0, (size_t)(n_out * n_tok) * sizeof(float));
         return COL_OK;
     }
-    const col_kernel_set *k = col_kernels_active();
-    matmul_job job = {tt, k, type, k->dot_xq[type] != NULL,
-                      type == COL_TYPE_F32 && k->level != COL_KERNELS_PORTABLE, w, row_bytes, n_out, n_in,
-                      n_tok, x, NULL, 0, y, {0, 0}};
-    if (job.integer) {
+    matmul_job job = {col_kernels_active(), {0}, n_out, n_tok, x, NULL, 0, y, {0, 0}};
+    col_matrix_init(&job.m, job.k, type, w, n_in); /* type and n_in checked above */
+    if (job.m.integer) {
         job.xq_bytes = col_xq_bytes(n_in / COL_QK_X);
         job.xq = col_alloc(job.xq_bytes * (size_t)n_tok);
         if (!job.xq) return COL_ENOMEM;

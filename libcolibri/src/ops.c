@@ -52,33 +52,39 @@ typedef struct {
     float *out;                   /* (Tq, H * Hd) */
 } attention_job;
 
+void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys, const float *vals,
+                     int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, float scale,
+                     float *sc, float *ov) {
+    const int64_t Hd = head_dim, K = n_kv_heads;
+    for (int64_t i = 0; i < Hd; i++) ov[i] = 0.0f;
+    if (hi < lo) return;
+    float mx = -INFINITY;
+    for (int64_t s = lo; s <= hi; s++) {
+        sc[s] = k->dot_f32(qv, keys + (s * K + kh) * Hd, Hd) * scale;
+        if (sc[s] > mx) mx = sc[s];
+    }
+    float sum = 0.0f;
+    for (int64_t s = lo; s <= hi; s++) {
+        sc[s] = expf(sc[s] - mx);
+        sum += sc[s];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t s = lo; s <= hi; s++) k->axpy_f32(ov, sc[s] * inv, vals + (s * K + kh) * Hd, Hd);
+}
+
 static void attention_task(void *arg, int ith, int nth) {
     attention_job *j = arg;
-    const int64_t Hd = j->head_dim, K = j->n_kv_heads, group = j->n_heads / K;
+    const int64_t Hd = j->head_dim, group = j->n_heads / j->n_kv_heads;
     float *sc = j->scores + ith * j->n_keys; /* (S) */
     int64_t b, e;
     col_split(j->n_q * j->n_heads, ith, nth, &b, &e);
     for (int64_t item = b; item < e; item++) {
-        const int64_t t = item / j->n_heads, h = item % j->n_heads, kh = h / group;
-        const float *qv = j->q + item * Hd;       /* (Hd) */
-        float *ov = j->out + item * Hd;           /* (Hd) */
+        const int64_t t = item / j->n_heads, h = item % j->n_heads;
         const int64_t pos = j->positions[t];
         int64_t lo = 0, hi = pos < j->n_keys - 1 ? pos : j->n_keys - 1;
         if (j->window > 0 && pos - j->window + 1 > lo) lo = pos - j->window + 1;
-        for (int64_t i = 0; i < Hd; i++) ov[i] = 0.0f;
-        if (hi < lo) continue;
-        float mx = -INFINITY;
-        for (int64_t s = lo; s <= hi; s++) {
-            sc[s] = j->k->dot_f32(qv, j->keys + (s * K + kh) * Hd, Hd) * j->scale;
-            if (sc[s] > mx) mx = sc[s];
-        }
-        float sum = 0.0f;
-        for (int64_t s = lo; s <= hi; s++) {
-            sc[s] = expf(sc[s] - mx);
-            sum += sc[s];
-        }
-        const float inv = 1.0f / sum;
-        for (int64_t s = lo; s <= hi; s++) j->k->axpy_f32(ov, sc[s] * inv, j->vals + (s * K + kh) * Hd, Hd);
+        col_attend_head(j->k, j->q + item * Hd, j->keys, j->vals, j->n_kv_heads, h / group, Hd, lo, hi, j->scale,
+                        sc, j->out + item * Hd);
     }
 }
 

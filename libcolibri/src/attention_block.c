@@ -1,0 +1,198 @@
+/*
+ * attention_block.c — a decoder layer's whole attention step in one call and one pool job:
+ * input RMSNorm, the q/k/v products (one activation quantization, their rows split as one
+ * matrix), biases, q/k norms, clamping, RoPE, the KV-cache append, attention, the output
+ * product and the residual add. A decode step used to be eight calls from Python with numpy
+ * glue between them; now it is one.
+ *
+ * Legend: T new tokens, D hidden, H query heads, K kv heads, Hd head dim, Q = H * Hd,
+ * KV = K * Hd, R = Q + 2 * KV (rows of q, k and v stacked), S = n_past + T keys.
+ *
+ * Phases, with a barrier between each two:
+ *   0. h[t] = rms_norm(x[t]) * norm, quantized for the q/k/v type          tokens split
+ *   1. qkv[t] = h[t] @ [wq; wk; wv]^T + [bq; bk; bv]                       R rows split
+ *   2. q/k norms, clamp, RoPE; k and v stored in the cache at n_past + t     tokens split
+ *   3. a[t, head] = attention over keys 0 .. n_past + t (window)            (t, head) split
+ *   4. a[t] quantized for wo's type (integer kernels only)                  tokens split
+ *   5. x[t] += a[t] @ wo^T + bo                                             D rows split
+ * Each phase calls the code of the separate entry points (col_rms_norm, col_matrix_rows as in
+ * col_matmul, col_rope, col_attend_head as in col_attention) on the same values, so this call
+ * returns bit for bit what the sequence of those calls returns.
+ */
+#include "col_internal.h"
+
+typedef struct {
+    const col_kernel_set *k;
+    const col_attention_layer *l;
+    col_matrix mq, mk, mv, mo;
+    int64_t n_tok, n_past, Q, KV, R;
+    float *x;                 /* (T, D) */
+    const float *cos, *sin;   /* (T, Hd) */
+    float *keys, *vals;       /* (>= S, K, Hd) */
+    float *h;                 /* (T, D) normed input */
+    uint8_t *hq;              /* (T, hq_bytes) h quantized, integer q/k/v only */
+    size_t hq_bytes;
+    float *qkv;               /* (T, R) q | k | v of each token */
+    float *a;                 /* (T, Q) attention output */
+    uint8_t *aq;              /* (T, aq_bytes) a quantized, integer wo only */
+    size_t aq_bytes;
+    float *o;                 /* (T, D) a @ wo^T */
+    float *scores;            /* (nth, S) one row per thread */
+    col_barrier barrier;
+} block_job;
+
+/* numpy's clip: NaN stays NaN */
+static void clamp(float *v, int64_t n, float limit) {
+    for (int64_t i = 0; i < n; i++) v[i] = v[i] < -limit ? -limit : (v[i] > limit ? limit : v[i]);
+}
+
+/* Rows [b, e) of the stacked q/k/v product, the part that falls in matrix m (rows
+ * [m0, m0 + rows) of the stack), plus its bias. */
+static void qkv_rows(const block_job *j, const col_matrix *m, const float *bias, int64_t m0, int64_t rows,
+                     int64_t b, int64_t e) {
+    const int64_t r0 = b > m0 ? b - m0 : 0, r1 = e < m0 + rows ? e - m0 : rows;
+    if (r0 >= r1) return;
+    float *y = j->qkv + m0 + r0; /* token 0, row r0 of m */
+    col_matrix_rows(j->k, m, r0, r1, j->h, j->hq, j->hq_bytes, j->n_tok, y, j->R);
+    if (bias)
+        for (int64_t t = 0; t < j->n_tok; t++)
+            for (int64_t r = r0; r < r1; r++) y[t * j->R + r - r0] += bias[r];
+}
+
+/* Phase 2 for token t: the order of colibrid/engine/attention.py. */
+static void finish_qkv(const block_job *j, int64_t t) {
+    const col_attention_layer *l = j->l;
+    const int64_t H = l->n_heads, K = l->n_kv_heads, Hd = l->head_dim;
+    float *q = j->qkv + t * j->R, *kt = q + j->Q, *vt = kt + j->KV; /* (Q), (KV), (KV) */
+    if (l->qk_norm == COL_QK_NORM_FULL) {
+        col_rms_norm(q, l->q_norm, 1, j->Q, l->eps, q);
+        col_rms_norm(kt, l->k_norm, 1, j->KV, l->eps, kt);
+    }
+    if (l->clip_qkv > 0.0f) {
+        clamp(q, j->Q, l->clip_qkv);
+        clamp(kt, j->KV, l->clip_qkv);
+        clamp(vt, j->KV, l->clip_qkv);
+    }
+    if (l->qk_norm == COL_QK_NORM_HEAD) {
+        col_rms_norm(q, l->q_norm, H, Hd, l->eps, q);
+        col_rms_norm(kt, l->k_norm, K, Hd, l->eps, kt);
+    }
+    col_rope(q, 1, H, Hd, j->cos + t * Hd, j->sin + t * Hd);
+    col_rope(kt, 1, K, Hd, j->cos + t * Hd, j->sin + t * Hd);
+    memcpy(j->keys + (j->n_past + t) * j->KV, kt, (size_t)j->KV * sizeof(float));
+    memcpy(j->vals + (j->n_past + t) * j->KV, vt, (size_t)j->KV * sizeof(float));
+}
+
+static void block_task(void *arg, int ith, int nth) {
+    block_job *j = arg;
+    const col_attention_layer *l = j->l;
+    const int64_t T = j->n_tok, D = l->dim, H = l->n_heads, Hd = l->head_dim;
+    int64_t b, e;
+
+    col_split(T, ith, nth, &b, &e); /* 0. input norm */
+    for (int64_t t = b; t < e; t++) {
+        col_rms_norm(j->x + t * D, l->norm, 1, D, l->eps, j->h + t * D);
+        if (j->mq.integer) col_quantize_x(j->mq.type, j->h + t * D, D, j->hq + (size_t)t * j->hq_bytes);
+    }
+    col_barrier_wait(&j->barrier, nth);
+
+    col_split(j->R, ith, nth, &b, &e); /* 1. q, k, v */
+    qkv_rows(j, &j->mq, l->bq, 0, j->Q, b, e);
+    qkv_rows(j, &j->mk, l->bk, j->Q, j->KV, b, e);
+    qkv_rows(j, &j->mv, l->bv, j->Q + j->KV, j->KV, b, e);
+    col_barrier_wait(&j->barrier, nth);
+
+    col_split(T, ith, nth, &b, &e); /* 2. norms, clamp, rope, cache */
+    for (int64_t t = b; t < e; t++) finish_qkv(j, t);
+    col_barrier_wait(&j->barrier, nth);
+
+    const int64_t n_keys = j->n_past + T, group = H / l->n_kv_heads; /* 3. attention */
+    float *sc = j->scores + ith * n_keys; /* (S) */
+    col_split(T * H, ith, nth, &b, &e);
+    for (int64_t item = b; item < e; item++) {
+        const int64_t t = item / H, head = item % H, pos = j->n_past + t;
+        int64_t lo = 0;
+        if (l->window > 0 && pos - l->window + 1 > lo) lo = pos - l->window + 1;
+        col_attend_head(j->k, j->qkv + t * j->R + head * Hd, j->keys, j->vals, l->n_kv_heads, head / group, Hd, lo,
+                        pos, l->scale, sc, j->a + item * Hd);
+    }
+    col_barrier_wait(&j->barrier, nth);
+
+    if (j->mo.integer) { /* 4. quantize a */
+        col_split(T, ith, nth, &b, &e);
+        for (int64_t t = b; t < e; t++) col_quantize_x(j->mo.type, j->a + t * j->Q, j->Q, j->aq + (size_t)t * j->aq_bytes);
+        col_barrier_wait(&j->barrier, nth);
+    }
+
+    col_split(D, ith, nth, &b, &e); /* 5. output product and residual */
+    if (b >= e) return;
+    col_matrix_rows(j->k, &j->mo, b, e, j->a, j->aq, j->aq_bytes, T, j->o + b, D);
+    for (int64_t t = 0; t < T; t++) {
+        float *xt = j->x + t * D;
+        const float *ot = j->o + t * D;
+        if (l->bo)
+            for (int64_t r = b; r < e; r++) xt[r] += ot[r] + l->bo[r];
+        else
+            for (int64_t r = b; r < e; r++) xt[r] += ot[r];
+    }
+}
+
+size_t col_attention_layer_size(void) { return sizeof(col_attention_layer); }
+
+static int layer_valid(const col_attention_layer *l) {
+    if (l->dim <= 0 || l->n_heads <= 0 || l->n_kv_heads <= 0 || l->head_dim <= 0 || l->head_dim % 2 != 0 ||
+        l->n_heads % l->n_kv_heads != 0)
+        return 0;
+    if (l->qk_norm < COL_QK_NORM_NONE || l->qk_norm > COL_QK_NORM_HEAD) return 0;
+    if (l->qk_norm != COL_QK_NORM_NONE && (!l->q_norm || !l->k_norm)) return 0;
+    if (!l->norm || !l->wq || !l->wk || !l->wv || !l->wo) return 0;
+    return 1;
+}
+
+int col_attention_block(col_pool *pool, const col_attention_layer *layer, float *x, int64_t n_tok,
+                        const float *cos, const float *sin, float *keys, float *vals, int64_t n_past) {
+    if (!layer || !layer_valid(layer) || n_tok < 0 || n_past < 0) return COL_EINVAL;
+    if (n_tok == 0) return COL_OK;
+    if (!x || !cos || !sin || !keys || !vals) return COL_EINVAL;
+    const col_attention_layer *l = layer;
+    block_job job = {0};
+    job.k = col_kernels_active();
+    job.l = l;
+    job.Q = l->n_heads * l->head_dim;
+    job.KV = l->n_kv_heads * l->head_dim;
+    job.R = job.Q + 2 * job.KV;
+    if (col_matrix_init(&job.mq, job.k, l->qkv_type, l->wq, l->dim) != COL_OK ||
+        col_matrix_init(&job.mk, job.k, l->qkv_type, l->wk, l->dim) != COL_OK ||
+        col_matrix_init(&job.mv, job.k, l->qkv_type, l->wv, l->dim) != COL_OK ||
+        col_matrix_init(&job.mo, job.k, l->o_type, l->wo, job.Q) != COL_OK)
+        return COL_EINVAL;
+    job.n_tok = n_tok;
+    job.n_past = n_past;
+    job.x = x;
+    job.cos = cos;
+    job.sin = sin;
+    job.keys = keys;
+    job.vals = vals;
+
+    /* scratch: h (T, D) | qkv (T, R) | a (T, Q) | o (T, D) | scores (nth, S) | hq | aq */
+    const int nth = col_pool_n_threads(pool);
+    const size_t T = (size_t)n_tok, S = (size_t)(n_past + n_tok);
+#define F32_BYTES(n) (((n) * sizeof(float) + 63) / 64 * 64)
+    const size_t sz_h = F32_BYTES(T * (size_t)l->dim), sz_qkv = F32_BYTES(T * (size_t)job.R);
+    const size_t sz_a = F32_BYTES(T * (size_t)job.Q), sz_scores = F32_BYTES((size_t)nth * S);
+#undef F32_BYTES
+    job.hq_bytes = job.mq.integer ? col_xq_bytes(l->dim / COL_QK_X) : 0;
+    job.aq_bytes = job.mo.integer ? col_xq_bytes(job.Q / COL_QK_X) : 0;
+    uint8_t *scratch = col_alloc(2 * sz_h + sz_qkv + sz_a + sz_scores + T * (job.hq_bytes + job.aq_bytes));
+    if (!scratch) return COL_ENOMEM;
+    job.h = (float *)scratch;
+    job.qkv = (float *)(scratch + sz_h);
+    job.a = (float *)(scratch + sz_h + sz_qkv);
+    job.o = (float *)(scratch + sz_h + sz_qkv + sz_a);
+    job.scores = (float *)(scratch + 2 * sz_h + sz_qkv + sz_a);
+    job.hq = scratch + 2 * sz_h + sz_qkv + sz_a + sz_scores;
+    job.aq = job.hq + T * job.hq_bytes;
+    col_pool_run(pool, block_task, &job);
+    col_free(scratch);
+    return COL_OK;
+}

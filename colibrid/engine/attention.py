@@ -3,6 +3,8 @@ and sliding windows; keys and values go through the sequence's KV cache."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from colibrid import native
@@ -12,17 +14,47 @@ from colibrid.engine.rope import Rotary
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
+log = logging.getLogger(__name__)
+
 
 class Attention:
-    """One layer's attention weights and the forward step that uses them."""
+    """One layer's attention weights (with the input norm before it) and the forward step
+    that uses them."""
 
-    def __init__(self, config: ModelConfig, layer: int, weights: dict[str, PackedTensor], rotary: Rotary) -> None:
+    def __init__(self, config: ModelConfig, layer: int, weights: dict[str, PackedTensor], rotary: Rotary,
+                 input_norm: PackedTensor) -> None:
         self.c = config
         self.layer = layer
         self.w = weights  # pack names without the "layers.{l}.attn." prefix
         self.rotary = rotary
+        self.input_norm = input_norm  # (D)
         self.window = config.sliding_window[layer]
         self.scale = np.float32(config.head_dim ** -0.5)
+        self.fused = self._fused_layer()
+
+    def _fused_layer(self) -> native.AttentionLayer | None:
+        """The whole step as one libcolibri call (col_attention_block, the same numbers as the
+        numpy path below), or None where it does not apply: q, k and v of different types."""
+        c, w = self.c, self.w
+        if len({w["q"].type, w["k"].type, w["v"].type}) != 1:
+            log.info("layer %d: q, k and v have different types; attention runs step by step", self.layer)
+            return None
+        bias = lambda name: w[name].data if name in w else None  # noqa: E731
+        return native.attention_layer(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, self.input_norm.data, w["q"].type,
+            w["q"].data, w["k"].data, w["v"].data, w["o"].type, w["o"].data, eps=c.rms_norm_eps,
+            scale=float(self.scale), window=self.window, clip_qkv=c.clip_qkv, qk_norm=c.qk_norm,
+            q_norm=bias("q_norm"), k_norm=bias("k_norm"), bq=bias("q_bias"), bk=bias("k_bias"), bv=bias("v_bias"),
+            bo=bias("o_bias"))
+
+    def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
+        """x + attention(rms_norm(x)) for tokens at ``positions`` = kv.length, kv.length + 1 ...;
+        ``x`` (T, D) is updated in place on the fused path."""
+        if self.fused is not None:
+            keys, values = kv.buffers(self.layer, x.shape[0])
+            native.attention_block(self.fused, x, cos, sin, keys, values, kv.length)
+            return x
+        return x + self(rms_norm(x, self.input_norm, self.c.rms_norm_eps), positions, cos, sin, kv)
 
     def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
         c, w = self.c, self.w

@@ -25,13 +25,20 @@ class KVCache:
     def append(self, layer: int, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store (T, K, Hd) keys/values after the current length; return all (S, K, Hd) so far."""
         start, end = self.length, self.length + keys.shape[0]
+        self.buffers(layer, keys.shape[0])
+        self._keys[layer][start:end] = keys
+        self._values[layer][start:end] = values
+        return self._keys[layer][:end], self._values[layer][:end]
+
+    def buffers(self, layer: int, n_new: int) -> tuple[np.ndarray, np.ndarray]:
+        """The layer's whole (capacity, K, Hd) key and value buffers, grown to hold ``n_new``
+        tokens after the current length (for libcolibri, which writes them in place)."""
+        end = self.length + n_new
         if end > self.max_tokens:
             raise ValueError(f"context full: {end} tokens > {self.max_tokens}")
         if end > self._keys[layer].shape[0]:
             self._grow(layer, end)
-        self._keys[layer][start:end] = keys
-        self._values[layer][start:end] = values
-        return self._keys[layer][:end], self._values[layer][:end]
+        return self._keys[layer], self._values[layer]
 
     def advance(self, n_tokens: int) -> None:
         """Commit ``n_tokens`` appended to every layer."""

@@ -35,13 +35,15 @@ class Layer:
         self.eps = c.rms_norm_eps
         self.attn_norm = _dense(pack, f"layers.{layer}.attn_norm")
         self.ffn_norm = _dense(pack, f"layers.{layer}.ffn_norm")
-        self.attention = Attention(c, layer, _layer_weights(pack, layer, "attn."), rotary)
+        self.attention = Attention(c, layer, _layer_weights(pack, layer, "attn."), rotary, self.attn_norm)
         ffn_weights = _layer_weights(pack, layer, "")
         self.ffn = MoeBlock(c, layer, ffn_weights, experts) if c.moe_layers[layer] else DenseMlp(ffn_weights)
 
     def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
-        x = x + self.attention(rms_norm(x, self.attn_norm, self.eps), positions, cos, sin, kv)
-        return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+        """The residual stream x (T, D) after this layer; x itself may be updated in place."""
+        x = self.attention.residual(x, positions, cos, sin, kv)
+        x += self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+        return x
 
 
 class Model:

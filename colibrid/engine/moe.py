@@ -11,7 +11,7 @@ import numpy as np
 
 from colibrid import native
 from colibrid.engine.experts import ExpertSource
-from colibrid.engine.layers import linear, softmax, swiglu_mlp
+from colibrid.engine.layers import linear, swiglu_mlp
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
@@ -23,14 +23,18 @@ class Routing:
 
 
 def route(x: np.ndarray, router: PackedTensor, top_k: int, normalize: bool) -> Routing:
-    """Softmax over all experts, keep the top ``top_k``, optionally renormalise."""
-    probs = softmax(linear(x, router), axis=-1)  # (T, E)
-    # Stable sort of the negated probabilities: descending, lower index first on ties.
-    chosen = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]  # (T, A)
-    weights = np.take_along_axis(probs, chosen, axis=-1)
-    if normalize:
-        weights = weights / weights.sum(axis=-1, keepdims=True)
-    return Routing(chosen, weights.astype(np.float32))
+    """Softmax over all experts, keep the top ``top_k`` (best first, the lower index on ties),
+    optionally renormalise: one libcolibri call for every token of the step."""
+    num_experts, dim = router.shape
+    experts, weights = native.moe_route(router.type, router.data, num_experts, dim, x, top_k, normalize)
+    return Routing(experts, weights)
+
+
+def _distinct(experts: np.ndarray) -> list[int]:
+    """The experts named in ``experts`` (T, A), once each, increasing."""
+    if experts.shape[0] == 1:  # one token: its top-k are already distinct
+        return sorted(experts[0].tolist())
+    return np.unique(experts).tolist()
 
 
 class MoeBlock:
@@ -45,7 +49,7 @@ class MoeBlock:
         x = np.ascontiguousarray(x, dtype=np.float32)
         routing = route(x, self.w["router"], self.c.num_experts_per_tok, self.c.norm_topk_prob)
         out = np.zeros_like(x)  # (T, D)
-        selected = [int(e) for e in np.unique(routing.experts)]  # batch-union: each expert once per step
+        selected = _distinct(routing.experts)  # batch-union: each expert once per step
         # A long prompt may touch more experts than the cache can pin at once: run them in waves.
         wave_size = max(1, getattr(self.experts, "max_pinned", len(selected)))
         prefetch_next = self._lookahead(x, wave_size)
@@ -71,7 +75,7 @@ class MoeBlock:
         if nxt is None or not getattr(self.experts, "prefetch_enabled", False):
             return None
         guess = route(x, nxt.w["router"], self.c.num_experts_per_tok, self.c.norm_topk_prob)
-        predicted = [int(e) for e in np.unique(guess.experts)]
+        predicted = _distinct(guess.experts)
         return nxt.layer, predicted[: max(1, wave_size // 2)]  # leave room for this layer's own experts
 
     def _run_ready_runs(self, x: np.ndarray, routing: Routing, wave: list[int], weights, out: np.ndarray) -> None:

@@ -180,7 +180,7 @@ def _drive_rows(drive: dict) -> list[tuple[str, str]]:
                                       f"{smart.get('available_spare_threshold_pct')} %), {smart.get('percentage_used')} % used, "
                                       f"{smart.get('media_errors')} media errors, critical warnings: {warnings}"))
     else:
-        rows.append((f"{name} SMART", f"not read (source: {source}); temperatures from hwmon"))
+        rows.append((f"{name} SMART", f"not read (source: {source})"))
     return rows
 
 

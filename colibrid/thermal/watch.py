@@ -208,6 +208,10 @@ class ThermalWatch:
             return
         with self._lock:
             drives = [d for d in self._drives if d.present]
+        if not drives:  # not on NVMe, or every drive gone: nothing to read
+            self._temperature_c = None
+            self.reconcile()
+            return
         for d in drives:
             self._read(d)
         with self._lock:

@@ -78,7 +78,7 @@ def test_a_throttled_drive_reads_as_sentences():
         "thermal polls             every 5.0 s, 40 so far, 0 failed reads",
         "drive nvme0               Fake NVMe 980 PRO 1TB, serial S5GX, firmware 5B2QGXA7, on nvme0n1p2, 512-byte blocks",
         "drive nvme0 temperatures  composite 78.5 °C, Sensor 1 81 °C (warning 82 °C, critical 85 °C)",
-        "drive nvme0 SMART         not read (source: none); temperatures from hwmon",
+        "drive nvme0 SMART         not read (source: none)",
     ]
 
 

@@ -209,3 +209,40 @@ def test_smart_critical_warnings_are_logged_once_per_change(sysfs, expert_source
     assert status["drives"][0]["smart_source"] == "scripted"
     assert status["temperature_c"] == 69.85  # the SMART composite temperature, hwmon being absent
     assert status["drives"][0]["smart"]["media_errors"] == 2
+
+
+def test_the_daemon_task_polls_and_follows_queued_udev_events(sysfs, expert_source):
+    """run() as the daemon runs it: polls on its own, and an event from the monitor (queued
+    here by hand: this machine has no udev daemon) reaches handle_event."""
+    import asyncio
+
+    fake = sysfs.add_nvme(file_dev(expert_source.path), composite_c=45.0)
+    watch = ThermalWatch(expert_source.path, lambda: expert_source, ThermalSettings(poll_s=0.05),
+                         sysfs_root=sysfs.sys, dev_root=sysfs.dev, smart_sources=lambda: [])
+    watch.start()
+
+    async def scenario():
+        task = asyncio.create_task(watch.run())
+        try:
+            sysfs.set_temperature(fake, 80.0)
+            await _until(lambda: watch.status()["state"] == "throttled")
+            watch.update_settings(ThermalSettings(poll_s=600.0))  # from now on only the event can tell
+            await asyncio.sleep(0.2)
+            sysfs.remove_nvme(fake)
+            watch._events.put_nowait(("remove", "nvme0"))
+            await _until(lambda: watch.status()["state"] == "device_missing")
+        finally:
+            task.cancel()
+
+    asyncio.run(scenario())
+    assert loader_state(expert_source)[2] == "device_missing"
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    import asyncio
+
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")

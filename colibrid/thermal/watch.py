@@ -131,38 +131,42 @@ class ThermalWatch:
         """Discovery again; a drive found (or back) is read at once, not a poll interval later."""
         placement = find_drives(self.experts_path, self._sysfs_root, self._dev_root, self._mountinfo)
         with self._lock:
-            found_new = self._adopt(placement)
+            known = {d.drive.controller: d.drive for d in self._drives if d.present}
+        # Choosing a SMART source may run a tool for seconds: outside the lock, which status needs.
+        fresh = {drive.controller: self._watch(drive) for drive in placement.drives
+                 if known.get(drive.controller) != drive}
+        with self._lock:
+            found_new = self._adopt(placement, fresh)
         if found_new:
             self.poll()
         else:
             self.reconcile()
 
-    def _adopt(self, placement: Placement) -> bool:
-        """A fresh discovery: new drives replace the old; none where there were some means the
-        drives went missing (a removed NVMe must not turn into "no NVMe, unthrottled").
-        True if a drive is new or back."""
-        if not placement.drives:
-            if self._drives:
-                for d in self._drives:
-                    self._mark_missing(d)
-            else:
-                self._no_nvme_reason = placement.no_nvme_reason
+    def _adopt(self, placement: Placement, fresh: dict[str, _Drive]) -> bool:
+        """A fresh discovery (``fresh``: the drives new or changed since the last one). A drive
+        that was watched and is not found any more is missing — never "no NVMe, unthrottled":
+        the pack did not move, its drive went away. True if a drive is new or back."""
+        if not placement.drives and not self._drives:
+            self._no_nvme_reason = placement.no_nvme_reason
             return False
-        found_new = False
-        known = {d.drive.controller: d for d in self._drives}
+        old = {d.drive.controller: d for d in self._drives}
         drives = []
         for drive in placement.drives:
-            old = known.get(drive.controller)
-            if old is not None and old.present and old.drive == drive:
-                drives.append(old)
+            kept = old.get(drive.controller)
+            if drive.controller not in fresh and kept is not None:
+                drives.append(kept)
                 continue
-            if old is not None and not old.present:
+            if kept is not None and not kept.present:
                 self._counters.returns += 1
                 log.warning("NVMe %s (%s) is back", drive.controller, drive.model)
-            drives.append(self._watch(drive))
-            found_new = True
+            drives.append(fresh.get(drive.controller) or self._watch(drive))  # (or: another rescan raced us)
+        found = {drive.controller for drive in placement.drives}
+        for controller, d in old.items():
+            if controller not in found:
+                self._mark_missing(d)
+                drives.append(d)
         self._drives, self._no_nvme_reason = drives, None
-        return found_new
+        return bool(fresh)
 
     def _watch(self, drive: NvmeDrive) -> _Drive:
         sources = self._smart_sources() if self._smart_sources is not None else None
@@ -186,8 +190,9 @@ class ThermalWatch:
 
     def handle_event(self, action: str, device_name: str) -> None:
         """One udev event (pyudev's device.action and device.sys_name). A removal of a watched
-        controller, namespace or partition marks the drive missing at once; any add or change of
-        an nvme or block device may be our drive coming back (perhaps under a new name): rescan."""
+        controller, namespace or partition marks the drive missing at once; any added nvme or
+        block device may be our drive coming back (perhaps under a new name), and a change of
+        ours may change what it is: rescan."""
         with self._lock:
             watched = [d for d in self._drives
                        if device_name in (d.drive.controller, d.drive.namespace, d.drive.block_device)]
@@ -196,7 +201,7 @@ class ThermalWatch:
                     self._mark_missing(d)
         if action == "remove":
             self.reconcile()
-        elif action in ("add", "change", "bind", "online"):
+        elif action == "add" or (action == "change" and watched):
             self.rescan()
 
     # -- polling --------------------------------------------------------------------------

@@ -114,18 +114,22 @@ class ThermalWatch:
     # -- discovery ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """First discovery and reading; logs where the experts live and what will be watched."""
+        """First discovery and reading. Where the experts live is logged at debug level (status
+        shows it; startup logs one line); an NVMe drive without any thermometer is a warning."""
         self.rescan()
-        if self._drives:
-            for d in self._drives:
-                drive = d.drive
-                log.info("experts file %s is on NVMe %s (%s, serial %s, firmware %s, %s-byte blocks); "
-                         "temperatures from %s, SMART log from %s", self.experts_path, drive.namespace, drive.model,
-                         drive.serial, drive.firmware, drive.logical_block_bytes,
-                         "hwmon" if drive.hwmon_dir else "the SMART log only (no hwmon: kernel < 5.5?)",
-                         d.smart_source.name if d.smart_source else "nowhere")
-        else:
-            log.info("%s: expert reads are not throttled", self._no_nvme_reason)
+        if not self._drives:
+            log.debug("%s: expert reads are not throttled", self._no_nvme_reason)
+        for d in self._drives:
+            drive = d.drive
+            log.debug("experts file %s is on NVMe %s (%s, serial %s, firmware %s, %s-byte blocks); "
+                      "temperatures from %s, SMART log from %s", self.experts_path, drive.namespace, drive.model,
+                      drive.serial, drive.firmware, drive.logical_block_bytes,
+                      "hwmon" if drive.hwmon_dir else "the SMART log only (no hwmon: kernel < 5.5?)",
+                      d.smart_source.name if d.smart_source else "nowhere")
+            if drive.hwmon_dir is None and d.smart_source is None:
+                log.warning("NVMe %s has no hwmon (kernel < 5.5?) and its SMART log is not readable (needs "
+                            "CAP_SYS_ADMIN): its temperature is unknown and expert reads are not throttled",
+                            drive.controller)
 
     def rescan(self) -> None:
         """Discovery again; a drive found (or back) is read at once, not a poll interval later."""
@@ -174,7 +178,7 @@ class ThermalWatch:
         for failure in failures:
             log.debug("SMART log of %s: %s", drive.controller, failure)
         if source is None:
-            log.info("SMART log of %s not readable (%s): temperatures from hwmon only", drive.controller,
+            log.debug("SMART log of %s not readable (%s): temperatures from hwmon only", drive.controller,
                      "; ".join(failures) or "no source")
         watched = _Drive(drive, smart_source=source)
         if smart is not None:
@@ -269,7 +273,7 @@ class ThermalWatch:
         thresholds = derive_thresholds(self.settings.throttle, self.settings.resume,
                                        min(warnings) if warnings else None, min(criticals) if criticals else None)
         if thresholds != self._policy.thresholds:
-            log.info("thermal thresholds: throttle at %g °C, resume at %g °C, critical at %g °C",
+            log.debug("thermal thresholds: throttle at %g °C, resume at %g °C, critical at %g °C",
                      thresholds.throttle_c, thresholds.resume_c, thresholds.critical_c)
             self._policy.thresholds = thresholds
 

@@ -84,6 +84,8 @@ class ThrottlePolicy:
         before = self.state
         t = self.thresholds
         if temperature_c >= t.critical_c:
+            if self.depth_cap is None:  # straight from normal: leave critical already throttled
+                self._step_down()
             self._enter(ThermalState.CRITICAL, now_s)
         elif self.state is ThermalState.CRITICAL:
             if temperature_c < t.critical_c - CRITICAL_HYSTERESIS_C:

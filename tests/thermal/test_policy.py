@@ -47,6 +47,15 @@ def test_a_heat_wave_from_normal_to_critical_and_back():
     assert policy.time_in(ThermalState.CRITICAL, 11.0) == 2.0
 
 
+def test_a_jump_straight_to_critical_leaves_it_throttled():
+    policy = ThrottlePolicy(Thresholds(throttle_c=70, resume_c=65, critical_c=80), full_depth=16)
+    assert policy.observe(50, 0.0)[0].state is ThermalState.NORMAL
+    assert policy.observe(85, 1.0)[0].state is ThermalState.CRITICAL
+    decision, transition = policy.observe(74, 2.0)
+    assert (decision.state, decision.depth_cap, decision.prefetch_paused, transition) == (
+        ThermalState.THROTTLED, 8, True, "critical->throttled")
+
+
 def test_the_cap_follows_a_lower_configured_depth():
     policy = ThrottlePolicy(Thresholds(70, 65, 80), full_depth=32)
     assert policy.observe(75, 0.0)[0].depth_cap == 16

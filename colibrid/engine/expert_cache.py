@@ -130,6 +130,10 @@ class CachedExpertSource:
     prefetch         whether prefetch() starts reads (changeable: set_prefetch).
     direct           "try" (O_DIRECT; buffered only if the file system refuses it),
                      "required", "off".
+
+    set_loading_paused(LoadingPause) stops every read (the thermal watch does, at the drive's
+    critical temperature or when the drive is gone): a step that needs a read raises
+    ExpertLoadingPaused, a step served from the cache goes on.
     """
 
     def __init__(self, pack: Pack, cache_bytes: int | str, policy: str = "lru", io_queue_depth: int = 16,

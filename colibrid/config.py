@@ -263,8 +263,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     for key in KEYS:
         default = defaults[key.name]
         shown_default = ", required" if default is dataclasses.MISSING else f", default {default}"
+        # argparse %-formats help strings: a literal % ("40%" of MemAvailable) must be doubled.
+        help_text = f"{key.meaning} (key {key.name}{shown_default})".replace("%", "%%")
         parser.add_argument(flag_name(key.name), dest=key.name, metavar=key.flag_metavar, default=None,
-                            help=f"{key.meaning} (key {key.name}{shown_default})")
+                            help=help_text)
     return parser
 
 

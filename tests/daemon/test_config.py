@@ -111,3 +111,12 @@ def test_the_daemon_exits_2_with_one_line_on_stderr(demo_pack, tmp_path, source)
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("colibrid: config error: max_queue = -1: must be an integer >= 1")
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_help_shows_every_key():
+    """argparse %-formats help text: a literal % ("40%" of MemAvailable) once broke --help."""
+    from colibrid.config import build_arg_parser
+
+    text = build_arg_parser().format_help()
+    assert all(f"--{key.name.replace('_', '-')}" in text for key in KEYS)
+    assert '"40%" of MemAvailable' in text

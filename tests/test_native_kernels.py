@@ -90,6 +90,19 @@ def test_simd_matmul_equals_portable_within_the_activation_bound(type_, shape, k
 
 
 @pytest.mark.parametrize("type_", QUANT_TYPES, ids=lambda t: t.name_in_pack)
+@pytest.mark.parametrize("n_in_64", [1, 3, 4, 9, 32])  # whole steps of the 4-block loops and tails
+def test_a_token_gets_the_same_bits_alone_or_in_a_batch(type_, n_in_64, kernel_level):
+    """The one-token kernels (decode) and the four-token kernels (prefill) do the same
+    arithmetic: a row of a 6-token product equals that token's product on its own."""
+    packed, _, x, n_out, n_in = _inputs(type_, (21, n_in_64, 6), 300 + n_in_64)
+    for level in native.supported_kernels():
+        kernel_level(level)
+        batch = native.matmul(type_, packed, n_out, n_in, x)
+        for t in range(x.shape[0]):
+            np.testing.assert_array_equal(native.matmul(type_, packed, n_out, n_in, x[t:t + 1]), batch[t:t + 1], err_msg=level)
+
+
+@pytest.mark.parametrize("type_", QUANT_TYPES, ids=lambda t: t.name_in_pack)
 def test_simd_matmul_reads_weights_at_any_alignment(type_, kernel_level):
     packed, _, x, n_out, n_in = _inputs(type_, (19, 3, 2), 7)
     shifted = bytearray(b"\0" + packed.tobytes())
@@ -144,6 +157,16 @@ def test_pool_pins_workers_to_the_cpus_it_is_given():
     pool.close()  # idempotent
     with pytest.raises(native.InvalidArgumentError):
         native.matmul(TensorType.F32, np.zeros((1, 32), np.float32), 1, 32, np.zeros((1, 32), np.float32), pool=pool)
+
+
+def test_default_pool_as_the_first_call_of_a_process():
+    """default_pool() loads the library under the same lock it then takes: no deadlock."""
+    import subprocess
+    import sys
+
+    code = "from colibrid import native; print(native.default_pool().n_threads)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and int(done.stdout) >= 1, done.stderr
 
 
 def test_pool_struct_matches_c():

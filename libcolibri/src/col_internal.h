@@ -164,8 +164,8 @@ float col_vec_dot_q4_g64(const uint8_t *w, const float *x, int64_t n);
  *   ds    (nb) float32      d * sum(q): the block sum
  *   ds2   (nb / 2) f32      ds of the two 32-blocks of each 64-value block
  * For q4_g64 weights the activations are quantized in blocks of 64 instead (the weight's
- * block): qs as above, d[k] and ds2[k] per 64-block k, the other arrays unused (see
- * col_quantize_x).
+ * block): qs as above, d[k] and ds2[k] per 64-block k, and dv holds them again as pairs
+ * (d[k], ds2[k]) at dv[2k], dv[2k + 1]; bias and ds unused (see col_quantize_x).
  * ------------------------------------------------------------------------------------ */
 #define COL_QK_X 32
 
@@ -208,7 +208,7 @@ static inline col_xq_row col_xq_view(const uint8_t *base, int64_t nb) {
 
 /* Quantizes x (n) into the buffer `base` (col_xq_bytes(n / 32) bytes, 64-byte aligned) for
  * products with weights of `type`: q4_g64 gets one scale per 64 values (its own block:
- * d[k], ds2[k] = d[k] * sum(q) for k < n / 64; bias, dv and ds unused), every other type
+ * d[k], ds2[k] = d[k] * sum(q) for k < n / 64, also as pairs in dv; bias and ds unused), every other type
  * one per 32 (d, ds, dv, bias as above; ds2 the pair sums). Non-finite inputs give garbage
  * values, never a crash. */
 void col_quantize_x(int type, const float *x, int64_t n, uint8_t *base);

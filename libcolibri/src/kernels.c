@@ -113,6 +113,8 @@ void col_quantize_x(int type, const float *x, int64_t n, uint8_t *base) {
             const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
             d[k] = amax / 127.0f;
             ds2[k] = d[k] * (float)quantize_run(x + k * 64, 64, id, qs + k * 64);
+            dv[2 * k] = d[k]; /* (d, ds2) pairs: four blocks' factors in one load */
+            dv[2 * k + 1] = ds2[k];
         }
         return;
     }

@@ -210,24 +210,51 @@ TARGET_AVX512 static float dot_q4_g64_avx512(const uint8_t *w, const col_xq_row 
         off += f16_vnni(blk_ + 2) * x->ds2[kk];                                                          \
     } while (0)
 
+/* Block kk against its scale, already broadcast in a register (the rest of Q4_ONE). */
+#define Q4_ONE_SCALED(kk, acc, scale)                                                                    \
+    do {                                                                                                 \
+        const __m256i q_ = _mm256_loadu_si256((const __m256i *)(w + (kk) * 36 + 4));                     \
+        const __m256i lo_ = _mm256_and_si256(q_, low4), hi_ = _mm256_and_si256(_mm256_srli_epi16(q_, 4), low4); \
+        const int8_t *xs_ = x->qs + (kk) * 64;                                                           \
+        __m256i s_ = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo_, _mm256_load_si256((const __m256i *)xs_)); \
+        s_ = _mm256_dpbusd_epi32(s_, hi_, _mm256_load_si256((const __m256i *)(xs_ + 32)));               \
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), (scale), acc);                                     \
+    } while (0)
+
+static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* Four blocks per step: their (d, m) f16 pairs go through one conversion and one multiply
+ * by the activations' (d, ds2) pairs (x->dv), [d0 dx0, m0 ds2_0, d1 dx1, ...]: the same
+ * products as Q4_ONE's scalar ones, at a fraction of the instructions. Lanes 1, 3, 5, 7 of
+ * `off` are the four offset chains o0..o3 of Q4_ONE. */
 TARGET_VNNI static float dot_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    float o0 = 0.0f, o1 = 0.0f, o2 = 0.0f, o3 = 0.0f;
+    __m256 off = _mm256_setzero_ps();
+    const __m256i lane0 = _mm256_set1_epi32(0), lane2 = _mm256_set1_epi32(2), lane4 = _mm256_set1_epi32(4),
+                  lane6 = _mm256_set1_epi32(6);
     const int64_t n64 = nb / 2;
     int64_t k = 0;
     for (; k + 4 <= n64; k += 4) { /* four independent chains: the fma latency is hidden */
-        Q4_ONE(k, a0, o0);
-        Q4_ONE(k + 1, a1, o1);
-        Q4_ONE(k + 2, a2, o2);
-        Q4_ONE(k + 3, a3, o3);
+        const uint8_t *blk = w + k * 36;
+        const __m128i dm = _mm_set_epi32((int)load_u32(blk + 108), (int)load_u32(blk + 72), (int)load_u32(blk + 36),
+                                         (int)load_u32(blk));
+        const __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(dm), _mm256_load_ps(x->dv + 2 * k));
+        off = _mm256_add_ps(off, s);
+        Q4_ONE_SCALED(k, a0, _mm256_permutexvar_ps(lane0, s));
+        Q4_ONE_SCALED(k + 1, a1, _mm256_permutexvar_ps(lane2, s));
+        Q4_ONE_SCALED(k + 2, a2, _mm256_permutexvar_ps(lane4, s));
+        Q4_ONE_SCALED(k + 3, a3, _mm256_permutexvar_ps(lane6, s));
     }
+    float o[8] __attribute__((aligned(32)));
+    _mm256_store_ps(o, off);
+    float o0 = o[1];
     for (; k < n64; k++) Q4_ONE(k, a0, o0);
     const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
     __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
     r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    return _mm_cvtss_f32(r) + ((o0 + o1) + (o2 + o3));
+    return _mm_cvtss_f32(r) + ((o0 + o[3]) + (o[5] + o[7]));
 }
 
 /* ---- four activation rows at once (prefill, several tokens per expert) --------------------

@@ -426,6 +426,7 @@ def default_pool() -> ThreadPool:
     with one thread per allowed CPU; replace it with configure_default_pool)."""
     global _default_pool
     if _default_pool is None:
+        _lib()  # loads the library first: _lib takes the same (non-reentrant) lock
         with _lib_lock:
             if _default_pool is None:
                 _default_pool = ThreadPool()

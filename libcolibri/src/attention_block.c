@@ -12,7 +12,7 @@
  *   0. h[t] = rms_norm(x[t]) * norm, quantized for the q/k/v type          tokens split
  *   1. qkv[t] = h[t] @ [wq; wk; wv]^T + [bq; bk; bv]                       R rows split
  *   2. q/k norms, clamp, RoPE; k and v stored in the cache at n_past + t     tokens split
- *   3. a[t, head] = attention over keys 0 .. n_past + t (window)            (t, head) split
+ *   3. a[t, head] = attention over keys 0 .. n_past + t (window)            (t, head) dealt
  *   4. a[t] quantized for wo's type (integer kernels only)                  tokens split
  *   5. x[t] += a[t] @ wo^T + bo                                             D rows split
  * Each phase calls the code of the separate entry points (col_rms_norm, col_matrix_rows as in
@@ -108,8 +108,7 @@ static void block_task(void *arg, int ith, int nth) {
 
     const int64_t n_keys = j->n_past + T, group = H / l->n_kv_heads; /* 3. attention */
     float *sc = j->scores + ith * n_keys; /* (S) */
-    col_split(T * H, ith, nth, &b, &e);
-    for (int64_t item = b; item < e; item++) {
+    for (int64_t item = ith; item < T * H; item += nth) { /* round-robin, as col_attention */
         const int64_t t = item / H, head = item % H, pos = j->n_past + t;
         int64_t lo = 0;
         if (l->window > 0 && pos - l->window + 1 > lo) lo = pos - l->window + 1;

@@ -76,9 +76,9 @@ static void attention_task(void *arg, int ith, int nth) {
     attention_job *j = arg;
     const int64_t Hd = j->head_dim, group = j->n_heads / j->n_kv_heads;
     float *sc = j->scores + ith * j->n_keys; /* (S) */
-    int64_t b, e;
-    col_split(j->n_q * j->n_heads, ith, nth, &b, &e);
-    for (int64_t item = b; item < e; item++) {
+    /* items dealt round-robin: a later query sees more keys, so contiguous shares of a
+     * prompt would leave the last thread the most work */
+    for (int64_t item = ith; item < j->n_q * j->n_heads; item += nth) {
         const int64_t t = item / j->n_heads, h = item % j->n_heads;
         const int64_t pos = j->positions[t];
         int64_t lo = 0, hi = pos < j->n_keys - 1 ? pos : j->n_keys - 1;

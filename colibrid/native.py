@@ -124,6 +124,8 @@ _SIGNATURES = {
     "col_attention": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
                                      ctypes.c_void_p]),
+    # (g (n) f32, u (n) f32, h (n) f32 out, n)
+    "col_silu_mul": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
     "col_attention_layer_size": (ctypes.c_size_t, []),
     # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, Hd), sin (T, Hd), keys (>= S, K, Hd), vals, n_past)
     "col_attention_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
@@ -582,6 +584,20 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     rows = xc.size // n if n else 0
     check(_lib().col_rms_norm(_ptr(xc), _ptr(w), rows, n, float(eps), _ptr(y)), "rms_norm")
     return y
+
+
+def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u elementwise for float32 arrays of one shape, as the fused expert call
+    computes it on the active kernel level (see col_silu_mul)."""
+    for name, a in (("g", g), ("u", u)):
+        if not isinstance(a, np.ndarray) or a.dtype != np.float32:
+            raise InvalidArgumentError(f"{name} must be a float32 array")
+    if g.shape != u.shape:
+        raise InvalidArgumentError(f"g and u must have the same shape, got {g.shape} and {u.shape}")
+    g, u = np.ascontiguousarray(g), np.ascontiguousarray(u)
+    h = np.empty_like(g)
+    check(_lib().col_silu_mul(_ptr(g), _ptr(u), _ptr(h), g.size), "silu_mul")
+    return h
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:

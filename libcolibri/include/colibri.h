@@ -266,6 +266,13 @@ COL_API int col_rms_norm(const float *x, const float *weight, int64_t rows, int6
 COL_API int col_rope(float *x, int64_t n_tok, int64_t n_heads, int64_t head_dim, const float *cos,
                      const float *sin);
 
+/* SwiGLU's elementwise step, as the fused expert call computes it on the active level:
+ * h[i] = g[i] / (1 + exp(-g[i])) * u[i]. Portable: expf; AVX-512 levels: a vectorized exp
+ * within 2 ulp of expf (inf and 0 at the ends, NaN stays NaN).
+ *   g, u, h: (n) float32 (h may equal g or u).
+ * COL_EINVAL: negative n or NULL buffers; h untouched. */
+COL_API int col_silu_mul(const float *g, const float *u, float *h, int64_t n);
+
 /* Causal grouped-query attention of n_q query tokens over n_keys cached keys, heads split
  * across the pool:
  *   q:         (n_q, n_heads, head_dim) float32

@@ -225,17 +225,22 @@ typedef void (*col_axpy_f32_fn)(float *y, float a, const float *x, int64_t n);
 /* One weight row times four activation rows x[0..3]: out[t] = dot(w, x[t]). */
 typedef void (*col_dot4_xq_fn)(const uint8_t *w, const col_xq_row *x, int64_t nb, float *out);
 
+/* h[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i] (the experts' SwiGLU). */
+typedef void (*col_silu_mul_fn)(const float *g, const float *u, float *h, int64_t n);
+
 typedef struct {
     int level;
     col_dot_xq_fn dot_xq[COL_TYPE_COUNT];
     col_dot_f32_fn dot_f32;
     col_axpy_f32_fn axpy_f32;
     col_dot4_xq_fn dot4_xq[COL_TYPE_COUNT]; /* NULL: four dot_xq calls */
+    col_silu_mul_fn silu_mul;               /* NULL: col_silu_mul_portable */
 } col_kernel_set;
 
 /* The portable float helpers (kernels.c), also used by levels without their own. */
 float col_dot_f32_portable(const float *a, const float *b, int64_t n);
 void col_axpy_f32_portable(float *y, float a, const float *x, int64_t n);
+void col_silu_mul_portable(const float *g, const float *u, float *h, int64_t n);
 
 /* The active kernel set (never NULL). */
 const col_kernel_set *col_kernels_active(void);

@@ -21,8 +21,12 @@ void col_axpy_f32_portable(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+void col_silu_mul_portable(const float *g, const float *u, float *h, int64_t n) {
+    for (int64_t i = 0; i < n; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 static const col_kernel_set portable_kernels = {COL_KERNELS_PORTABLE, {NULL}, col_dot_f32_portable,
-                                                col_axpy_f32_portable, {NULL}};
+                                                col_axpy_f32_portable, {NULL}, col_silu_mul_portable};
 
 static _Atomic(const col_kernel_set *) active_kernels = NULL;
 

@@ -28,6 +28,7 @@
 typedef struct {
     const col_type_traits *tt;
     const col_kernel_set *k;
+    col_silu_mul_fn silu_mul;       /* the level's, integer path */
     int type;
     int integer;                    /* 1: quantized activations */
     int64_t n_experts, dim, ffn, n_tok;
@@ -61,8 +62,7 @@ static void gate_up_xq(const moe_job *j, int64_t ex, int64_t r0, int64_t r1) {
         col_rows_times_xq(j->k, j->type, j->gate[ex], j->rb_dim, r0, r1, xr, cnt, nb_d, g, MOE_ROW_TILE);
         col_rows_times_xq(j->k, j->type, j->up[ex], j->rb_dim, r0, r1, xr, cnt, nb_d, u, MOE_ROW_TILE);
         for (int64_t i = 0; i < cnt; i++)
-            for (int64_t r = r0; r < r1; r++)
-                j->h[(n0 + i) * F + r] = silu(g[i * MOE_ROW_TILE + r - r0]) * u[i * MOE_ROW_TILE + r - r0];
+            j->silu_mul(g + i * MOE_ROW_TILE, u + i * MOE_ROW_TILE, j->h + (n0 + i) * F + r0, r1 - r0);
     }
 }
 
@@ -198,7 +198,7 @@ int col_moe_experts(col_pool *pool, int type, int64_t n_experts, const void *con
         asg_w[n] = weight[i];
     }
 
-    moe_job job = {tt, k, type, integer, n_experts, dim, ffn, n_tok, (const uint8_t *const *)gate,
+    moe_job job = {tt, k, k->silu_mul ? k->silu_mul : col_silu_mul_portable, type, integer, n_experts, dim, ffn, n_tok, (const uint8_t *const *)gate,
                    (const uint8_t *const *)up, (const uint8_t *const *)down, rb_dim, rb_ffn, x, first,
                    asg_tok, asg_w, xq, xq_d, h, hq, xq_f, out, {0, 0}};
     col_pool_run(pool, moe_task, &job);

@@ -22,6 +22,15 @@ int col_rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, f
     return COL_OK;
 }
 
+int col_silu_mul(const float *g, const float *u, float *h, int64_t n) {
+    if (n < 0) return COL_EINVAL;
+    if (n == 0) return COL_OK;
+    if (!g || !u || !h) return COL_EINVAL;
+    const col_kernel_set *k = col_kernels_active();
+    (k->silu_mul ? k->silu_mul : col_silu_mul_portable)(g, u, h, n);
+    return COL_OK;
+}
+
 int col_rope(float *x, int64_t n_tok, int64_t n_heads, int64_t head_dim, const float *cos,
              const float *sin) {
     if (n_tok < 0 || n_heads < 0 || head_dim < 0 || head_dim % 2 != 0) return COL_EINVAL;

@@ -399,18 +399,55 @@ TARGET_AVX512 static void axpy_f32_avx512(float *y, float a, const float *x, int
     for (; i < n; i++) y[i] += a * x[i];
 }
 
+/* ---- SwiGLU ------------------------------------------------------------------------------ */
+
+/* exp(x) to about 1 ulp: x = n ln2 + r (|r| <= ln2 / 2, ln2 in two parts), exp(r) by its
+ * degree-6 Taylor polynomial, times 2^n by vscalefps (which gives inf and 0 at the ends).
+ * x is first clamped to [-104, 89], past where float exp is 0 or inf; NaN stays NaN. */
+TARGET_AVX512 static inline __m512 exp_avx512(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(89.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+TARGET_AVX512 static void silu_mul_avx512(const float *g, const float *u, float *h, int64_t n) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + i);
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        _mm512_storeu_ps(h + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+    }
+    if (i < n) { /* the same arithmetic on a masked tail */
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 gv = _mm512_maskz_loadu_ps(m, g + i);
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        _mm512_mask_storeu_ps(h + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
+    }
+}
+
 /* ---- kernel sets ------------------------------------------------------------------------ */
 
 static const col_kernel_set avx2_kernels = {
     COL_KERNELS_AVX2, {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2},
-    dot_f32_avx2, axpy_f32_avx2, {NULL}};
+    dot_f32_avx2, axpy_f32_avx2, {NULL}, col_silu_mul_portable};
 static const col_kernel_set avx512_kernels = {
     COL_KERNELS_AVX512, {[COL_TYPE_Q8_0] = dot_q8_0_avx512, [COL_TYPE_Q4_G64] = dot_q4_g64_avx512},
-    dot_f32_avx512, axpy_f32_avx512, {NULL}};
+    dot_f32_avx512, axpy_f32_avx512, {NULL}, silu_mul_avx512};
 static const col_kernel_set vnni_kernels = {
     COL_KERNELS_AVX512_VNNI, {[COL_TYPE_Q8_0] = dot_q8_0_vnni, [COL_TYPE_Q4_G64] = dot_q4_g64_vnni},
     dot_f32_avx512, axpy_f32_avx512,
-    {[COL_TYPE_Q8_0] = dot4_q8_0_vnni, [COL_TYPE_Q4_G64] = dot4_q4_g64_vnni}};
+    {[COL_TYPE_Q8_0] = dot4_q8_0_vnni, [COL_TYPE_Q4_G64] = dot4_q4_g64_vnni}, silu_mul_avx512};
 
 static int has_avx2(void) {
     __builtin_cpu_init();

@@ -102,6 +102,31 @@ def test_a_token_gets_the_same_bits_alone_or_in_a_batch(type_, n_in_64, kernel_l
             np.testing.assert_array_equal(native.matmul(type_, packed, n_out, n_in, x[t:t + 1]), batch[t:t + 1], err_msg=level)
 
 
+@pytest.mark.skipif(len(SIMD_LEVELS) < 2, reason="needs two SIMD levels to compare")
+@pytest.mark.parametrize("type_", QUANT_TYPES, ids=lambda t: t.name_in_pack)
+def test_every_level_quantizes_activations_the_same(type_, kernel_level):
+    """An identity weight passes each int8 activation through: every level (AVX2 quantizes
+    one value at a time, AVX-512 sixteen) must round the same, ties to even included."""
+    n = 256
+    x = np.tile(np.float32([127, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5]), (3, n // 8))
+    x[1] = gaussian((n,), 160, 3.0)
+    x[2, :64] = 0.0  # an all-zero block: scale 0
+    x[2, 64:128] *= np.float32(1e-30)  # tiny values
+    eye = native.quantize(type_, np.eye(n, dtype=np.float32))
+    results = {}
+    for level in SIMD_LEVELS:
+        kernel_level(level)
+        results[level] = native.matmul(type_, eye, n, n, x)
+    # one quantization step of each value's block; a different rounding is a whole step off,
+    # the levels' float sums (VNNI's offset lane cancels large terms) only a few percent
+    block = type_.block_elems
+    step = np.repeat(np.abs(x).reshape(3, n // block, block).max(axis=2) / 127, block, axis=1)
+    first = results[SIMD_LEVELS[0]]
+    for level, y in results.items():
+        assert (np.abs(y - first) <= 0.25 * step).all(), level
+    np.testing.assert_allclose(first[0, :8], [127, 2, -4, 0, 0, 2, 126, -126], rtol=2e-3, atol=1e-5)  # halves to even
+
+
 @pytest.mark.parametrize("type_", QUANT_TYPES, ids=lambda t: t.name_in_pack)
 def test_simd_matmul_reads_weights_at_any_alignment(type_, kernel_level):
     packed, _, x, n_out, n_in = _inputs(type_, (19, 3, 2), 7)

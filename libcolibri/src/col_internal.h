@@ -228,6 +228,11 @@ typedef void (*col_dot4_xq_fn)(const uint8_t *w, const col_xq_row *x, int64_t nb
 /* h[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i] (the experts' SwiGLU). */
 typedef void (*col_silu_mul_fn)(const float *g, const float *u, float *h, int64_t n);
 
+/* One activation block of n (32 or 64) values: *d = max|x| / 127, qs = nearbyint(x / d)
+ * (round half to even, clamped to +-127; NaN to -127); returns sum(qs). Every level's
+ * version gives the same bytes (col_quantize_x's contract). */
+typedef int32_t (*col_quantize_block_fn)(const float *x, int n, int8_t *qs, float *d);
+
 typedef struct {
     int level;
     col_dot_xq_fn dot_xq[COL_TYPE_COUNT];
@@ -235,12 +240,14 @@ typedef struct {
     col_axpy_f32_fn axpy_f32;
     col_dot4_xq_fn dot4_xq[COL_TYPE_COUNT]; /* NULL: four dot_xq calls */
     col_silu_mul_fn silu_mul;               /* NULL: col_silu_mul_portable */
+    col_quantize_block_fn quantize_block;   /* NULL: col_quantize_block_portable */
 } col_kernel_set;
 
 /* The portable float helpers (kernels.c), also used by levels without their own. */
 float col_dot_f32_portable(const float *a, const float *b, int64_t n);
 void col_axpy_f32_portable(float *y, float a, const float *x, int64_t n);
 void col_silu_mul_portable(const float *g, const float *u, float *h, int64_t n);
+int32_t col_quantize_block_portable(const float *x, int n, int8_t *qs, float *d);
 
 /* The active kernel set (never NULL). */
 const col_kernel_set *col_kernels_active(void);

@@ -26,7 +26,8 @@ void col_silu_mul_portable(const float *g, const float *u, float *h, int64_t n) 
 }
 
 static const col_kernel_set portable_kernels = {COL_KERNELS_PORTABLE, {NULL}, col_dot_f32_portable,
-                                                col_axpy_f32_portable, {NULL}, col_silu_mul_portable};
+                                                col_axpy_f32_portable, {NULL}, col_silu_mul_portable,
+                                                col_quantize_block_portable};
 
 static _Atomic(const col_kernel_set *) active_kernels = NULL;
 
@@ -83,23 +84,19 @@ const char *col_kernels_name(int level) {
     }
 }
 
-/* q = nearbyint(v * id) clamped to [-127, 127]; NaN and overflow never reach the int
- * conversion. Returns sum(q). */
-static int32_t quantize_run(const float *x, int n, float id, int8_t *qs) {
+int32_t col_quantize_block_portable(const float *x, int n, int8_t *qs, float *d) {
+    float amax = 0.0f;
+    for (int j = 0; j < n; j++) amax = fmaxf(amax, fabsf(x[j]));
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    *d = amax / 127.0f;
     int32_t sum = 0;
-    for (int j = 0; j < n; j++) {
+    for (int j = 0; j < n; j++) { /* NaN and overflow never reach the int conversion */
         const float v = fminf(fmaxf(x[j] * id, -127.0f), 127.0f);
         const int q = (int)((v + 12582912.0f) - 12582912.0f); /* round half to even */
         qs[j] = (int8_t)q;
         sum += q;
     }
     return sum;
-}
-
-static float block_amax(const float *x, int n) {
-    float amax = 0.0f;
-    for (int j = 0; j < n; j++) amax = fmaxf(amax, fabsf(x[j]));
-    return amax;
 }
 
 void col_quantize_x(int type, const float *x, int64_t n, uint8_t *base) {
@@ -111,22 +108,21 @@ void col_quantize_x(int type, const float *x, int64_t n, uint8_t *base) {
     float *d = (float *)(base + COL_XQ_OFF_D(nbe));              /* (nb) */
     float *ds = (float *)(base + COL_XQ_OFF_DS(nbe));            /* (nb) */
     float *ds2 = (float *)(base + COL_XQ_OFF_DS2(nbe));          /* (nb / 2) */
+    const col_kernel_set *kernels = col_kernels_active();
+    const col_quantize_block_fn quantize_block =
+        kernels->quantize_block ? kernels->quantize_block : col_quantize_block_portable;
     if (type == COL_TYPE_Q4_G64) { /* one scale per 64 values, the weight's own block */
         for (int64_t k = 0; k < n / 64; k++) {
-            const float amax = block_amax(x + k * 64, 64);
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            d[k] = amax / 127.0f;
-            ds2[k] = d[k] * (float)quantize_run(x + k * 64, 64, id, qs + k * 64);
+            const int32_t sum = quantize_block(x + k * 64, 64, qs + k * 64, &d[k]);
+            ds2[k] = d[k] * (float)sum;
             dv[2 * k] = d[k]; /* (d, ds2) pairs: four blocks' factors in one load */
             dv[2 * k + 1] = ds2[k];
         }
         return;
     }
     for (int64_t b = 0; b < nb; b++) {
-        const float amax = block_amax(x + b * COL_QK_X, COL_QK_X);
-        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const float db = amax / 127.0f;
-        const int32_t sum = quantize_run(x + b * COL_QK_X, COL_QK_X, id, qs + b * COL_QK_X);
+        float db;
+        const int32_t sum = quantize_block(x + b * COL_QK_X, COL_QK_X, qs + b * COL_QK_X, &db);
         d[b] = db;
         ds[b] = db * (float)sum;
         for (int l = 0; l < 8; l++) {

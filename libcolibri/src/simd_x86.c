@@ -436,18 +436,43 @@ TARGET_AVX512 static void silu_mul_avx512(const float *g, const float *u, float 
     }
 }
 
+/* ---- activation quantization ------------------------------------------------------------ */
+
+/* col_quantize_block_portable sixteen values at a time, the same operations on each value
+ * (max ignores NaN as fmaxf does: the running value is the second operand; the clamp sends
+ * NaN to -127 the same way), so the bytes are identical. n is 32 or 64. */
+TARGET_AVX512 static int32_t quantize_block_avx512(const float *x, int n, int8_t *qs, float *d) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) amax = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + j)), amax);
+    const float a = _mm512_reduce_max_ps(amax);
+    const float id = a > 0.0f ? 127.0f / a : 0.0f;
+    *d = a / 127.0f;
+    const __m512 vid = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512 magic = _mm512_set1_ps(12582912.0f);
+    __m512i sum = _mm512_setzero_si512();
+    for (int j = 0; j < n; j += 16) {
+        __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_loadu_ps(x + j), vid), lo), hi);
+        v = _mm512_sub_ps(_mm512_add_ps(v, magic), magic); /* round half to even */
+        const __m512i q = _mm512_cvttps_epi32(v);
+        sum = _mm512_add_epi32(sum, q);
+        _mm_storeu_si128((__m128i *)(qs + j), _mm512_cvtepi32_epi8(q));
+    }
+    return _mm512_reduce_add_epi32(sum);
+}
+
 /* ---- kernel sets ------------------------------------------------------------------------ */
 
 static const col_kernel_set avx2_kernels = {
     COL_KERNELS_AVX2, {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2},
-    dot_f32_avx2, axpy_f32_avx2, {NULL}, col_silu_mul_portable};
+    dot_f32_avx2, axpy_f32_avx2, {NULL}, col_silu_mul_portable, col_quantize_block_portable};
 static const col_kernel_set avx512_kernels = {
     COL_KERNELS_AVX512, {[COL_TYPE_Q8_0] = dot_q8_0_avx512, [COL_TYPE_Q4_G64] = dot_q4_g64_avx512},
-    dot_f32_avx512, axpy_f32_avx512, {NULL}, silu_mul_avx512};
+    dot_f32_avx512, axpy_f32_avx512, {NULL}, silu_mul_avx512, quantize_block_avx512};
 static const col_kernel_set vnni_kernels = {
     COL_KERNELS_AVX512_VNNI, {[COL_TYPE_Q8_0] = dot_q8_0_vnni, [COL_TYPE_Q4_G64] = dot_q4_g64_vnni},
     dot_f32_avx512, axpy_f32_avx512,
-    {[COL_TYPE_Q8_0] = dot4_q8_0_vnni, [COL_TYPE_Q4_G64] = dot4_q4_g64_vnni}, silu_mul_avx512};
+    {[COL_TYPE_Q8_0] = dot4_q8_0_vnni, [COL_TYPE_Q4_G64] = dot4_q4_g64_vnni}, silu_mul_avx512,
+    quantize_block_avx512};
 
 static int has_avx2(void) {
     __builtin_cpu_init();

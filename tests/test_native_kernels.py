@@ -289,10 +289,13 @@ def test_fused_experts_reject_bad_arguments():
 # ---------------------------------------------------------------------------------------
 
 
-def test_rms_norm_matches_numpy():
-    x, w = gaussian((3, 4, 96), 8), gaussian((96,), 9)
+@pytest.mark.parametrize("n", [96, 2048, 2083])  # 2083: past the 32- and 16-wide loops
+def test_rms_norm_matches_numpy_on_every_level(n, kernel_level):
+    x, w = gaussian((3, 4, n), 8), gaussian((n,), 9)
     want = w * (x / np.sqrt(np.mean(x.astype(np.float64) ** 2, axis=-1, keepdims=True) + 1e-5))
-    np.testing.assert_allclose(native.rms_norm(x, w, 1e-5), want, rtol=2e-6, atol=1e-6)
+    for level in native.supported_kernels():
+        kernel_level(level)
+        np.testing.assert_allclose(native.rms_norm(x, w, 1e-5), want, rtol=2e-6, atol=1e-6, err_msg=level)
 
 
 def test_rope_matches_rotate_half():

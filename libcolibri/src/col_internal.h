@@ -233,6 +233,9 @@ typedef void (*col_silu_mul_fn)(const float *g, const float *u, float *h, int64_
  * version gives the same bytes (col_quantize_x's contract). */
 typedef int32_t (*col_quantize_block_fn)(const float *x, int n, int8_t *qs, float *d);
 
+/* One RMSNorm row: y = weight * (x / sqrt(sum(x^2) / n + eps)), the sum in double. */
+typedef void (*col_rms_norm_row_fn)(const float *x, const float *weight, int64_t n, float eps, float *y);
+
 typedef struct {
     int level;
     col_dot_xq_fn dot_xq[COL_TYPE_COUNT];
@@ -241,6 +244,7 @@ typedef struct {
     col_dot4_xq_fn dot4_xq[COL_TYPE_COUNT]; /* NULL: four dot_xq calls */
     col_silu_mul_fn silu_mul;               /* NULL: col_silu_mul_portable */
     col_quantize_block_fn quantize_block;   /* NULL: col_quantize_block_portable */
+    col_rms_norm_row_fn rms_norm_row;       /* NULL: col_rms_norm_row_portable */
 } col_kernel_set;
 
 /* The portable float helpers (kernels.c), also used by levels without their own. */
@@ -248,6 +252,7 @@ float col_dot_f32_portable(const float *a, const float *b, int64_t n);
 void col_axpy_f32_portable(float *y, float a, const float *x, int64_t n);
 void col_silu_mul_portable(const float *g, const float *u, float *h, int64_t n);
 int32_t col_quantize_block_portable(const float *x, int n, int8_t *qs, float *d);
+void col_rms_norm_row_portable(const float *x, const float *weight, int64_t n, float eps, float *y);
 
 /* The active kernel set (never NULL). */
 const col_kernel_set *col_kernels_active(void);

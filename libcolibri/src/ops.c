@@ -7,18 +7,20 @@
 
 #include "col_internal.h"
 
+void col_rms_norm_row_portable(const float *x, const float *weight, int64_t n, float eps, float *y) {
+    double sum_sq = 0.0; /* double: the mean does not depend on n's size */
+    for (int64_t i = 0; i < n; i++) sum_sq += (double)x[i] * (double)x[i];
+    const float rms = sqrtf((float)(sum_sq / (double)n) + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = weight[i] * (x[i] / rms);
+}
+
 int col_rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, float eps, float *y) {
     if (rows < 0 || n < 0) return COL_EINVAL;
     if (rows == 0 || n == 0) return COL_OK;
     if (!x || !weight || !y) return COL_EINVAL;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n; /* (n) */
-        float *yr = y + r * n;       /* (n) */
-        double sum_sq = 0.0;         /* double: the mean does not depend on n's size */
-        for (int64_t i = 0; i < n; i++) sum_sq += (double)xr[i] * (double)xr[i];
-        const float rms = sqrtf((float)(sum_sq / (double)n) + eps);
-        for (int64_t i = 0; i < n; i++) yr[i] = weight[i] * (xr[i] / rms);
-    }
+    const col_kernel_set *k = col_kernels_active();
+    const col_rms_norm_row_fn row = k->rms_norm_row ? k->rms_norm_row : col_rms_norm_row_portable;
+    for (int64_t r = 0; r < rows; r++) row(x + r * n, weight, n, eps, y + r * n);
     return COL_OK;
 }
 

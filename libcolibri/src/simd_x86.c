@@ -155,18 +155,32 @@ TARGET_VNNI static inline float q8_finish(__m512 acc, const uint8_t *w, const co
 /* One accumulator, two blocks per step: the same arithmetic, in the same order, as one
  * token of dot4_q8_0_vnni, so a token's result does not depend on how many tokens share the
  * call (decode with a KV cache equals a full forward bit for bit). */
+/* Blocks b, b + 1 (weight scales sw = SCALE_PAIR of theirs) into acc. */
+#define Q8_PAIR(b, sw)                                                                                   \
+    do {                                                                                                 \
+        const __m512i u_ = _mm512_xor_si512(LOAD_Q8_PAIR(w + (b) * 34), flip); /* w + 128 */             \
+        const __m512i i_ = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(x->bias + (b) * 8)), u_, \
+                                               _mm512_load_si512((const void *)(x->qs + (b) * 32)));     \
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i_), _mm512_load_ps(x->dv + (b) * 8)), (sw), acc); \
+    } while (0)
+
+/* Four blocks per step: their f16 scales go through one conversion, and each pair's
+ * [s0 x 8, s1 x 8] is one permute of it (the values SCALE_PAIR builds one at a time). */
 TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i first_pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    const __m512i second_pair = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     __m512 acc = _mm512_setzero_ps();
     int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
+    for (; b + 4 <= nb; b += 4) {
         const uint8_t *blk = w + b * 34;
-        const __m512i u = _mm512_xor_si512(LOAD_Q8_PAIR(blk), flip); /* w + 128 */
-        const __m512 sw = SCALE_PAIR(f16_vnni(blk), f16_vnni(blk + 34));
-        const __m512i i = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(x->bias + b * 8)), u,
-                                              _mm512_load_si512((const void *)(x->qs + b * 32)));
-        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_load_ps(x->dv + b * 8)), sw, acc);
+        const __m128i h = _mm_setr_epi16((short)col_load_u16(blk), (short)col_load_u16(blk + 34), (short)col_load_u16(blk + 68),
+                                         (short)col_load_u16(blk + 102), 0, 0, 0, 0);
+        const __m512 s4 = _mm512_castps128_ps512(_mm_cvtph_ps(h)); /* lanes 0..3: the four scales */
+        Q8_PAIR(b, _mm512_permutexvar_ps(first_pair, s4));
+        Q8_PAIR(b + 2, _mm512_permutexvar_ps(second_pair, s4));
     }
+    for (; b + 2 <= nb; b += 2) Q8_PAIR(b, SCALE_PAIR(f16_vnni(w + b * 34), f16_vnni(w + b * 34 + 34)));
     return q8_finish(acc, w, x, b, nb);
 }
 

@@ -532,8 +532,9 @@ def matmul(type_: TensorType | int | str, data, n_out: int, n_in: int, x: np.nda
     x = _f32_matrix(x, "x", cols=n_in)
     n_tok = x.shape[0]
     y = np.empty((n_tok, n_out), dtype=np.float32)
-    check(_lib().col_matmul(_pool_handle(pool), int(t), _ptr(raw), n_out, n_in, _ptr(x), n_tok, _ptr(y)),
-          f"matmul {t.name_in_pack}")
+    status = _lib().col_matmul(_pool_handle(pool), int(t), _ptr(raw), n_out, n_in, _ptr(x), n_tok, _ptr(y))
+    if status:  # the message only on failure: building it costs as much as the checks above
+        check(status, f"matmul {t.name_in_pack}")
     return y
 
 
@@ -578,8 +579,10 @@ def moe_experts(type_: TensorType | int | str, gates, ups, downs, dim: int, ffn:
             ptrs[i * n_experts + e] = _ptr(raw)
     base = ctypes.addressof(ptrs)
     size = ctypes.sizeof(ctypes.c_void_p) * n_experts
-    check(_lib().col_moe_experts(_pool_handle(pool), int(t), n_experts, base, base + size, base + 2 * size, dim, ffn, _ptr(x), n_tok,
-                                 _ptr(expert_of), _ptr(weight), expert_of.shape[1], _ptr(out)), f"moe_experts {t.name_in_pack}")
+    status = _lib().col_moe_experts(_pool_handle(pool), int(t), n_experts, base, base + size, base + 2 * size, dim, ffn, _ptr(x),
+                                    n_tok, _ptr(expert_of), _ptr(weight), expert_of.shape[1], _ptr(out))
+    if status:
+        check(status, f"moe_experts {t.name_in_pack}")
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -765,8 +768,10 @@ def moe_route(type_: TensorType | int | str, data, n_experts: int, dim: int, x: 
     n_tok = x.shape[0]
     experts = np.empty((n_tok, top_k), dtype=np.int32)
     weights = np.empty((n_tok, top_k), dtype=np.float32)
-    check(_lib().col_moe_route(_pool_handle(pool), int(t), _ptr(raw), n_experts, dim, _ptr(x), n_tok, top_k,
-                               int(bool(normalize)), _ptr(experts), _ptr(weights)), f"moe_route {t.name_in_pack}")
+    status = _lib().col_moe_route(_pool_handle(pool), int(t), _ptr(raw), n_experts, dim, _ptr(x), n_tok, top_k,
+                                  int(bool(normalize)), _ptr(experts), _ptr(weights))
+    if status:
+        check(status, f"moe_route {t.name_in_pack}")
     return experts, weights
 
 

@@ -58,3 +58,16 @@ def test_specs_exercise_the_features_they_claim(packs):
     assert configs[1].qk_norm == "head" and configs[1].num_heads * configs[1].head_dim != configs[1].hidden_size
     assert configs[2].qkv_bias and any(configs[2].sliding_window) and not all(configs[2].sliding_window)
     assert configs[3].num_kv_heads == 1 and all(configs[3].sliding_window)
+
+
+def test_the_cache_grows_under_the_fused_step_and_refuses_past_its_end(packs):
+    from colibrid.engine.kv_cache import KVCache
+
+    fused, stepwise = _engines(packs.pack(SPECS[2], "q8_0"))
+    caches = [KVCache(e.config, 16, initial_tokens=2) for e in (fused, stepwise)]  # grows 2 -> 4 -> 8 -> 16
+    for part in (PROMPT[:3], PROMPT[3:4], PROMPT[4:9], PROMPT[9:]):
+        a, b = (e.model.forward(np.asarray(part), kv) for e, kv in zip((fused, stepwise), caches))
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="context full"):
+        fused.model.forward(np.asarray(PROMPT[:5]), caches[0])  # 12 + 5 > 16
+    assert caches[0].length == len(PROMPT)

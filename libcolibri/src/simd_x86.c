@@ -346,23 +346,63 @@ TARGET_VNNI static inline float hsum256_vnni(__m256 v) {
         Q4_T(3, a[3][c], o[3][c]);                                                                        \
     } while (0)
 
+/* Block kk (its lo / hi already split) against token t, scale already broadcast. */
+#define Q4_T_SCALED(t, c, scale)                                                                          \
+    do {                                                                                                  \
+        const int8_t *xs_ = x[t].qs + kk * 64;                                                            \
+        __m256i s_ = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_load_si256((const __m256i *)xs_)); \
+        s_ = _mm256_dpbusd_epi32(s_, hi, _mm256_load_si256((const __m256i *)(xs_ + 32)));                 \
+        a[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), (scale), a[t][c]);                              \
+    } while (0)
+
+/* Four blocks per step as dot_q4_g64_vnni: the (d, m) pairs converted once for the four
+ * tokens, each token's [d dx, m ds2] in one multiply; chains and sums as there. */
+/* Block k + c of a four-block step into chain c of every token (scales from sc0..sc3). */
+#define Q4_GROUP_BLOCK(c)                                                                                 \
+    do {                                                                                                  \
+        kk = k + (c);                                                                                     \
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + kk * 36 + 4));                         \
+        const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
+        const __m256i lane_ = _mm256_set1_epi32(2 * (c));                                                 \
+        Q4_T_SCALED(0, c, _mm256_permutexvar_ps(lane_, sc0));                                             \
+        Q4_T_SCALED(1, c, _mm256_permutexvar_ps(lane_, sc1));                                             \
+        Q4_T_SCALED(2, c, _mm256_permutexvar_ps(lane_, sc2));                                             \
+        Q4_T_SCALED(3, c, _mm256_permutexvar_ps(lane_, sc3));                                             \
+    } while (0)
+
+/* Four blocks per step as dot_q4_g64_vnni: the (d, m) pairs converted once for the four
+ * tokens, each token's [d dx, m ds2] in one multiply; chains and sums as there. */
 TARGET_VNNI static void dot4_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256 a[4][4]; /* (token, chain) */
-    float o[4][4];  /* (token, chain) offset terms m * sum(x) */
     for (int t = 0; t < 4; t++)
-        for (int c = 0; c < 4; c++) a[t][c] = _mm256_setzero_ps(), o[t][c] = 0.0f;
+        for (int c = 0; c < 4; c++) a[t][c] = _mm256_setzero_ps();
+    __m256 off0 = _mm256_setzero_ps(), off1 = off0, off2 = off0, off3 = off0; /* lanes 1, 3, 5, 7: offset chains */
     const int64_t n64 = nb / 2;
     int64_t k = 0, kk;
     for (; k + 4 <= n64; k += 4) {
-        kk = k;
-        Q4_BLOCK4(0);
-        kk = k + 1;
-        Q4_BLOCK4(1);
-        kk = k + 2;
-        Q4_BLOCK4(2);
-        kk = k + 3;
-        Q4_BLOCK4(3);
+        const uint8_t *blk = w + k * 36;
+        const __m256 dm = _mm256_cvtph_ps(_mm_set_epi32((int)load_u32(blk + 108), (int)load_u32(blk + 72),
+                                                        (int)load_u32(blk + 36), (int)load_u32(blk)));
+        const __m256 sc0 = _mm256_mul_ps(dm, _mm256_load_ps(x[0].dv + 2 * k));
+        const __m256 sc1 = _mm256_mul_ps(dm, _mm256_load_ps(x[1].dv + 2 * k));
+        const __m256 sc2 = _mm256_mul_ps(dm, _mm256_load_ps(x[2].dv + 2 * k));
+        const __m256 sc3 = _mm256_mul_ps(dm, _mm256_load_ps(x[3].dv + 2 * k));
+        off0 = _mm256_add_ps(off0, sc0);
+        off1 = _mm256_add_ps(off1, sc1);
+        off2 = _mm256_add_ps(off2, sc2);
+        off3 = _mm256_add_ps(off3, sc3);
+        Q4_GROUP_BLOCK(0);
+        Q4_GROUP_BLOCK(1);
+        Q4_GROUP_BLOCK(2);
+        Q4_GROUP_BLOCK(3);
+    }
+    float o[4][4]; /* (token, chain) */
+    const __m256 offs[4] = {off0, off1, off2, off3};
+    for (int t = 0; t < 4; t++) {
+        float lanes[8] __attribute__((aligned(32)));
+        _mm256_store_ps(lanes, offs[t]);
+        o[t][0] = lanes[1], o[t][1] = lanes[3], o[t][2] = lanes[5], o[t][3] = lanes[7];
     }
     for (; k < n64; k++) {
         kk = k;

@@ -15,6 +15,10 @@ O_DIRECT bandwidth measured in the same run, and prefetch precision/recall. Pref
 engine's lookahead (layer l+1's router applied to layer l's FFN input). `--cgroup-limit`
 re-runs the measurement inside a child memory cgroup (v1) with that memory.limit_in_bytes.
 
+`policies` compares the cache policies on real routing: the trained default model
+(models/colibri-olmoe-stdlib) decodes its held-out validation text token by token, and the
+cache's hit rate is reported per size and policy.
+
 `versus` runs llama.cpp (llama-bench, its default mmap loading) on a GGUF of the same model
 and Colibri on the pack, one after the other inside the same memory cgroup limit (default
 40 % of the pack), each starting with its files evicted from the page cache, and prints
@@ -262,6 +266,75 @@ def cmd_run(args) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# Cache policies on real routing (the trained default model, teacher-forced over real text)
+# --------------------------------------------------------------------------------------------
+
+
+def validation_text_ids(tokenizer, limit: int) -> list[int]:
+    """The default model's held-out validation files (tools/train_default_model.py), tokenized."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from train_default_model import is_validation, stdlib_files
+
+    root, files = stdlib_files()
+    ids: list[int] = []
+    for path in files:
+        if is_validation(str(path.relative_to(root))):
+            ids += tokenizer.encode(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=True)
+            if len(ids) >= limit:
+                break
+    return ids[:limit]
+
+
+def replay_routing(pack_path: Path, ids: list[int], cache_bytes: int, policy: str, prefetch: bool,
+                   document: int) -> dict:
+    """Decodes ``ids`` one token at a time (teacher-forced, a new sequence every ``document``
+    tokens, the cache kept across them) and returns the cache's hit rate and reads."""
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(pack_path)
+    source = CachedExpertSource(pack, cache_bytes, policy=policy, io_queue_depth=16, hugepages="off",
+                                lock_memory="off", prefetch=prefetch)
+    try:
+        engine = Engine(pack, experts=source)
+        for start in range(0, len(ids), document):
+            session = engine.new_session(max_context=document + 1)
+            for token in ids[start : start + document]:
+                session.forward([token], all_logits=False)
+        total = source.stats()["total"]
+        return {"policy": policy, "prefetch": prefetch, "slots": source.n_slots, "hit_rate": total["hit_rate"],
+                "records_read_per_token": total["bytes_read"] / source.slot_bytes / len(ids),
+                "prediction_precision": total["prediction_precision"]}
+    finally:
+        source.close()
+
+
+def cmd_policies(args) -> int:
+    from colibrid.engine.tokenizer import Tokenizer
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(args.pack)
+    records = pack.manifest.expert_records
+    ids = validation_text_ids(Tokenizer.from_dir(args.pack), args.tokens)
+    print(f"{args.pack}: {len(records)} expert records; {len(ids)} validation tokens, "
+          f"sequences of {args.document}", flush=True)
+    rows = []
+    for fraction in [float(f) for f in args.fractions.split(",")]:
+        for prefetch in [p == "on" for p in args.prefetch.split(",")]:
+            for policy in args.policies.split(","):
+                cache_bytes = int(sum(r.length for r in records) * fraction)
+                row = {"fraction": fraction, **replay_routing(args.pack, ids, cache_bytes, policy, prefetch, args.document)}
+                rows.append(row)
+                print(f"cache {fraction:4.0%} ({row['slots']} slots) {policy:4s} prefetch {'on ' if prefetch else 'off'}: "
+                      f"hit {row['hit_rate']:.1%}, {row['records_read_per_token']:.2f} records read per token, "
+                      f"prediction precision {row['prediction_precision']}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # cgroup v1
 # --------------------------------------------------------------------------------------------
 
@@ -409,7 +482,17 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--queue-depth", type=int, default=16)
     v.add_argument("--policy", default="lru")
     v.add_argument("--json", help="also write the results here")
+    pol = sub.add_parser("policies", help="cache policies on the trained default model's real routing")
+    pol.add_argument("pack", type=Path, help="a pack of models/colibri-olmoe-stdlib")
+    pol.add_argument("--fractions", default="0.25,0.5")
+    pol.add_argument("--policies", default="lru,lfru")
+    pol.add_argument("--prefetch", default="off,on")
+    pol.add_argument("--tokens", type=int, default=4096)
+    pol.add_argument("--document", type=int, default=512, help="tokens per sequence")
+    pol.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
+    if args.cmd == "policies":
+        return cmd_policies(args)
     if args.cmd == "build":
         shape = {k: getattr(args, k) for k in OLMOE_SHAPE}
         start = time.perf_counter()

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# The main job on a fresh machine: build the default pack (once), start colibrid on it,
-# ask one question through colibrictl, stop the daemon.
-#   COLIBRI_DEMO_PACK  where the pack lives (default ~/.cache/colibri/demo.pack)
-#   COLIBRI_PROMPT     what to ask (default "def fibonacci(n):")
+# The main job on a fresh machine: convert the default model (once, seconds), start colibrid
+# on it, ask one question through colibrictl, stop the daemon.
+#   COLIBRI_MODEL    checkpoint to convert (default: models/colibri-olmoe-stdlib, shipped here)
+#   COLIBRI_PACK     where its pack goes (default ~/.cache/colibri/<model name>.pack)
+#   COLIBRI_PROMPT   what to ask (default "def fibonacci(n):")
 set -euo pipefail
-pack=${COLIBRI_DEMO_PACK:-$HOME/.cache/colibri/demo.pack}
+here=$(cd "$(dirname "$0")/.." && pwd)
+model=${COLIBRI_MODEL:-$here/models/colibri-olmoe-stdlib}
+pack=${COLIBRI_PACK:-$HOME/.cache/colibri/$(basename "$model").pack}
 prompt=${COLIBRI_PROMPT:-"def fibonacci(n):"}
 rundir=$(mktemp -d)
 sock=$rundir/colibrid.sock
 
-if [ ! -f "$pack/manifest.json" ]; then
+# Convert on first use, and again whenever the checkpoint is newer than the pack.
+if [ ! -f "$pack/manifest.json" ] || [ -n "$(find "$model" -newer "$pack/manifest.json" -name '*.safetensors')" ]; then
     mkdir -p "$(dirname "$pack")"
-    python -m colibrid.demo "$pack" --force
+    colibri-convert "$model" "$pack" --force
 fi
 
 colibrid --model "$pack" --socket "$sock" &
@@ -25,4 +29,5 @@ for _ in $(seq 300); do
     sleep 0.1
 done
 
-printf '%s' "$prompt" | colibrictl --socket "$sock" ask --raw --max-tokens 48
+printf '%s' "$prompt"  # the answer continues it
+colibrictl --socket "$sock" ask --raw --max-tokens 96 "$prompt"

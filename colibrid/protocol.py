@@ -160,8 +160,10 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "min_p", "repetition_p
                     "logprobs")
 
 
-def parse_request(message: dict[str, Any], default_max_tokens: int) -> Request:
-    """A typed request from a decoded frame; ProtocolError (with the id when known) if it is not one."""
+def parse_request(message: dict[str, Any], default_max_tokens: int,
+                  sampling_defaults: dict[str, Any] | None = None) -> Request:
+    """A typed request from a decoded frame; ProtocolError (with the id when known) if it is not one.
+    ``sampling_defaults`` (the model's generation_config.json) fill the sampling fields an ask omits."""
     request_id = message.get("id", _MISSING)
     if request_id is _MISSING or not is_request_id(request_id):
         raise ProtocolError("bad_request", "every request needs an `id`: a string or an integer")
@@ -171,10 +173,12 @@ def parse_request(message: dict[str, Any], default_max_tokens: int) -> Request:
     parser = _PARSERS.get(op)
     if parser is None:
         raise ProtocolError("unknown_op", f"unknown op {op!r}; ops are {', '.join(_PARSERS)}", request_id)
-    return parser(message, request_id, default_max_tokens)
+    if parser is _parse_ask:
+        return _parse_ask(message, request_id, default_max_tokens, sampling_defaults or {})
+    return parser(message, request_id)
 
 
-def _parse_hello(message: dict[str, Any], request_id: RequestId, default_max_tokens: int) -> Hello:
+def _parse_hello(message: dict[str, Any], request_id: RequestId) -> Hello:
     protocol = message.get("protocol", _MISSING)
     if not _is_int(protocol):
         raise ProtocolError("bad_request", "hello needs `protocol`: an integer", request_id)
@@ -187,15 +191,16 @@ def _parse_hello(message: dict[str, Any], request_id: RequestId, default_max_tok
     return Hello(request_id, protocol, client)
 
 
-def _parse_ask(message: dict[str, Any], request_id: RequestId, default_max_tokens: int) -> Ask:
+def _parse_ask(message: dict[str, Any], request_id: RequestId, default_max_tokens: int,
+               sampling_defaults: dict[str, Any]) -> Ask:
     fields = {name: message.get(name) for name in _ASK_FIELD_TYPES}
     for name, (has_type, type_name) in _ASK_FIELD_TYPES.items():
         if fields[name] is not None and not has_type(fields[name]):
             raise ProtocolError("bad_request", f"ask `{name}` must be {type_name}", request_id)
     if (fields["prompt"] is None) == (fields["messages"] is None):
         raise ProtocolError("bad_request", "ask needs exactly one of `prompt` and `messages`", request_id)
-    sampling = {name: fields[name] for name in _SAMPLING_FIELDS if fields[name] is not None}
-    sampling.setdefault("max_tokens", default_max_tokens)
+    sampling = {"max_tokens": default_max_tokens, **sampling_defaults,
+                **{name: fields[name] for name in _SAMPLING_FIELDS if fields[name] is not None}}
     params = SamplingParams(**sampling)
     try:
         params.validate()
@@ -204,7 +209,7 @@ def _parse_ask(message: dict[str, Any], request_id: RequestId, default_max_token
     return Ask(request_id, fields["prompt"], fields["messages"], fields["system"], bool(fields["raw"]), params)
 
 
-def _parse_cancel(message: dict[str, Any], request_id: RequestId, default_max_tokens: int) -> Cancel:
+def _parse_cancel(message: dict[str, Any], request_id: RequestId) -> Cancel:
     target = message.get("target", _MISSING)
     if not is_request_id(target):
         raise ProtocolError("bad_request", "cancel needs `target`: the id (string or integer) of an open ask",
@@ -212,11 +217,11 @@ def _parse_cancel(message: dict[str, Any], request_id: RequestId, default_max_to
     return Cancel(request_id, target)
 
 
-def _parse_status(message: dict[str, Any], request_id: RequestId, default_max_tokens: int) -> Status:
+def _parse_status(message: dict[str, Any], request_id: RequestId) -> Status:
     return Status(request_id)
 
 
-def _parse_models(message: dict[str, Any], request_id: RequestId, default_max_tokens: int) -> Models:
+def _parse_models(message: dict[str, Any], request_id: RequestId) -> Models:
     return Models(request_id)
 
 

@@ -58,6 +58,7 @@ def describe_model(engine, pack_path: Path) -> dict[str, Any]:
         "parameters_total": engine.parameters_total,
         "parameters_active": engine.parameters_active,
         "quantization": dict(engine.pack.manifest.quantization),
+        "sampling_defaults": dict(engine.sampling_defaults),  # from generation_config.json
     }
 
 
@@ -130,7 +131,7 @@ class Server:
             "event": "status", "id": request_id,
             "model": self.model["name"], "path": self.model["path"], "architecture": self.model["architecture"],
             "parameters_total": self.model["parameters_total"], "parameters_active": self.model["parameters_active"],
-            "quantization": self.model["quantization"],
+            "quantization": self.model["quantization"], "sampling_defaults": self.model["sampling_defaults"],
             "memory": {"rss_bytes": psutil.Process().memory_info().rss,
                        "dense_bytes": self.engine.pack.manifest.dense_size},
             "cache": cache,
@@ -264,7 +265,7 @@ class Connection:
             request_id = message.get("id")
             raise ProtocolError("bad_request", "the first request on a connection must be hello",
                                 request_id if is_request_id(request_id) else None)
-        request = parse_request(message, self.server.default_max_tokens)
+        request = parse_request(message, self.server.default_max_tokens, self.server.model["sampling_defaults"])
         if request.id in self._open_asks:
             raise ProtocolError("bad_request", f"id {request.id!r} is already open on this connection", request.id)
         self._dispatch(request)

@@ -58,6 +58,14 @@ def test_ask_defaults_come_from_the_server_and_nil_means_absent():
     assert ask.params.temperature == 1.0
 
 
+def test_the_model_s_sampling_defaults_fill_what_an_ask_omits():
+    model_defaults = {"temperature": 0.7, "top_p": 0.95}
+    ask = parse_request({"op": "ask", "id": 1, "prompt": "hi"}, 256, model_defaults)
+    assert (ask.params.temperature, ask.params.top_p, ask.params.max_tokens) == (0.7, 0.95, 256)
+    ask = parse_request({"op": "ask", "id": 2, "prompt": "hi", "temperature": 0, "top_p": None}, 256, model_defaults)
+    assert (ask.params.temperature, ask.params.top_p) == (0, 0.95)
+
+
 def test_unknown_fields_are_ignored():
     assert parse({"op": "status", "id": 1, "verbose": True}) == Status(1)
 

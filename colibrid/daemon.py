@@ -230,8 +230,10 @@ class Daemon:
             raise StartupError(f"cannot load the model {self.config.model}: {type(exc).__name__}: {exc}") from None
         self._log_cache(experts)
         if engine.max_context < self.config.max_context:
-            log.warning("max_context = %d is above what %s supports; using %d tokens",
-                        self.config.max_context, model_name(self.config.model), engine.max_context)
+            # A warning when someone asked for more; the default meeting a small model is routine.
+            chosen = self.config.max_context != DaemonConfig.__dataclass_fields__["max_context"].default
+            log.log(logging.WARNING if chosen else logging.INFO, "max_context = %d is above what %s supports; using %d tokens",
+                    self.config.max_context, model_name(self.config.model), engine.max_context)
         return engine
 
     @staticmethod

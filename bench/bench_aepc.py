@@ -396,11 +396,17 @@ def evict_from_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-def llama_decode_in_cgroup(gguf: Path, limit: int, tokens: int, threads: int) -> dict:
+def llama_decode_in_cgroup(gguf: Path, limit: int, tokens: int, threads: int, extra: list[str]) -> dict:
+    """llama-bench's decode rate inside the limit; 0 tok/s if the cgroup's OOM killer ends it
+    (with Q4_0 its CPU backend repacks the weights into anonymous memory, which mmap cannot
+    give back: pass --repack 0 through ``extra`` to keep them file-backed)."""
     evict_from_page_cache(gguf)
     argv = [str(LLAMA_BENCH), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", "1",
-            "-o", "json"]
+            "-o", "json", *extra]
     run = run_in_memory_cgroup(limit, argv, capture=True)
+    if run["code"] == -9:
+        print("llama.cpp was killed by the cgroup's OOM killer", flush=True)
+        return {**run, "tok_per_s": 0.0, "stdout": None, "oom_killed": True}
     if run["code"] != 0:
         raise RuntimeError(f"llama-bench failed with exit code {run['code']}")
     (test,) = json.loads(run["stdout"])
@@ -431,14 +437,15 @@ def cmd_versus(args) -> int:
     limit = parse_size(args.limit) if args.limit else int(size * args.limit_fraction)
     print(f"pack {format_bytes(size)}; memory limit {format_bytes(limit)} ({limit / size:.0%} of the pack); "
           f"{args.threads} threads", flush=True)
-    llama = llama_decode_in_cgroup(args.gguf, limit, args.llama_tokens, args.threads)
+    llama = llama_decode_in_cgroup(args.gguf, limit, args.llama_tokens, args.threads, args.llama_args.split())
     print(f"llama.cpp (mmap): {llama['tok_per_s']:.2f} tok/s", flush=True)
     colibri = colibri_decode_in_cgroup(args.pack, limit, args.tokens, args.warmup, args.queue_depth, args.policy,
                                        args.threads)
     print(f"colibri ({format_bytes(colibri['cache_bytes'])} expert cache, {args.policy}, lookahead): "
           f"{colibri['tok_per_s']:.2f} tok/s, hit {colibri['hit_rate']:.1%}, "
           f"{colibri['mb_read_per_token']:.0f} MB/token, {colibri['read_gb_per_s']:.2f} GB/s", flush=True)
-    print(f"ratio colibri / llama.cpp: {colibri['tok_per_s'] / llama['tok_per_s']:.2f}x")
+    if llama["tok_per_s"]:
+        print(f"ratio colibri / llama.cpp: {colibri['tok_per_s'] / llama['tok_per_s']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"limit_bytes": limit, "pack_bytes": size, "llama": llama,
                                                "colibri": colibri}, indent=1))
@@ -479,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--tokens", type=int, default=32)
     v.add_argument("--warmup", type=int, default=8)
     v.add_argument("--llama-tokens", type=int, default=16)
+    v.add_argument("--llama-args", default="", help="more llama-bench arguments, e.g. \"--repack 0\"")
     v.add_argument("--queue-depth", type=int, default=16)
     v.add_argument("--policy", default="lru")
     v.add_argument("--json", help="also write the results here")
@@ -502,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "disk":
         print(json.dumps(measure_disk(args.pack, queue_depth=args.queue_depth), indent=1))
         return 0
+    if args.cmd == "versus":
+        return cmd_versus(args)
     if args.cgroup_limit:
         inner = [sys.executable, str(Path(__file__).resolve()), "run", str(args.pack), "--fractions", args.fractions,
                  *(["--cache-bytes", str(args.cache_bytes)] if args.cache_bytes else []),
@@ -511,8 +521,6 @@ def main(argv: list[str] | None = None) -> int:
             inner += ["--json", args.json]
         drop_from_page_cache(args.pack)
         return run_in_memory_cgroup(parse_size(args.cgroup_limit), inner)["code"]
-    if args.cmd == "versus":
-        return cmd_versus(args)
     return cmd_run(args)
 
 

@@ -414,7 +414,7 @@ def llama_decode_in_cgroup(gguf: Path, limit: int, tokens: int, threads: int, ex
 
 
 def colibri_decode_in_cgroup(pack_path: Path, limit: int, tokens: int, warmup: int, queue_depth: int,
-                             policy: str, threads: int) -> dict:
+                             policy: str, threads: int, prefetch: str) -> dict:
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(pack_path)
@@ -423,7 +423,7 @@ def colibri_decode_in_cgroup(pack_path: Path, limit: int, tokens: int, warmup: i
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         argv = [sys.executable, str(Path(__file__).resolve()), "run", str(pack_path), "--cache-bytes", str(cache_bytes),
-                "--policies", policy, "--prefetch", "on", "--tokens", str(tokens), "--warmup", str(warmup),
+                "--policies", policy, "--prefetch", prefetch, "--tokens", str(tokens), "--warmup", str(warmup),
                 "--queue-depth", str(queue_depth), "--threads", str(threads), "--json", str(out)]
         run = run_in_memory_cgroup(limit, argv)
         if run["code"] != 0:
@@ -440,8 +440,8 @@ def cmd_versus(args) -> int:
     llama = llama_decode_in_cgroup(args.gguf, limit, args.llama_tokens, args.threads, args.llama_args.split())
     print(f"llama.cpp (mmap): {llama['tok_per_s']:.2f} tok/s", flush=True)
     colibri = colibri_decode_in_cgroup(args.pack, limit, args.tokens, args.warmup, args.queue_depth, args.policy,
-                                       args.threads)
-    print(f"colibri ({format_bytes(colibri['cache_bytes'])} expert cache, {args.policy}, lookahead): "
+                                       args.threads, args.prefetch)
+    print(f"colibri ({format_bytes(colibri['cache_bytes'])} expert cache, {args.policy}, prefetch {args.prefetch}): "
           f"{colibri['tok_per_s']:.2f} tok/s, hit {colibri['hit_rate']:.1%}, "
           f"{colibri['mb_read_per_token']:.0f} MB/token, {colibri['read_gb_per_s']:.2f} GB/s", flush=True)
     if llama["tok_per_s"]:
@@ -489,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--llama-args", default="", help="more llama-bench arguments, e.g. \"--repack 0\"")
     v.add_argument("--queue-depth", type=int, default=16)
     v.add_argument("--policy", default="lru")
+    v.add_argument("--prefetch", default="off", choices=["on", "off"])
     v.add_argument("--json", help="also write the results here")
     pol = sub.add_parser("policies", help="cache policies on the trained default model's real routing")
     pol.add_argument("pack", type=Path, help="a pack of models/colibri-olmoe-stdlib")

@@ -57,7 +57,7 @@ class DaemonConfig:
     cache_size: str = "50%"  # the expert cache (AEPC): bytes, "6G", or "40%" of MemAvailable at start
     cache_policy: str = "lru"  # eviction: "lru" or "lfru" (frequency-aware, per-layer quotas)
     io_queue_depth: int = 16  # expert reads in flight at most
-    prefetch: str = "lookahead"  # "lookahead": predict the next layer's experts and read them early; "off"
+    prefetch: str = "off"  # "lookahead": predict the next layer's experts and read them early; "off"
     hugepages: str | int = "auto"  # "auto", "thp", "off", or a count of 2 MiB pages to reserve
     lock_memory: str = "try"  # mlock the cache: "required", "try" or "off"
     thermal: str = "auto"  # "auto": watch the NVMe drive(s) under the experts file and throttle; "off"

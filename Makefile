@@ -42,7 +42,7 @@ install:
 	$(INSTALL) -m 0644 systemd/tmpfiles.d/colibri.conf $(DESTDIR)$(TMPFILESDIR)/colibri.conf
 	$(INSTALL) -m 0644 udev/60-colibri-nvme.rules $(DESTDIR)$(UDEVRULESDIR)/60-colibri-nvme.rules
 	$(INSTALL) -m 0644 etc/sysctl.d/60-colibri.conf $(DESTDIR)$(SYSCTLDIR)/60-colibri.conf
-	$(INSTALL) -m 0644 docs/systemd.md docs/protocol.md $(DESTDIR)$(DOCDIR)/
+	$(INSTALL) -m 0644 docs/systemd.md docs/protocol.md docs/thermal.md $(DESTDIR)$(DOCDIR)/
 	@# The config is the admin's once installed: never overwrite an edited one.
 	test -e $(DESTDIR)$(SYSCONFDIR)/colibri/colibrid.toml || \
 		$(INSTALL) -m 0644 etc/colibri/colibrid.toml $(DESTDIR)$(SYSCONFDIR)/colibri/colibrid.toml

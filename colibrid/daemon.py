@@ -162,7 +162,9 @@ class Daemon:
         """Find the drive under the experts file and start watching it; from here on the watch
         owns the loader's queue depth and prefetch (it applies the configured values when cool)."""
         assert self._server is not None
-        self._thermal = ThermalWatch(engine.pack.experts_path, lambda: engine.experts, self._thermal_settings())
+        self._thermal = ThermalWatch(engine.pack.experts_path, lambda: engine.experts, self._thermal_settings(),
+                                     on_drive_back=lambda: self._scheduler.run_between_requests(
+                                         lambda: self._reopen_expert_cache(engine)))
         await asyncio.to_thread(self._thermal.start)
         self._server.thermal = self._thermal
         self._background.append(asyncio.create_task(self._thermal.run()))
@@ -193,7 +195,12 @@ class Daemon:
         finally:
             affinity.pin_current_thread(self._cpus.compute)
 
-    def _resize_expert_cache(self, engine, cache_size) -> None:
+    def _reopen_expert_cache(self, engine) -> None:
+        """The pack's drive came back: a new cache on a fresh descriptor of the experts file
+        (the old one died with the device); the experts are read again as requests need them."""
+        self._resize_expert_cache(engine, self.config.cache_size, reason="rebuilt on the experts file, reopened after its drive came back")
+
+    def _resize_expert_cache(self, engine, cache_size, reason: str | None = None) -> None:
         """On the engine thread, between requests: build the new pool, swap it in, free the old.
         Both pools exist for a moment; if the new one cannot be had, the old one stays."""
         from colibrid.engine.expert_cache import ExpertCacheError
@@ -207,7 +214,7 @@ class Daemon:
         if self._thermal is not None:
             self._thermal.reconcile()  # the new cache starts unthrottled: apply what the drive's heat allows
         self._log_cache(new)
-        log.info("expert cache resized to %d slots (cache_size = %s)", new.n_slots, cache_size)
+        log.info("expert cache %s: %d slots (cache_size = %s)", reason or "resized", new.n_slots, cache_size)
 
     def _load_engine(self):
         # Imported here: they pull in numpy and libcolibri.

@@ -95,8 +95,12 @@ class ThermalWatch:
     def __init__(self, experts_path: Path, expert_source: Callable[[], object], settings: ThermalSettings,
                  sysfs_root: Path = SYSFS_ROOT, dev_root: Path = DEV_ROOT, mountinfo: Path = MOUNTINFO,
                  clock: Callable[[], float] = time.monotonic,
-                 smart_sources: Callable[[], list[SmartSource]] | None = None) -> None:
+                 smart_sources: Callable[[], list[SmartSource]] | None = None,
+                 on_drive_back: Callable[[], None] | None = None) -> None:
         self.experts_path = Path(experts_path)
+        # Called (from the rescan's thread, no lock held) when a drive that went missing is back:
+        # the daemon reopens the experts file, whose old descriptor died with the device.
+        self._on_drive_back = on_drive_back
         self.settings = settings
         self._expert_source = expert_source  # called each time: a cache resize replaces the source
         self._sysfs_root, self._dev_root, self._mountinfo = sysfs_root, dev_root, mountinfo
@@ -140,7 +144,11 @@ class ThermalWatch:
         fresh = {drive.controller: self._watch(drive) for drive in placement.drives
                  if known.get(drive.controller) != drive}
         with self._lock:
+            returns_before = self._counters.returns
             found_new = self._adopt(placement, fresh)
+            came_back = self._counters.returns > returns_before
+        if came_back and self._on_drive_back is not None:
+            self._on_drive_back()
         if found_new:
             self.poll()
         else:

@@ -23,10 +23,10 @@ class FakeClock:
         return self.now_s
 
 
-def make_watch(sysfs, source, clock=None, smart_sources=(), **settings) -> ThermalWatch:
+def make_watch(sysfs, source, clock=None, smart_sources=(), on_drive_back=None, **settings) -> ThermalWatch:
     watch = ThermalWatch(source.path, lambda: source, ThermalSettings(io_queue_depth=16, prefetch=True, **settings),
                          sysfs_root=sysfs.sys, dev_root=sysfs.dev, clock=clock or FakeClock(),
-                         smart_sources=lambda: list(smart_sources))
+                         smart_sources=lambda: list(smart_sources), on_drive_back=on_drive_back)
     watch.start()
     return watch
 
@@ -118,7 +118,8 @@ def test_thermal_off_never_throttles(sysfs, expert_source):
 
 def test_removal_and_return_by_udev_events(sysfs, expert_source):
     fake = sysfs.add_nvme(file_dev(expert_source.path), composite_c=45.0)
-    watch = make_watch(sysfs, expert_source)
+    returns = []  # the daemon reopens the experts file here: the old descriptor died with the device
+    watch = make_watch(sysfs, expert_source, on_drive_back=lambda: returns.append(watch.status()["returns"]))
     expert_source.get(0, 1)
 
     saved = sysfs.remove_nvme(fake)
@@ -134,7 +135,7 @@ def test_removal_and_return_by_udev_events(sysfs, expert_source):
         pass
     watch.poll()  # polling a missing drive neither fails nor forgets it
     watch.rescan()
-    assert watch.status()["state"] == "device_missing"
+    assert watch.status()["state"] == "device_missing" and returns == []
 
     sysfs.add_back(fake, saved)
     watch.handle_event("add", "nvme0")
@@ -142,6 +143,7 @@ def test_removal_and_return_by_udev_events(sysfs, expert_source):
     status = watch.status()
     assert status["state"] == "normal" and status["drives"][0]["present"] is True and status["returns"] == 1
     assert loader_state(expert_source) == (16, True, None)
+    assert returns == [1]  # called once, when the drive was back
 
 
 def test_the_periodic_rescan_notices_a_removal_without_udev(sysfs, expert_source):

@@ -35,6 +35,7 @@ def test_make_install_puts_every_file_where_systemd_and_udev_look(staged):
         "usr/lib/udev/rules.d/60-colibri-nvme.rules",
         "usr/share/doc/colibri/protocol.md",
         "usr/share/doc/colibri/systemd.md",
+        "usr/share/doc/colibri/thermal.md",
     ]
     service = (staged / "usr/lib/systemd/system/colibrid.service").read_text()
     assert f"ExecStart={BINDIR}/colibrid --config /etc/colibri/colibrid.toml" in service

@@ -198,7 +198,8 @@ class Daemon:
     def _reopen_expert_cache(self, engine) -> None:
         """The pack's drive came back: a new cache on a fresh descriptor of the experts file
         (the old one died with the device); the experts are read again as requests need them."""
-        self._resize_expert_cache(engine, self.config.cache_size, reason="rebuilt on the experts file, reopened after its drive came back")
+        self._resize_expert_cache(engine, self.config.cache_size,
+                                  reason="rebuilt on the experts file, reopened after its drive came back")
 
     def _resize_expert_cache(self, engine, cache_size, reason: str | None = None) -> None:
         """On the engine thread, between requests: build the new pool, swap it in, free the old.
@@ -239,7 +240,8 @@ class Daemon:
         if engine.max_context < self.config.max_context:
             # A warning when someone asked for more; the default meeting a small model is routine.
             chosen = self.config.max_context != DaemonConfig.__dataclass_fields__["max_context"].default
-            log.log(logging.WARNING if chosen else logging.INFO, "max_context = %d is above what %s supports; using %d tokens",
+            log.log(logging.WARNING if chosen else logging.INFO,
+                    "max_context = %d is above what %s supports; using %d tokens",
                     self.config.max_context, model_name(self.config.model), engine.max_context)
         return engine
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,13 @@ class PackFactory:
 def packs(tmp_path_factory) -> PackFactory:
     pytest.importorskip("transformers")
     return PackFactory(tmp_path_factory.mktemp("colibri"))
+
+
+@pytest.fixture(scope="session")
+def demo_pack(tmp_path_factory) -> Path:
+    """A random-weight OLMoE pack (numpy only, ~1 s; 4 MoE layers of 16 experts, ~4 ms a
+    token): for the daemon and the thermal watch, which need no transformers."""
+    out = tmp_path_factory.mktemp("demo-pack") / "demo.pack"
+    subprocess.run([sys.executable, "-m", "colibrid.demo", str(out), "--force"], check=True,
+                   capture_output=True, timeout=120)
+    return out

@@ -14,15 +14,6 @@ import pytest
 from tests.daemon.wire import stop_process, wait_for_socket
 
 
-@pytest.fixture(scope="session")
-def demo_pack(tmp_path_factory) -> Path:
-    """A random-weight OLMoE pack: fast (~4 ms a token) and needs no transformers."""
-    out = tmp_path_factory.mktemp("daemon-pack") / "demo.pack"
-    subprocess.run([sys.executable, "-m", "colibrid.demo", str(out), "--force"], check=True,
-                   capture_output=True, timeout=120)
-    return out
-
-
 class DaemonProcess:
     def __init__(self, pack: Path, socket_path: Path, *flags: str) -> None:
         self.socket_path = socket_path

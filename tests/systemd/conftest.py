@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.conftest import demo_pack  # noqa: F401  (the same session fixture: one pack)
 from tests.daemon.wire import stop_process
 from tests.systemd.notify_socket import NotifySocket
 

@@ -50,4 +50,6 @@ def test_under_the_journal_each_line_starts_with_its_priority(demo_pack, work_di
 def test_on_a_terminal_or_a_redirected_stderr_lines_are_for_people(demo_pack, work_dir):
     # JOURNAL_STREAM inherited from a parent whose stderr went to the journal, but ours does not.
     lines = run_with_stderr_pipe(demo_pack, work_dir, "8:12345")
-    assert lines[0].startswith("colibrid: serving demo (") and lines[-1] == "colibrid: stopped"
+    # (Raising vm.nr_hugepages, when the machine has none reserved, is logged before serving.)
+    assert all(line.startswith("colibrid: ") for line in lines), lines
+    assert any(line.startswith("colibrid: serving demo (") for line in lines) and lines[-1] == "colibrid: stopped"

@@ -339,15 +339,19 @@ def cmd_policies(args) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def evict_from_page_cache(path: Path) -> None:
+    """Evicts a file from the page cache, so that the pages a run faults in are charged to its
+    cgroup (page cache is charged to whoever reads it first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def drop_from_page_cache(pack_path: Path) -> None:
-    """Evicts the pack's files from the page cache, so that the pages the run faults in are
-    charged to its cgroup (page cache is charged to whoever reads it first)."""
     for name in ("dense.bin", "experts.bin"):
-        fd = os.open(Path(pack_path) / name, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict_from_page_cache(Path(pack_path) / name)
 
 
 def run_in_memory_cgroup(limit_bytes: int, argv: list[str], capture: bool = False) -> dict:
@@ -386,14 +390,6 @@ LLAMA_BENCH = Path.home() / ".cache/colibri-bench/llama.cpp/build/bin/llama-benc
 # the process without the two is ~250 MB; the rest is headroom so the cgroup never has to
 # reclaim the pages Colibri uses (it reclaims llama.cpp's, which is the point of the test).
 PROCESS_ALLOWANCE = 512 << 20
-
-
-def evict_from_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def llama_decode_in_cgroup(gguf: Path, limit: int, tokens: int, threads: int, extra: list[str]) -> dict:

@@ -23,6 +23,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+# The oracle the architecture tests use (tests/tiny_checkpoints.py): the same transformers
+# model in float32 and the same greedy loop.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.tiny_checkpoints import load_reference, reference_greedy  # noqa: E402
+
 GOLDEN_FILE = "golden.json"
 GREEDY_TOKENS = 32
 PROMPTS = [
@@ -32,18 +37,6 @@ PROMPTS = [
     'if __name__ == "__main__":\n',
     "    for key, value in sorted(",
 ]
-
-
-def transformers_greedy(checkpoint: Path, prompt_ids: list[int], n_tokens: int) -> list[int]:
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(n_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt_ids):]
 
 
 def default_pack_greedy(checkpoint: Path, prompts: list[str], n_tokens: int) -> list[tuple[list[int], list[int]]]:
@@ -69,10 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checkpoint")
     args = parser.parse_args(argv)
     checkpoint = Path(args.checkpoint)
+    reference = load_reference(checkpoint)
     records = []
     for prompt, (ids, pack_ids) in zip(PROMPTS, default_pack_greedy(checkpoint, PROMPTS, GREEDY_TOKENS)):
         records.append({"prompt": prompt, "prompt_ids": ids,
-                        "transformers": transformers_greedy(checkpoint, ids, GREEDY_TOKENS),
+                        "transformers": reference_greedy(reference, ids, GREEDY_TOKENS),
                         "default_pack": pack_ids})
         agree = sum(a == b for a, b in zip(records[-1]["transformers"], pack_ids))
         print(f"{prompt!r}: default pack agrees with transformers on {agree}/{GREEDY_TOKENS} greedy tokens")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 
@@ -32,14 +33,22 @@ def test_requests_accepted_before_sigterm_finish_and_new_ones_are_refused(start_
     assert not (work_dir / "colibrid.sock").exists()
 
 
-def test_what_is_not_finished_after_the_grace_period_ends_with_shutdown(start_service, work_dir):
-    service = start_service("--shutdown-grace-s", "1")
+@contextlib.contextmanager
+def sigterm_during_a_long_ask(start_service, work_dir, grace_s: str):
+    """A service with shutdown_grace_s = grace_s that has just been sent SIGTERM while it
+    streams a long ask ("long"): yields the service and the client."""
+    service = start_service("--shutdown-grace-s", grace_s)
     wait_for_socket(work_dir / "colibrid.sock", service.proc)
     with WireClient(work_dir / "colibrid.sock") as client:
         client.hello()
         client.ask("long", max_tokens=3000)
         assert client.recv()["event"] == "token"
         service.proc.send_signal(signal.SIGTERM)
+        yield service, client
+
+
+def test_what_is_not_finished_after_the_grace_period_ends_with_shutdown(start_service, work_dir):
+    with sigterm_during_a_long_ask(start_service, work_dir, "1") as (service, client):
         signalled = time.monotonic()
         ends = client.ends_until_closed()
         ended = time.monotonic()
@@ -49,13 +58,7 @@ def test_what_is_not_finished_after_the_grace_period_ends_with_shutdown(start_se
 
 
 def test_a_second_sigterm_ends_the_grace_period_at_once(start_service, work_dir):
-    service = start_service("--shutdown-grace-s", "60")
-    wait_for_socket(work_dir / "colibrid.sock", service.proc)
-    with WireClient(work_dir / "colibrid.sock") as client:
-        client.hello()
-        client.ask("long", max_tokens=3000)
-        assert client.recv()["event"] == "token"
-        service.proc.send_signal(signal.SIGTERM)
+    with sigterm_during_a_long_ask(start_service, work_dir, "60") as (service, client):
         time.sleep(0.5)
         service.proc.send_signal(signal.SIGTERM)
         ends = client.ends_until_closed()

@@ -400,12 +400,65 @@ def test_crc32c_chaining_and_buffer_kinds(tmp_path):
 def test_crc32c_hardware_equals_software():
     if not native.crc32c_uses_hardware():
         pytest.skip("no SSE4.2 on this CPU: crc32c is the software path")
-    data = rng(22).integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    data = rng(22).integers(0, 256, 5000, dtype=np.uint8)  # views of it keep their offset
     for start in range(9):  # every alignment of the 8-byte loop
         for length in (0, 1, 5, 8, 15, 16, 63, 64, 1000, 4991 - start):
             chunk = data[start : start + length]
             assert native.crc32c(chunk, 0x1234) == native.crc32c_software(chunk, 0x1234)
             assert native.crc32c(chunk) == native.crc32c_software(chunk)
+
+
+CRC32C_BLOCK = 16384  # CRC32C_BLOCK_BYTES in crc32c.c: the hardware path runs rounds of 3 blocks
+CRC32C_ROUND = 3 * CRC32C_BLOCK
+CRC32C_RESIDUE = 0x48674BC7  # crc(m || crc(m) as 4 little-endian bytes), the same for every m
+
+
+def crc32c_python(data: bytes, crc: int = 0) -> int:
+    """Byte-at-a-time table CRC-32C: a reference that shares no code with libcolibri."""
+    table = []
+    for byte in range(256):
+        c = byte
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        table.append(c)
+    c = crc ^ 0xFFFFFFFF
+    for byte in data:
+        c = (c >> 8) ^ table[(c ^ byte) & 0xFF]
+    return c ^ 0xFFFFFFFF
+
+
+def test_crc32c_python_reference_is_standard():
+    assert crc32c_python(b"123456789") == 0xE3069283
+    for data, want in CRC32C_VECTORS:
+        assert crc32c_python(data) == want
+
+
+def test_crc32c_three_chain_rounds_equal_software():
+    if not native.crc32c_uses_hardware():
+        pytest.skip("no SSE4.2 on this CPU: crc32c is the software path")
+    data = rng(23).integers(0, 256, 7 * CRC32C_ROUND + 64, dtype=np.uint8)
+    lengths = [0, 1, 7, 8, CRC32C_ROUND - 1, CRC32C_ROUND, CRC32C_ROUND + 1, CRC32C_ROUND + 8,
+               2 * CRC32C_ROUND - 1, 3 * CRC32C_ROUND + 13, 7 * CRC32C_ROUND - 5, 7 * CRC32C_ROUND + 61]
+    for start in (0, 1, 3, 8, 13):  # unaligned start pointers: the views keep the offset
+        assert data[start:].ctypes.data % 8 == (data.ctypes.data + start) % 8
+        for length in lengths:
+            chunk = data[start : start + length]
+            want = native.crc32c_software(chunk)
+            assert native.crc32c(chunk) == want, (start, length)
+            assert native.crc32c(chunk, 0xDEADBEEF) == native.crc32c_software(chunk, 0xDEADBEEF)
+            with_crc = chunk.tobytes() + want.to_bytes(4, "little")
+            assert native.crc32c(with_crc) == CRC32C_RESIDUE, (start, length)
+    for length in (CRC32C_ROUND + 1, 2 * CRC32C_ROUND + 7):  # independent of libcolibri
+        chunk = data[5 : 5 + length]
+        assert native.crc32c(chunk) == crc32c_python(chunk.tobytes()), length
+
+
+def test_crc32c_chains_across_a_round_boundary():
+    data = rng(24).integers(0, 256, 3 * CRC32C_ROUND + 3, dtype=np.uint8)
+    whole = native.crc32c_software(data)
+    for cut in (1, CRC32C_BLOCK, CRC32C_ROUND - 3, CRC32C_ROUND, CRC32C_ROUND + 5,
+                2 * CRC32C_ROUND + CRC32C_BLOCK + 1):
+        assert native.crc32c(data[cut:], native.crc32c(data[:cut])) == whole, cut
 
 
 # ---------------------------------------------------------------------------------------

@@ -538,6 +538,28 @@ def matmul(type_: TensorType | int | str, data, n_out: int, n_in: int, x: np.nda
     return y
 
 
+class ExpertBuffers:
+    """One routed expert's three matrices for col_moe_experts: checked once (type, sizes,
+    contiguity) and reduced to addresses, so a layer step that reuses the same expert views
+    (resident experts, cache slots) pays no per-call checks. Keeps the buffers alive."""
+
+    __slots__ = ("type", "dim", "ffn", "gate", "up", "down", "_keep")
+
+    def __init__(self, type_: TensorType | int | str, gate, up, down, dim: int, ffn: int) -> None:
+        t = _as_type(type_)
+        self.type, self.dim, self.ffn = t, _as_count(dim, "dim"), _as_count(ffn, "ffn")
+        keep = []
+        for field, data, rows, cols in (("gate", gate, self.ffn, self.dim), ("up", up, self.ffn, self.dim),
+                                        ("down", down, self.dim, self.ffn)):
+            raw = _byte_view(data, f"expert {field}")
+            if raw.nbytes != rows * t.row_bytes(cols):
+                raise InvalidArgumentError(f"expert {field} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) "
+                                           f"needs {rows * t.row_bytes(cols)}")
+            keep.append(raw)
+            setattr(self, field, _ptr(raw))
+        self._keep = keep
+
+
 def moe_experts(type_: TensorType | int | str, gates, ups, downs, dim: int, ffn: int, x: np.ndarray,
                 expert_of: np.ndarray, weight: np.ndarray, out: np.ndarray, pool: "ThreadPool | None" = None) -> None:
     """One fused MoE layer step, accumulated into ``out`` (T, D) float32 in place:
@@ -548,12 +570,25 @@ def moe_experts(type_: TensorType | int | str, gates, ups, downs, dim: int, ffn:
     (D, row_bytes(F)) bytes (any buffer: numpy views of a record, slot memory);
     ``expert_of`` (T, A) integers in [-1, E), ``weight`` (T, A) float32. Experts are added in
     increasing index. The buffers are only read during the call."""
-    t = _as_type(type_)
-    dim, ffn = _as_count(dim, "dim"), _as_count(ffn, "ffn")
-    n_experts = len(gates)
-    if len(ups) != n_experts or len(downs) != n_experts:
+    if len(ups) != len(gates) or len(downs) != len(gates):
         raise InvalidArgumentError(f"gates, ups and downs must have the same length, got {len(gates)}, {len(ups)}, {len(downs)}")
-    rb_dim, rb_ffn = t.row_bytes(dim), t.row_bytes(ffn)
+    experts = [ExpertBuffers(type_, g, u, d, dim, ffn) for g, u, d in zip(gates, ups, downs)]
+    moe_experts_of(experts, x, expert_of, weight, out, pool, type_=type_, dim=dim, ffn=ffn)
+
+
+def moe_experts_of(experts: "list[ExpertBuffers]", x: np.ndarray, expert_of: np.ndarray, weight: np.ndarray,
+                   out: np.ndarray, pool: "ThreadPool | None" = None, type_=None, dim: int | None = None,
+                   ffn: int | None = None) -> None:
+    """moe_experts over prepared ExpertBuffers (all of one type and shape; ``type_``, ``dim``
+    and ``ffn`` are needed only when ``experts`` is empty)."""
+    if experts:
+        first = experts[0]
+        t, dim, ffn = first.type, first.dim, first.ffn
+        if any(e.type is not t or e.dim != dim or e.ffn != ffn for e in experts):
+            raise InvalidArgumentError("experts must all have the same type and shape")
+    else:
+        t, dim, ffn = _as_type(type_), _as_count(dim, "dim"), _as_count(ffn, "ffn")
+    n_experts = len(experts)
     x = _f32_matrix(x, "x", cols=dim)
     n_tok = x.shape[0]
     if not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (n_tok, dim) or not out.flags.c_contiguous \
@@ -564,19 +599,8 @@ def moe_experts(type_: TensorType | int | str, gates, ups, downs, dim: int, ffn:
     if expert_of.ndim != 2 or expert_of.shape[0] != n_tok or weight.shape != expert_of.shape:
         raise InvalidArgumentError(f"expert_of and weight must both be ({n_tok}, A), got {expert_of.shape} and {weight.shape}")
     # entries outside [-1, E) are refused by libcolibri before it writes anything (COL_EINVAL)
-    keep = []  # the byte views must stay alive during the call
     ptrs = (ctypes.c_void_p * (3 * max(n_experts, 1)))()
-    for i, (parts, rows, row_bytes) in enumerate(((gates, ffn, rb_dim), (ups, ffn, rb_dim), (downs, dim, rb_ffn))):
-        for e, data in enumerate(parts):
-            # hot path (once per expert per layer step): contiguous ndarrays are used as they are
-            if type(data) is np.ndarray and data.flags.c_contiguous and not data.dtype.hasobject:
-                raw = data
-            else:
-                raw = _byte_view(data, "expert weight")
-            if raw.nbytes != rows * row_bytes:
-                raise InvalidArgumentError(f"expert {e} weight has {raw.nbytes} bytes, needs {rows * row_bytes}")
-            keep.append(raw)
-            ptrs[i * n_experts + e] = _ptr(raw)
+    ptrs[:3 * n_experts] = [e.gate for e in experts] + [e.up for e in experts] + [e.down for e in experts]
     base = ctypes.addressof(ptrs)
     size = ctypes.sizeof(ctypes.c_void_p) * n_experts
     status = _lib().col_moe_experts(_pool_handle(pool), int(t), n_experts, base, base + size, base + 2 * size, dim, ffn, _ptr(x),

@@ -106,7 +106,13 @@ class _PinnedExperts(Mapping):
 
     def is_ready(self, expert: int) -> bool:
         """True if ``expert`` is loaded: looking it up will not wait (never blocks)."""
-        return expert in self._ready or self._source._cache.contains(self._layer, expert)
+        if expert in self._ready:
+            return True
+        if not self._source._cache.contains(self._layer, expert):
+            return False
+        # loaded and checked, and pinned by this acquire: its slot's bytes stay as they are
+        self._ready[expert] = self._source._slot_weights(self._slot[expert])
+        return True
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._slot)
@@ -188,6 +194,7 @@ class CachedExpertSource:
         self.policy = policy
         self.prefetch_enabled = bool(prefetch)
         self.loading_pause: LoadingPause | None = None
+        self._slot_views: list[ExpertWeights | None] = [None] * self.n_slots  # _slot_weights
         self._region = self._slab.data.view()
         self._region.flags.writeable = False  # experts are read-only to the model
         self._predictions = [_Prediction() for _ in range(config.num_layers)]
@@ -335,14 +342,20 @@ class CachedExpertSource:
         status, results = self._cache.wait(np.array([slot], dtype=np.int32))
         if status != 0:
             raise self._load_error(layer, expert, results[0])
-        return self._weights(layer, expert, slot)
+        return self._slot_weights(slot)
 
     def _record_view(self, layer: int, expert: int, slot: int) -> np.ndarray:
         start = slot * self.slot_bytes
         return self._region[start : start + int(self._lengths[layer, expert])]  # uint8 (record length,)
 
-    def _weights(self, layer: int, expert: int, slot: int) -> ExpertWeights:
-        return self.pack.expert_weights(self._record_view(layer, expert, slot))
+    def _slot_weights(self, slot: int) -> ExpertWeights:
+        """The expert views of ``slot``: every record has the same parts layout, so a slot's
+        views never change and are built once (with their kernel pointers), not per step."""
+        weights = self._slot_views[slot]
+        if weights is None:
+            start = slot * self.slot_bytes
+            weights = self._slot_views[slot] = self.pack.expert_weights(self._region[start : start + self.slot_bytes])
+        return weights
 
     def _load_error(self, layer: int, expert: int, result: dict) -> ExpertLoadError:
         offset = int(self._offsets[layer, expert])
@@ -500,6 +513,7 @@ class CachedExpertSource:
                 obj.close()
                 setattr(self, name, None)
         self.__dict__.pop("_region", None)
+        self.__dict__.pop("_slot_views", None)
         plan = self.__dict__.get("_hugepages")
         if plan and plan[2] is not None:
             plan[2].release()

@@ -94,8 +94,8 @@ class MoeBlock:
 
     def _run_wave(self, x: np.ndarray, routing: Routing, wave: list[int], weights: list, out: np.ndarray) -> None:
         """Adds the experts of ``wave`` (increasing ids) to ``out``: one libcolibri call."""
-        types = {part.type for ew in weights for part in (ew.gate, ew.up, ew.down)}
-        if len(types) != 1:  # mixed expert types (not produced by the converter): one at a time
+        buffers = [ew.kernel_buffers for ew in weights]
+        if None in buffers or len({b.type for b in buffers}) != 1:  # mixed types (not from the converter): one at a time
             for expert, ew in zip(wave, weights):
                 tokens, slots = np.nonzero(routing.experts == expert)
                 y = swiglu_mlp(x[tokens], ew.gate, ew.up, ew.down)  # (n, D)
@@ -103,10 +103,7 @@ class MoeBlock:
             return
         index_in_wave = np.full(self.c.num_experts, -1, dtype=np.int32)
         index_in_wave[wave] = np.arange(len(wave), dtype=np.int32)
-        ffn, dim = weights[0].gate.shape
-        native.moe_experts(types.pop(), [ew.gate.data for ew in weights], [ew.up.data for ew in weights],
-                           [ew.down.data for ew in weights], dim, ffn, x, index_in_wave[routing.experts],
-                           routing.weights, out)
+        native.moe_experts_of(buffers, x, index_in_wave[routing.experts], routing.weights, out)
 
 
 class DenseMlp:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
+from colibrid import native
 from colibrid.native import TensorType
 from colibrid.pack.manifest import DENSE_FILE, EXPERT_PARTS, EXPERTS_FILE, ExpertRecord, Manifest, PackError
 from colibrid.pack.tensor import PackedTensor
@@ -23,6 +25,16 @@ class ExpertWeights:
     gate: PackedTensor  # (F, D)
     up: PackedTensor  # (F, D)
     down: PackedTensor  # (D, F)
+
+    @cached_property
+    def kernel_buffers(self) -> native.ExpertBuffers | None:
+        """The three matrices as libcolibri's fused expert call takes them, checked once per
+        view (views of resident records and of cache slots live long); None when the parts
+        are not all of one type (the converter never writes that)."""
+        if not self.gate.type == self.up.type == self.down.type:
+            return None
+        ffn, dim = self.gate.shape
+        return native.ExpertBuffers(self.gate.type, self.gate.data, self.up.data, self.down.data, dim, ffn)
 
 
 class Pack:

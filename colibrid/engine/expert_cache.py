@@ -283,18 +283,14 @@ class CachedExpertSource:
     # ---- the ExpertSource protocol ------------------------------------------------------
 
     @contextmanager
-    def acquire(self, layer: int, experts: Sequence[int],
-                prefetch_next: tuple[int, Sequence[int]] | None = None) -> Iterator[dict[int, ExpertWeights]]:
+    def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[dict[int, ExpertWeights]]:
         """Pins ``experts`` of ``layer`` (at most max_pinned, distinct) and starts reading the
         misses; yields a mapping {expert: weights} valid until the block exits, whose lookup
         waits for that one expert (so cached experts compute while the misses load).
-        ``prefetch_next`` = (layer, experts): a prediction to prefetch right after this
-        step's own reads are queued and before waiting for them, so the disk works on the
-        next layer while this one computes (demand reads are always served first).
         A lookup raises ExpertChecksumError / ExpertLoadError naming the expert that failed."""
         ids = [int(e) for e in experts]
         self._note_requested(layer, ids)
-        with self._pinned(layer, ids, prefetch_next, wait=False) as slots:
+        with self._pinned(layer, ids, wait=False) as slots:
             yield _PinnedExperts(self, layer, ids, slots)
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
@@ -304,7 +300,7 @@ class CachedExpertSource:
         return self.pack.expert_weights(raw)
 
     @contextmanager
-    def _pinned(self, layer: int, ids: list[int], prefetch_next=None, wait: bool = True) -> Iterator[list[int]]:
+    def _pinned(self, layer: int, ids: list[int], wait: bool = True) -> Iterator[list[int]]:
         """Slots holding ``ids`` of ``layer``, pinned for the block; loaded when ``wait``
         (else the caller waits per slot: _wait_slot)."""
         if len(ids) > self.max_pinned:
@@ -312,8 +308,6 @@ class CachedExpertSource:
         self._refuse_misses_while_paused(layer, ids)
         slots = self._cache.acquire(layer, ids)  # (N,) int32
         try:
-            if prefetch_next is not None:
-                self.prefetch(*prefetch_next)
             if wait:
                 status, results = self._cache.wait(slots)
                 if status != 0:

@@ -5,7 +5,9 @@ expert with an optional sigmoid gate."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -37,6 +39,10 @@ def _distinct(experts: np.ndarray) -> list[int]:
     return np.unique(experts).tolist()
 
 
+# Lookahead prefetch reads, per token, only the next layer's LOOKAHEAD_TOP likeliest experts.
+LOOKAHEAD_TOP = 4
+
+
 class MoeBlock:
     def __init__(self, config: ModelConfig, layer: int, weights: dict[str, PackedTensor], experts: ExpertSource) -> None:
         self.c = config
@@ -52,12 +58,13 @@ class MoeBlock:
         selected = _distinct(routing.experts)  # batch-union: each expert once per step
         # A long prompt may touch more experts than the cache can pin at once: run them in waves.
         wave_size = max(1, getattr(self.experts, "max_pinned", len(selected)))
-        prefetch_next = self._lookahead(x, wave_size)
+        lookahead = self._lookahead_enabled()
         for start in range(0, len(selected), wave_size):
             wave = selected[start : start + wave_size]
-            extra = {"prefetch_next": prefetch_next} if prefetch_next is not None and start == 0 else {}
-            with self.experts.acquire(self.layer, wave, **extra) as weights:
-                self._run_ready_runs(x, routing, wave, weights, out)
+            is_last_wave = start + wave_size >= len(selected)
+            prefetch = partial(self._lookahead, x, wave_size) if lookahead and is_last_wave else None
+            with self.experts.acquire(self.layer, wave) as weights:
+                self._run_ready_runs(x, routing, wave, weights, out, when_all_loaded=prefetch)
         if self.c.shared_expert_ffn:
             shared = swiglu_mlp(x, self.w["shared.gate"], self.w["shared.up"], self.w["shared.down"])
             if self.c.shared_expert_gated:
@@ -67,21 +74,28 @@ class MoeBlock:
             out += shared
         return out
 
-    def _lookahead(self, x: np.ndarray, wave_size: int) -> tuple[int, list[int]] | None:
-        """Predicts the next MoE layer's experts by applying its router to this layer's input:
-        (layer, experts) to prefetch while this layer computes, or None (no cache, prefetch
-        off, last MoE layer)."""
-        nxt = self.next_block
-        if nxt is None or not getattr(self.experts, "prefetch_enabled", False):
-            return None
-        guess = route(x, nxt.w["router"], self.c.num_experts_per_tok, self.c.norm_topk_prob)
-        predicted = _distinct(guess.experts)
-        return nxt.layer, predicted[: max(1, wave_size // 2)]  # leave room for this layer's own experts
+    def _lookahead_enabled(self) -> bool:
+        return self.next_block is not None and getattr(self.experts, "prefetch_enabled", False)
 
-    def _run_ready_runs(self, x: np.ndarray, routing: Routing, wave: list[int], weights, out: np.ndarray) -> None:
+    def _lookahead(self, x: np.ndarray, wave_size: int) -> None:
+        """Prefetches the next MoE layer's likeliest experts, predicted by applying its router
+        to this layer's input. Called once this layer's own reads are all done (see
+        _run_ready_runs): the disk would otherwise idle through the rest of this layer and the
+        next one's attention, and these reads never compete with a read this layer waits for.
+        Only each token's LOOKAHEAD_TOP best guesses: a wrong guess costs a whole read of disk
+        time, and the lower-ranked guesses are wrong more often (see docs/performance.md)."""
+        nxt = self.next_block
+        guess = route(x, nxt.w["router"], self.c.num_experts_per_tok, self.c.norm_topk_prob)
+        best = guess.experts[:, :LOOKAHEAD_TOP]  # (T, n) best first
+        predicted = best[0].tolist() if best.shape[0] == 1 else _distinct(best)
+        self.experts.prefetch(nxt.layer, predicted[: max(1, wave_size // 2)])  # leave room for the next layer's own
+
+    def _run_ready_runs(self, x: np.ndarray, routing: Routing, wave: list[int], weights, out: np.ndarray,
+                        when_all_loaded: Callable[[], None] | None = None) -> None:
         """Runs ``wave`` in increasing expert order (so sums are the same for every cache size),
         each call taking the longest run of experts already loaded: cached experts compute
-        while the reads of later ones are still in flight."""
+        while the reads of later ones are still in flight. ``when_all_loaded`` is called once
+        every expert of the wave is loaded, before the last run computes."""
         is_ready = getattr(weights, "is_ready", None)
         start = 0
         while start < len(wave):
@@ -89,7 +103,11 @@ class MoeBlock:
             while end < len(wave) and (is_ready is None or is_ready(wave[end])):
                 end += 1
             run = wave[start:end]
-            self._run_wave(x, routing, run, [weights[e] for e in run], out)
+            ready = [weights[e] for e in run]
+            if end == len(wave) and when_all_loaded is not None:
+                when_all_loaded()
+                when_all_loaded = None
+            self._run_wave(x, routing, run, ready, out)
             start = end
 
     def _run_wave(self, x: np.ndarray, routing: Routing, wave: list[int], weights: list, out: np.ndarray) -> None:

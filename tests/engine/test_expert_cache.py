@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -107,6 +108,76 @@ def test_prefetch_never_changes_the_output(pack_path, reference, n_slots):
         assert total["prediction_precision"] is not None and 0 <= total["prediction_recall"] <= 1
         source.set_prefetch(False)
         assert source.prefetch(0, [1, 2]) == 0
+    finally:
+        source.close()
+
+
+class _RecordingSource:
+    """Wraps a CachedExpertSource and records every prefetch the engine's lookahead makes,
+    with the layer step in progress and whether the engine had already taken (waited for)
+    every expert of that step."""
+
+    def __init__(self, source):
+        self.source, self.max_pinned, self.prefetch_enabled = source, source.max_pinned, True
+        self.step = None  # (layer, experts, the experts the engine has looked up) in progress
+        self.prefetches = []  # (step layer, predicted layer, predicted experts, step all taken)
+
+    @contextmanager
+    def acquire(self, layer, experts):
+        taken = set()
+        with self.source.acquire(layer, experts) as weights:
+            self.step = (layer, list(experts), taken)
+            yield _Lookups(weights, taken)
+            self.step = None
+
+    def prefetch(self, layer, experts):
+        step_layer, ids, taken = self.step
+        self.prefetches.append((step_layer, layer, list(experts), taken == set(ids)))
+        return self.source.prefetch(layer, experts)
+
+    def get(self, layer, expert):
+        return self.source.get(layer, expert)
+
+
+class _Lookups:
+    """An acquire's {expert: weights} that notes which experts were looked up."""
+
+    def __init__(self, weights, taken):
+        self.weights, self.taken = weights, taken
+
+    def __getitem__(self, expert):
+        self.taken.add(expert)
+        return self.weights[expert]
+
+    def is_ready(self, expert):
+        return self.weights.is_ready(expert)
+
+
+@pytest.mark.parametrize("n_slots", [2, 3])
+def test_lookahead_reads_the_next_layer_only_once_this_layer_is_loaded(pack_path, reference, n_slots):
+    """The lookahead of moe.py: layer 1 predicts layer 3's likeliest experts, and starts those
+    reads only when every expert of its own step is in (so they never delay a read the step
+    waits for); the output stays bit-identical."""
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.engine.moe import LOOKAHEAD_TOP
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(pack_path)
+    source = CachedExpertSource(pack, n_slots * _slot_bytes(pack_path), hugepages="off", prefetch=True)
+    try:
+        recorder = _RecordingSource(source)
+        engine = Engine(pack, experts=recorder)
+        assert np.array_equal(engine.forward(PROMPT), reference[0])
+        assert engine.greedy(PROMPT, 10) == reference[1]
+        assert len(recorder.prefetches) >= 11  # every step of layer 1: the prompt, then each token
+        for step_layer, layer, experts, step_taken in recorder.prefetches:
+            assert (step_layer, layer) == (1, 3) and step_taken
+            assert 1 <= len(experts) <= max(1, n_slots // 2)
+        decode = recorder.prefetches[-1][2]
+        assert len(decode) <= LOOKAHEAD_TOP and len(set(decode)) == len(decode)
+        total = source.stats()["total"]
+        assert total["misses"] > 0 and total["prefetch_issued"] > 0  # the cache is small: reads happen
     finally:
         source.close()
 

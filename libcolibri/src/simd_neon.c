@@ -1,10 +1,14 @@
 /*
  * simd_neon.c — q8_0 / q4_g64 dot products with int8 activations for aarch64 Advanced SIMD.
  *
- * UNTESTED on real hardware (the build machines are x86-64); written to be obviously
- * correct rather than fast: widening int8 multiplies (vmull_s8) accumulated pairwise into
- * int32 (vpadalq_s16), one block at a time, scaled in float. Every aarch64 CPU has these
- * instructions, so the level is always available there.
+ * Written to be obviously correct rather than fast: widening int8 multiplies (vmull_s8)
+ * accumulated pairwise into int32 (vpadalq_s16), one block at a time, scaled in float. Every
+ * aarch64 CPU has these instructions, so the level is always available there.
+ *
+ * Tested for correctness only, and not on real hardware (the build machines are x86-64):
+ * tests/test_neon_qemu.py cross-compiles libcolibri/tests/neon_check.c with the library for
+ * aarch64 and runs it under qemu-user, comparing this level with the portable one (matmul on
+ * odd shapes and thread splits, fused experts, rounding of ties). No speed numbers exist.
  */
 #include "col_internal.h"
 

@@ -1,0 +1,340 @@
+/*
+ * neon_check.c — the NEON kernel level (simd_neon.c) against the portable level, through the
+ * public API (col_kernels_set, col_matmul, col_moe_experts, a col_pool). The build machines
+ * are x86-64, so tests/test_neon_qemu.py cross-compiles this file with the library sources
+ * and runs it under qemu-user:
+ *
+ *   aarch64-linux-gnu-gcc -O2 -std=c11 -ffp-contract=off -Ilibcolibri/include \
+ *       libcolibri/tests/neon_check.c libcolibri/src/\*.c -lm -lpthread -o neon_check
+ *   qemu-aarch64 -L /usr/aarch64-linux-gnu ./neon_check
+ *
+ * It prints one line per failed check and a PASS / FAIL summary; exit status 1 on failure.
+ *
+ * Tolerances (the reasoning of tests/test_native_kernels.py, which checks the x86 levels):
+ *   - the portable level multiplies q8_0 / q4_g64 weights with float32 activations; NEON,
+ *     like every SIMD level, first quantizes each block of activations to int8 (blocks of 32
+ *     for q8_0, 64 for q4_g64: scale max|x_block| / 127), so each activation is off by at
+ *     most max|x_block| / 254 and the product by at most
+ *         bound[t, o] = sum_b max|x[t, block b]| / 254 * sum_{j in b} |w[o, j]|,
+ *     plus float rounding: NEON must equal portable within 1.001 * bound + 1e-5 * scale,
+ *     scale[t, o] = sum_j |x[t, j]| * |w[o, j]|;
+ *   - that bound is loose, so the NEON result is also compared with the int8-activation
+ *     product computed here in double (the same quantization, written out plainly): the
+ *     only difference left is float rounding, within 1e-5 * scale (what the SIMD levels
+ *     guarantee among themselves);
+ *   - the fused experts quantize activations twice (x, then h): within 4e-2 * max |portable|;
+ *   - bit for bit: the pool's thread count, a token alone or in a batch, weights at an odd
+ *     address never change a result.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "colibri.h"
+
+#define FLOAT_TOL 1e-5      /* float rounding, relative to scale */
+#define BOUND_SLACK 1.001   /* on the activation-quantization bound */
+#define MOE_TOL 4e-2        /* fused experts, relative to max |portable| */
+#define N_POOLS 3           /* pools of 1, 2 and 3 threads */
+
+static int n_checks, n_failed;
+
+static void check(int ok, const char *fmt, ...) {
+    n_checks++;
+    if (ok) return;
+    n_failed++;
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("FAIL: ", stdout);
+    vprintf(fmt, ap);
+    fputc('\n', stdout);
+    va_end(ap);
+}
+
+/* A call that must succeed; a failure is reported and ends the run (nothing to compare). */
+static void must(int status, const char *what) {
+    if (status == COL_OK) return;
+    printf("FAIL: %s: %s\n", what, col_status_string(status));
+    printf("neon_check: FAIL (setup error)\n");
+    exit(1);
+}
+
+static void *must_alloc(size_t bytes) {
+    void *p = calloc(1, bytes ? bytes : 1);
+    if (!p) {
+        printf("neon_check: FAIL (out of memory)\n");
+        exit(1);
+    }
+    return p;
+}
+
+/* ---- deterministic random numbers (splitmix64, Box-Muller) -------------------------- */
+
+static uint64_t rng_state;
+
+static uint64_t rng_next(void) {
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static double rng_uniform(void) { return ((double)(rng_next() >> 11) + 0.5) * 0x1p-53; } /* (0, 1) */
+
+static void fill_gaussian(float *v, int64_t n, double scale) {
+    for (int64_t i = 0; i < n; i++)
+        v[i] = (float)(scale * sqrt(-2.0 * log(rng_uniform())) * cos(6.283185307179586 * rng_uniform()));
+}
+
+/* ---- a quantized weight matrix ------------------------------------------------------ */
+
+typedef struct {
+    int type;
+    int64_t n_out, n_in, bytes;
+    uint8_t *packed; /* (n_out, row_bytes) */
+    float *deq;      /* (n_out, n_in) the values the packed matrix stands for */
+} weights;
+
+static weights weights_random(int type, int64_t n_out, int64_t n_in, double scale) {
+    weights w = {type, n_out, n_in, n_out * col_type_row_bytes(type, n_in), NULL, NULL};
+    float *src = must_alloc((size_t)(n_out * n_in) * sizeof(float));
+    fill_gaussian(src, n_out * n_in, scale);
+    w.packed = must_alloc((size_t)w.bytes);
+    w.deq = must_alloc((size_t)(n_out * n_in) * sizeof(float));
+    must(col_quantize(type, src, n_out, n_in, w.packed), "col_quantize");
+    must(col_dequantize(type, w.packed, n_out, n_in, w.deq), "col_dequantize");
+    free(src);
+    return w;
+}
+
+static void weights_free(weights *w) {
+    free(w->packed);
+    free(w->deq);
+}
+
+/* y (n_tok, n_out) = x @ w^T on kernel level `level`. */
+static void matmul_on(int level, col_pool *pool, const weights *w, const uint8_t *packed, const float *x,
+                      int64_t n_tok, float *y) {
+    must(col_kernels_set(level), "col_kernels_set");
+    must(col_matmul(pool, w->type, packed, w->n_out, w->n_in, x, n_tok, y), "col_matmul");
+}
+
+/* What the SIMD levels compute, in double: x quantized to int8 per block of `block` values
+ * (d = max|x_block| / 127 in float, q = x / d rounded half to even), times w. */
+static double int8_product(const weights *w, const float *xt, int64_t o, int block) {
+    double sum = 0.0;
+    for (int64_t b0 = 0; b0 < w->n_in; b0 += block) {
+        float amax = 0.0f;
+        for (int j = 0; j < block; j++) amax = fmaxf(amax, fabsf(xt[b0 + j]));
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int j = 0; j < block; j++) {
+            const float q = nearbyintf(fminf(fmaxf(xt[b0 + j] * id, -127.0f), 127.0f));
+            sum += (double)w->deq[o * w->n_in + b0 + j] * (double)d * (double)q;
+        }
+    }
+    return sum;
+}
+
+/* ---- checks --------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t n_out, n_in_64, n_tok;
+} shape;
+
+/* Row counts that are multiples of neither the 16-row tile nor the thread split; q8_0 rows
+ * get an odd number of 32-blocks (n_in = 32 * (2 * n_in_64 + 1)). */
+static const shape SHAPES[] = {{1, 1, 1},  {7, 3, 1},   {37, 5, 2}, {100, 2, 3},
+                               {257, 7, 5}, {33, 16, 1}, {129, 32, 4}};
+
+static const char *type_name(int type) { return type == COL_TYPE_Q8_0 ? "q8_0" : "q4_g64"; }
+
+static int block_of(int type) { return type == COL_TYPE_Q8_0 ? 32 : 64; }
+
+static void check_matmul(int type, const shape *s, col_pool *const *pools) {
+    const int64_t n_in = type == COL_TYPE_Q4_G64 ? 64 * s->n_in_64 : 32 * (2 * s->n_in_64 + 1);
+    const int64_t n_out = s->n_out, n_tok = s->n_tok;
+    const int block = block_of(type);
+    weights w = weights_random(type, n_out, n_in, 0.1);
+    float *x = must_alloc((size_t)(n_tok * n_in) * sizeof(float));
+    fill_gaussian(x, n_tok * n_in, 1.0);
+    const size_t y_bytes = (size_t)(n_tok * n_out) * sizeof(float);
+    float *want = must_alloc(y_bytes), *got[N_POOLS], *alone = must_alloc(y_bytes);
+    for (int p = 0; p < N_POOLS; p++) got[p] = must_alloc(y_bytes);
+
+    matmul_on(COL_KERNELS_PORTABLE, pools[0], &w, w.packed, x, n_tok, want);
+    for (int p = 0; p < N_POOLS; p++) matmul_on(COL_KERNELS_NEON, pools[p], &w, w.packed, x, n_tok, got[p]);
+    for (int p = 1; p < N_POOLS; p++)
+        check(memcmp(got[p], got[0], y_bytes) == 0, "%s %lldx%lldx%lld: %d threads differ from 1", type_name(type),
+              (long long)n_out, (long long)n_in, (long long)n_tok, p + 1);
+
+    int64_t worst_bound = -1, worst_int8 = -1; /* first failing element of each comparison */
+    for (int64_t t = 0; t < n_tok; t++) {
+        const float *xt = x + t * n_in;
+        for (int64_t o = 0; o < n_out; o++) {
+            double scale = 0.0, bound = 0.0;
+            for (int64_t b0 = 0; b0 < n_in; b0 += block) {
+                double amax = 0.0, wsum = 0.0;
+                for (int j = 0; j < block; j++) {
+                    const double xa = fabs(xt[b0 + j]), wa = fabs(w.deq[o * n_in + b0 + j]);
+                    scale += xa * wa;
+                    amax = fmax(amax, xa);
+                    wsum += wa;
+                }
+                bound += amax / 254.0 * wsum;
+            }
+            const double y = got[0][t * n_out + o];
+            if (fabs(y - want[t * n_out + o]) > BOUND_SLACK * bound + FLOAT_TOL * scale && worst_bound < 0)
+                worst_bound = t * n_out + o;
+            if (fabs(y - int8_product(&w, xt, o, block)) > FLOAT_TOL * scale && worst_int8 < 0)
+                worst_int8 = t * n_out + o;
+        }
+    }
+    check(worst_bound < 0, "%s %lldx%lldx%lld: neon %g vs portable %g beyond the activation bound at element %lld",
+          type_name(type), (long long)n_out, (long long)n_in, (long long)n_tok,
+          worst_bound < 0 ? 0.0 : got[0][worst_bound], worst_bound < 0 ? 0.0 : want[worst_bound],
+          (long long)worst_bound);
+    check(worst_int8 < 0, "%s %lldx%lldx%lld: neon %g vs the int8-activation product beyond 1e-5 x scale at element %lld",
+          type_name(type), (long long)n_out, (long long)n_in, (long long)n_tok,
+          worst_int8 < 0 ? 0.0 : got[0][worst_int8], (long long)worst_int8);
+
+    /* decode equals prefill: each token on its own gives the batch's bits */
+    for (int64_t t = 0; t < n_tok; t++)
+        matmul_on(COL_KERNELS_NEON, NULL, &w, w.packed, x + t * n_in, 1, alone + t * n_out);
+    check(memcmp(alone, got[0], y_bytes) == 0, "%s %lldx%lldx%lld: a token alone differs from the batch",
+          type_name(type), (long long)n_out, (long long)n_in, (long long)n_tok);
+
+    /* weights one byte past an aligned address */
+    uint8_t *shifted = must_alloc((size_t)w.bytes + 1);
+    memcpy(shifted + 1, w.packed, (size_t)w.bytes);
+    matmul_on(COL_KERNELS_NEON, NULL, &w, shifted + 1, x, n_tok, alone);
+    check(memcmp(alone, got[0], y_bytes) == 0, "%s %lldx%lldx%lld: weights at an odd address change the result",
+          type_name(type), (long long)n_out, (long long)n_in, (long long)n_tok);
+
+    free(shifted);
+    for (int p = 0; p < N_POOLS; p++) free(got[p]);
+    free(alone);
+    free(want);
+    free(x);
+    weights_free(&w);
+}
+
+/* An identity weight passes each int8 activation through: halves round to even. */
+static void check_rounding(int type) {
+    enum { N = 64 };
+    static const float pattern[8] = {127, 2.5f, -3.5f, 0.5f, -0.5f, 1.5f, 126.5f, -126.5f};
+    static const float expect[8] = {127, 2, -4, 0, 0, 2, 126, -126};
+    float *eye = must_alloc(N * N * sizeof(float)), x[N], y[N];
+    for (int i = 0; i < N; i++) {
+        eye[i * N + i] = 1.0f;
+        x[i] = pattern[i % 8];
+    }
+    weights w = {type, N, N, N * col_type_row_bytes(type, N), must_alloc((size_t)(N * col_type_row_bytes(type, N))), NULL};
+    must(col_quantize(type, eye, N, N, w.packed), "col_quantize");
+    matmul_on(COL_KERNELS_NEON, NULL, &w, w.packed, x, 1, y);
+    int ok = 1;
+    for (int i = 0; i < 8; i++) ok &= fabsf(y[i] - expect[i]) <= 2e-3f * fabsf(expect[i]) + 1e-5f;
+    check(ok, "%s: identity weight gives %g %g %g %g %g %g %g %g, want 127 2 -4 0 0 2 126 -126", type_name(type),
+          y[0], y[1], y[2], y[3], y[4], y[5], y[6], y[7]);
+    free(w.packed);
+    free(eye);
+}
+
+static void check_moe(int type, int64_t n_tok, col_pool *const *pools) {
+    enum { E = 5, D = 192, F = 128, A = 3 };
+    weights gate[E], up[E], down[E];
+    const void *g[E], *u[E], *dn[E];
+    for (int e = 0; e < E; e++) {
+        gate[e] = weights_random(type, F, D, 0.1);
+        up[e] = weights_random(type, F, D, 0.1);
+        down[e] = weights_random(type, D, F, 0.1);
+        g[e] = gate[e].packed;
+        u[e] = up[e].packed;
+        dn[e] = down[e].packed;
+    }
+    float *x = must_alloc((size_t)(n_tok * D) * sizeof(float));
+    fill_gaussian(x, n_tok * D, 1.0);
+    int32_t *expert_of = must_alloc((size_t)(n_tok * A) * sizeof(int32_t));
+    float *weight = must_alloc((size_t)(n_tok * A) * sizeof(float));
+    for (int64_t t = 0; t < n_tok; t++) { /* A distinct experts per token */
+        int perm[E];
+        for (int e = 0; e < E; e++) perm[e] = e;
+        for (int e = E - 1; e > 0; e--) {
+            const int k = (int)(rng_next() % (uint64_t)(e + 1)), tmp = perm[e];
+            perm[e] = perm[k];
+            perm[k] = tmp;
+        }
+        for (int a = 0; a < A; a++) {
+            expert_of[t * A + a] = perm[a];
+            weight[t * A + a] = (float)rng_uniform();
+        }
+    }
+    expert_of[A - 1] = -1; /* a slot without an expert is skipped */
+
+    const size_t out_bytes = (size_t)(n_tok * D) * sizeof(float);
+    float *want = must_alloc(out_bytes), *got[N_POOLS];
+    must(col_kernels_set(COL_KERNELS_PORTABLE), "col_kernels_set");
+    must(col_moe_experts(pools[0], type, E, g, u, dn, D, F, x, n_tok, expert_of, weight, A, want), "col_moe_experts");
+    must(col_kernels_set(COL_KERNELS_NEON), "col_kernels_set");
+    for (int p = 0; p < N_POOLS; p++) {
+        got[p] = must_alloc(out_bytes);
+        must(col_moe_experts(pools[p], type, E, g, u, dn, D, F, x, n_tok, expert_of, weight, A, got[p]),
+             "col_moe_experts");
+    }
+    for (int p = 1; p < N_POOLS; p++)
+        check(memcmp(got[p], got[0], out_bytes) == 0, "%s moe n_tok=%lld: %d threads differ from 1", type_name(type),
+              (long long)n_tok, p + 1);
+    double max_want = 0.0, max_diff = 0.0;
+    for (int64_t i = 0; i < n_tok * D; i++) { /* plain ifs: gcc 12's aarch64 vectorizer crashes on an fmax pair here */
+        const double a = fabs((double)want[i]), diff = fabs((double)got[0][i] - want[i]);
+        if (a > max_want) max_want = a;
+        if (diff > max_diff) max_diff = diff;
+    }
+    check(max_diff <= MOE_TOL * max_want + 1e-6, "%s moe n_tok=%lld: max |neon - portable| %g > %g x max |portable| %g",
+          type_name(type), (long long)n_tok, max_diff, MOE_TOL, max_want);
+
+    for (int p = 0; p < N_POOLS; p++) free(got[p]);
+    free(want);
+    free(weight);
+    free(expert_of);
+    free(x);
+    for (int e = 0; e < E; e++) {
+        weights_free(&gate[e]);
+        weights_free(&up[e]);
+        weights_free(&down[e]);
+    }
+}
+
+int main(void) {
+    /* on aarch64 NEON is always there, and the best level */
+    check(col_kernels_supported(COL_KERNELS_NEON), "the neon level is not supported by this build");
+    check(col_kernels_get() == COL_KERNELS_NEON, "the default level is %s, not neon", col_kernels_name(col_kernels_get()));
+    if (!col_kernels_supported(COL_KERNELS_NEON)) {
+        printf("neon_check: FAIL (%d of %d checks)\n", n_failed, n_checks);
+        return 1;
+    }
+
+    col_pool *pools[N_POOLS];
+    for (int p = 0; p < N_POOLS; p++) {
+        col_pool_params params = col_pool_default_params();
+        params.n_threads = p + 1;
+        must(col_pool_create(&params, &pools[p]), "col_pool_create");
+    }
+    static const int types[] = {COL_TYPE_Q8_0, COL_TYPE_Q4_G64};
+    for (int i = 0; i < 2; i++) {
+        rng_state = 100 + (uint64_t)i;
+        for (size_t s = 0; s < sizeof SHAPES / sizeof SHAPES[0]; s++) check_matmul(types[i], &SHAPES[s], pools);
+        check_rounding(types[i]);
+        check_moe(types[i], 1, pools);
+        check_moe(types[i], 5, pools);
+    }
+    for (int p = 0; p < N_POOLS; p++) col_pool_destroy(pools[p]);
+
+    printf("neon_check: %s (%d of %d checks failed; q8_0 and q4_g64 matmul on %zu shapes, "
+           "rounding, fused experts; neon vs portable)\n",
+           n_failed ? "FAIL" : "PASS", n_failed, n_checks, sizeof SHAPES / sizeof SHAPES[0]);
+    return n_failed ? 1 : 0;
+}

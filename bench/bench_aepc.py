@@ -176,13 +176,13 @@ def measure_disk(pack_path: Path, queue_depth: int = 16, seconds: float = 4.0, s
 
 
 def decode_run(pack_path: Path, cache_bytes: int, policy: str, prefetch: bool, tokens: int, warmup: int,
-               queue_depth: int, seed: int = 0, feed: str = "random") -> dict:
+               queue_depth: int, seed: int = 0, feed: str = "random", hugepages: str = "auto") -> dict:
     from colibrid.engine.engine import Engine
     from colibrid.engine.expert_cache import CachedExpertSource
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(pack_path)
-    source = CachedExpertSource(pack, cache_bytes, policy=policy, io_queue_depth=queue_depth, hugepages="off",
+    source = CachedExpertSource(pack, cache_bytes, policy=policy, io_queue_depth=queue_depth, hugepages=hugepages,
                                 lock_memory="try", prefetch=prefetch)
     try:
         engine = Engine(pack, experts=source)  # with prefetch on, each MoE layer predicts the next one's experts
@@ -250,7 +250,7 @@ def cmd_run(args) -> int:
         for policy in args.policies.split(","):
             for prefetch in [p == "on" for p in args.prefetch.split(",")]:
                 row = decode_run(args.pack, int(expert_bytes * fraction), policy, prefetch, args.tokens, args.warmup,
-                                 args.queue_depth, feed=args.feed)
+                                 args.queue_depth, feed=args.feed, hugepages=args.hugepages)
                 row.update(fraction=fraction, disk_gb_per_s=disk["gb_per_s"],
                            read_vs_disk=row["read_gb_per_s"] / disk["gb_per_s"])
                 rows.append(row)
@@ -420,7 +420,9 @@ def colibri_decode_in_cgroup(pack_path: Path, limit: int, tokens: int, warmup: i
         out = Path(tmp) / "run.json"
         argv = [sys.executable, str(Path(__file__).resolve()), "run", str(pack_path), "--cache-bytes", str(cache_bytes),
                 "--policies", policy, "--prefetch", prefetch, "--tokens", str(tokens), "--warmup", str(warmup),
-                "--queue-depth", str(queue_depth), "--threads", str(threads), "--json", str(out)]
+                "--queue-depth", str(queue_depth), "--threads", str(threads), "--json", str(out),
+                # hugetlb pages are not charged to a v1 memory cgroup: the cache must be, to be fair
+                "--hugepages", "off"]
         run = run_in_memory_cgroup(limit, argv)
         if run["code"] != 0:
             raise RuntimeError(f"the Colibri run failed with exit code {run['code']}")
@@ -472,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--cgroup-limit", help="run inside a v1 memory cgroup with this limit (\"3G\")")
     r.add_argument("--threads", type=int, help="compute threads (default: one per CPU)")
     r.add_argument("--cache-bytes", type=int, help="one cache size in bytes instead of --fractions")
+    r.add_argument("--hugepages", default="auto", help="the cache's hugepages setting (the daemon's default: auto); always off under "
+                   "--cgroup-limit and in versus, since hugetlb pages are not charged to a v1 memory cgroup")
     r.add_argument("--json", help="also write the results here")
     v = sub.add_parser("versus", help="llama.cpp and Colibri decode under the same memory cgroup limit")
     v.add_argument("pack", type=Path)
@@ -513,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         inner = [sys.executable, str(Path(__file__).resolve()), "run", str(args.pack), "--fractions", args.fractions,
                  *(["--cache-bytes", str(args.cache_bytes)] if args.cache_bytes else []),
                  "--policies", args.policies, "--prefetch", args.prefetch, "--tokens", str(args.tokens),
-                 "--warmup", str(args.warmup), "--queue-depth", str(args.queue_depth), "--feed", args.feed]
+                 "--warmup", str(args.warmup), "--queue-depth", str(args.queue_depth), "--feed", args.feed,
+                 "--hugepages", "off"]  # hugetlb pages are not charged to a v1 memory cgroup
         if args.json:
             inner += ["--json", args.json]
         drop_from_page_cache(args.pack)

@@ -39,7 +39,9 @@ def _distinct(experts: np.ndarray) -> list[int]:
     return np.unique(experts).tolist()
 
 
-# Lookahead prefetch reads, per token, only the next layer's LOOKAHEAD_TOP likeliest experts.
+# Lookahead prefetch reads, per token, only the next layer's LOOKAHEAD_TOP likeliest experts:
+# on the OLMoE-shaped bench packs (top-8) 4 keeps the disk 74-85 % busy at a 25 % cache with
+# prediction precision 0.80; 1 or 2 guess better (0.90 / 0.87) but leave the disk idler.
 LOOKAHEAD_TOP = 4
 
 

@@ -26,6 +26,20 @@
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma,f16c")))
 #define TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,fma,f16c")))
 
+/* Decode streams every weight row once from DRAM, and one core alone keeps too few misses in
+ * flight to reach the memory's bandwidth (the hardware prefetcher also stops at each 4 KiB
+ * page). The matrix-vector loops therefore ask for the lines STREAM_AHEAD bytes ahead of the
+ * block they read, `lines` = ceil(bytes a loop step consumes / 64) per step: consecutive
+ * steps then ask for every line at least once (steps of 136-144 bytes need 3, 68 need 2,
+ * 36 need 1; fewer would fall behind).
+ * Measured on a cold 2048 x 2048 product, one thread, AVX-512 VNNI: q4_g64 25 -> 35-38 GB/s
+ * (2 KiB ahead, two lines, before), q8_0 30 -> 33-37 GB/s (none before); 4 and 16 KiB were
+ * slower than 8. */
+#define STREAM_AHEAD 8192
+static inline void prefetch_stream(const uint8_t *p, int lines) {
+    for (int i = 0; i < lines; i++) _mm_prefetch((const char *)(p + STREAM_AHEAD + 64 * i), _MM_HINT_T0);
+}
+
 /* ---- AVX2 ----------------------------------------------------------------------------- */
 
 TARGET_AVX2 static inline float hsum256(__m256 v) {
@@ -42,6 +56,7 @@ TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const col_xq_row *x, in
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
+        prefetch_stream(w + b * 34, 2);
         for (int k = 0; k < 2; k++) {
             const uint8_t *blk = w + (b + k) * 34;
             const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
@@ -73,6 +88,7 @@ TARGET_AVX2 static float dot_q4_g64_avx2(const uint8_t *w, const col_xq_row *x, 
     float offset_sum = 0.0f;
     for (int64_t k = 0; k < nb / 2; k++) {
         const uint8_t *blk = w + k * 36;
+        prefetch_stream(blk, 1);
         const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 4));
         const __m256i lo = _mm256_and_si256(q, low4);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
@@ -100,19 +116,6 @@ TARGET_AVX512 static inline __m512i dot_u8s8_avx512(__m512i u, __m512i s) {
     return _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
 }
 
-/* Decode streams every weight row once from DRAM, and one core alone keeps too few misses in
- * flight to reach the memory's bandwidth (the hardware prefetcher also stops at each 4 KiB
- * page). The matrix-vector loops therefore ask for the lines 8 KiB ahead, three lines per
- * step (a step consumes 136-144 bytes, so two lines would fall behind). Measured on a cold
- * 2048 x 2048 product, one thread: q4_g64 25 -> 35-38 GB/s (2 KiB ahead, two lines, before),
- * q8_0 30 -> 33-37 GB/s (none before); 4 and 16 KiB were slower than 8. */
-#define STREAM_AHEAD 8192
-TARGET_AVX512 static inline void prefetch_stream(const uint8_t *p) {
-    _mm_prefetch((const char *)(p + STREAM_AHEAD), _MM_HINT_T0);
-    _mm_prefetch((const char *)(p + STREAM_AHEAD + 64), _MM_HINT_T0);
-    _mm_prefetch((const char *)(p + STREAM_AHEAD + 128), _MM_HINT_T0);
-}
-
 TARGET_AVX512 static inline float f16_avx512(const uint8_t *p) { return _cvtsh_ss(col_load_u16(p)); }
 TARGET_VNNI static inline float f16_vnni(const uint8_t *p) { return _cvtsh_ss(col_load_u16(p)); }
 
@@ -131,6 +134,7 @@ TARGET_AVX512 static float dot_q8_0_avx512(const uint8_t *w, const col_xq_row *x
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *blk = w + b * 34;
+        prefetch_stream(blk, 2);
         const __m512i wq = LOAD_Q8_PAIR(blk);
         const __m512i xq = _mm512_load_si512((const void *)(x->qs + b * 32));
         /* |w| and x with w's sign: the u8 operand stays <= 128, no int16 saturation */
@@ -187,7 +191,7 @@ TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const col_xq_row *x, in
     int64_t b = 0;
     for (; b + 4 <= nb; b += 4) {
         const uint8_t *blk = w + b * 34;
-        prefetch_stream(blk);
+        prefetch_stream(blk, 3);
         const __m128i h = _mm_setr_epi16((short)col_load_u16(blk), (short)col_load_u16(blk + 34), (short)col_load_u16(blk + 68),
                                          (short)col_load_u16(blk + 102), 0, 0, 0, 0);
         const __m512 s4 = _mm512_castps128_ps512(_mm_cvtph_ps(h)); /* lanes 0..3: the four scales */
@@ -211,6 +215,7 @@ TARGET_AVX512 static float dot_q4_g64_avx512(const uint8_t *w, const col_xq_row 
     float offset_sum = 0.0f;
     for (int64_t k = 0; k < nb / 2; k++) {
         const uint8_t *blk = w + k * 36;
+        prefetch_stream(blk, 1);
         const __m512i q = load_q4_block(blk, low4);
         const __m512i xq = _mm512_load_si512((const void *)(x->qs + k * 64));
         const __m512i p = dot_u8s8_avx512(q, xq); /* (16) int32: fold to 8 lanes, one scale */
@@ -267,7 +272,7 @@ TARGET_VNNI static float dot_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, 
     int64_t k = 0;
     for (; k + 4 <= n64; k += 4) { /* four independent chains: the fma latency is hidden */
         const uint8_t *blk = w + k * 36;
-        prefetch_stream(blk);
+        prefetch_stream(blk, 3);
         const __m128i dm = _mm_set_epi32((int)load_u32(blk + 108), (int)load_u32(blk + 72), (int)load_u32(blk + 36),
                                          (int)load_u32(blk));
         const __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(dm), _mm256_load_ps(x->dv + 2 * k));

@@ -146,6 +146,48 @@ def test_loader_reports_checksum_errors_short_reads_and_misaligned_buffers(exper
         slab.close()
 
 
+def test_loader_reads_expert_sized_records_whole_and_checked(tmp_path):
+    """Records of a few MiB, as real experts are: every byte lands in place at any queue
+    depth, a flipped last byte fails the checksum, and a record cut short by the end of the
+    file is a short read."""
+    mib = 1 << 20
+    lengths = [3 * mib + 5 * PAGE, mib, 2 * mib + PAGE]
+    offsets = np.cumsum([0] + lengths[:-1]).tolist()
+    records = [_record(i, n) for i, n in enumerate(lengths)]
+    path = tmp_path / "big.bin"
+    path.write_bytes(b"".join(r.tobytes() for r in records))
+    total = sum(lengths)
+    slab, buf = _aligned_buffer(total + 2 * mib)
+    try:
+        for depth in (1, 3, 16):
+            loader = native.Loader(path, queue_depth=depth, max_queue_depth=16)
+            try:
+                buf[:] = 0
+                reqs = [(buf[o:o + n], o, n, native.crc32c(r)) for o, n, r in zip(offsets, lengths, records)]
+                status, results = loader.read(reqs)
+                assert status == 0 and [r["status"] for r in results] == [0, 0, 0]
+                assert np.array_equal(buf[:total], np.concatenate(records))
+                assert loader.info()["reads"] == 3 and loader.info()["bytes_read"] == total
+            finally:
+                loader.close()
+        damaged = bytearray(path.read_bytes())
+        damaged[lengths[0] - 1] ^= 0x40  # the first record's last byte
+        path.write_bytes(bytes(damaged))
+        loader = native.Loader(path)
+        try:
+            status, results = loader.read([
+                (buf[:lengths[0]], 0, lengths[0], native.crc32c(records[0])),
+                (buf[total:total + 2 * mib], total - mib, 2 * mib, 0),  # its second MiB is past the end
+            ])
+            assert [r["status"] for r in results] == [native.ChecksumError.status, 5]
+            assert results[0]["crc32c"] == native.crc32c(np.frombuffer(bytes(damaged[:lengths[0]]), np.uint8))
+            assert results[1]["sys_errno"] == 0 and loader.info()["failures"] == 2
+        finally:
+            loader.close()
+    finally:
+        slab.close()
+
+
 def test_loader_queue_depth_changes_at_run_time(experts_file):
     path, records = experts_file
     loader = native.Loader(path, queue_depth=2, max_queue_depth=4)

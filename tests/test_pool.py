@@ -5,6 +5,7 @@ on a synthetic experts file whose records are 4 KiB of a known pattern each."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -346,6 +347,30 @@ def test_prefetch_loads_without_pinning_and_counts_useful_prefetches(make_cache)
     assert st["prefetch_issued"] == 2 and st["prefetch_useful"] == 1
     assert st["hits"] + st["inflight_hits"] == 1 and st["misses"] == 0
     assert cache.core.count()[1] == 0
+
+
+def _wait_until_loaded(cache, layer: int, expert: int) -> None:
+    deadline = time.monotonic() + 10
+    while not cache.core.contains(layer, expert):
+        assert time.monotonic() < deadline, "prefetch never landed"
+        time.sleep(0.001)
+
+
+def test_a_wrong_prefetch_is_evicted_before_experts_that_were_used(make_cache):
+    """LRU: a prefetched expert counts as used long ago until it is requested, so a wrong
+    guess goes first; a right guess, once requested, is as recent as any hit."""
+    cache = make_cache(3)
+    cache.use(0, [0])
+    cache.use(0, [1])  # (0, 0) is now the least recently used expert
+    cache.core.prefetch(1, [2])
+    _wait_until_loaded(cache, 1, 2)
+    cache.use(0, [3])  # a miss with the cache full: the unrequested prefetch is the victim
+    assert cache.resident() == {(0, 0), (0, 1), (0, 3)}
+    cache.core.prefetch(1, [4])  # evicts (0, 0), the least recently used
+    _wait_until_loaded(cache, 1, 4)
+    cache.use(1, [4])  # requested: now the most recent
+    cache.use(0, [5])  # the victim is (0, 1), not the prefetch that was used
+    assert cache.resident() == {(0, 3), (1, 4), (0, 5)}
 
 
 def test_prefetch_is_skipped_when_nothing_can_be_evicted(make_cache):

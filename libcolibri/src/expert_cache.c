@@ -32,7 +32,7 @@ typedef struct {
     int32_t status;         /* COL_OK, or the failure of its last read */
     int32_t sys_errno;
     uint32_t crc32c;        /* of the bytes read */
-    int64_t last_used;      /* cache tick of the last request (or of the prefetch) */
+    int64_t last_used;      /* cache tick of the last request; 0 for a prefetch not yet requested */
 } col_cache_slot;
 
 struct col_expert_cache {
@@ -222,7 +222,11 @@ static void cache_start_read(col_expert_cache *c, int32_t s, int32_t layer, int3
     sl->status = COL_OK;
     sl->sys_errno = 0;
     sl->crc32c = 0;
-    sl->last_used = ++c->tick;
+    /* A prefetch counts as used long ago until it is requested (acquire stamps it then): the
+     * step it was guessed for pins it before choosing victims if it asks for it, and
+     * otherwise the wrong guess is the first victim of the next miss, instead of pushing out
+     * an expert that was really used. */
+    sl->last_used = prefetch ? 0 : ++c->tick;
     c->map[key] = s;
     c->layer_resident[layer]++;
     col_read rd;

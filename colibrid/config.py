@@ -54,12 +54,13 @@ class DaemonConfig:
     max_frame_bytes: int = 1024 * 1024  # largest frame accepted or sent, length prefix excluded
     max_context: int = 4096  # tokens one request may hold: prompt + generated
     default_max_tokens: int = 256  # for an ask without max_tokens
-    cache_size: str = "50%"  # the expert cache (AEPC): bytes, "6G", or "40%" of MemAvailable at start
+    cache_size: str = "50%"  # the expert cache (AEPC): bytes, "6G", or "40%" of the memory budget at start
     cache_policy: str = "lru"  # eviction: "lru" or "lfru" (frequency-aware, per-layer quotas)
     io_queue_depth: int = 16  # expert reads in flight at most
     prefetch: str = "off"  # "lookahead": predict the next layer's experts and read them early; "off"
     hugepages: str | int = "auto"  # "auto", "thp", "off", or a count of 2 MiB pages to reserve
     lock_memory: str = "try"  # mlock the cache: "required", "try" or "off"
+    hugepage_record: Path = Path("/run/colibri/hugepages.json")  # hugepages raised and not yet given back
     thermal: str = "auto"  # "auto": watch the NVMe drive(s) under the experts file and throttle; "off"
     thermal_poll_s: float = 5.0  # seconds between temperature reads (each one is a command to the drive)
     thermal_throttle: float | str = "auto"  # °C; "auto": the drive's warning threshold - 5, else 65
@@ -194,8 +195,9 @@ KEYS: tuple[_Key, ...] = (
     _Key("max_context", "tokens one request may hold, prompt plus output", "must be an integer >= 2 (tokens)", _parse_int_flag, _int_at_least(2), "TOKENS"),
     _Key("default_max_tokens", "tokens generated when an ask sets no max_tokens", "must be an integer >= 1", _parse_int_flag, _int_at_least(1), "N",
          reloadable=True),
-    _Key("cache_size", 'memory for routed experts: bytes, "6G", "512M" or "40%" of MemAvailable',
-         'must be a size above 0: bytes (123), K/M/G/T ("512M", "6G") or a percentage of MemAvailable ("40%")',
+    _Key("cache_size", 'memory for routed experts: bytes, "6G", "512M" or "40%" of MemAvailable or, if smaller, '
+         'of the room left under the cgroup memory limit',
+         'must be a size above 0: bytes (123), K/M/G/T ("512M", "6G") or a percentage of the memory budget ("40%")',
          _parse_int_flag, _is_size, "SIZE", reloadable=True),
     _Key("cache_policy", "expert cache eviction: lru or lfru", 'must be "lru" or "lfru"', str,
          lambda v: v in ("lru", "lfru"), "POLICY", reloadable=True),
@@ -207,6 +209,9 @@ KEYS: tuple[_Key, ...] = (
          'must be "auto", "thp", "off" or a whole number of 2 MiB pages', _parse_hugepages_flag, _is_hugepages, "MODE"),
     _Key("lock_memory", "mlock the expert cache: required, try or off", 'must be "required", "try" or "off"', str,
          lambda v: v in ("required", "try", "off"), "MODE"),
+    _Key("hugepage_record", "file where colibrid writes down the hugepages it raised, so the next start "
+         "gives back those of a colibrid that was killed", "must be a non-empty path", str,
+         lambda v: isinstance(v, str) and v != "", "PATH", normalise=Path),
     _Key("thermal", "throttle expert reads when the NVMe drive under the pack runs hot: auto or off",
          'must be "auto" or "off"', str, lambda v: v in ("auto", "off"), "MODE", reloadable=True),
     _Key("thermal_poll_s", "seconds between reads of the drive's temperature",

@@ -1,7 +1,8 @@
 """colibrid: the daemon's lifecycle, in named phases.
 
     run()      config -> logging -> asyncio.run(serve())           exit code
-    startup    niceness and CPUs, load the engine, open the socket(s), start the engine
+    startup    check that no daemon answers on the socket, give back hugepages an earlier colibrid
+               raised and never returned, niceness and CPUs, load the engine, open the socket(s), start the engine
                thread and the server, find the NVMe drive under the pack and start the thermal
                watch (colibrid/thermal), check that the socket answers, then READY=1
     main loop  wait for SIGTERM/SIGINT (stop) or SIGHUP (reload the config, not the model)
@@ -34,8 +35,9 @@ from collections.abc import Sequence
 from colibrid import affinity
 from colibrid.access import AccessPolicy
 from colibrid.config import KEYS, ConfigError, DaemonConfig, load_config
-from colibrid.listener import Listener, ListenerError, open_listeners
+from colibrid.listener import Listener, ListenerError, check_free, open_listeners
 from colibrid.logsetup import configure_logging, set_level
+from colibrid.memory import HugepageRecord, format_bytes, return_orphaned_hugepages
 from colibrid.protocol import LENGTH_PREFIX, PROTOCOL_VERSION, decode_body, encode_frame
 from colibrid.scheduler import Scheduler
 from colibrid.server import Server, model_name
@@ -79,6 +81,7 @@ class Daemon:
         self._listeners: list[Listener] = []
         self._scheduler: Scheduler | None = None
         self._server: Server | None = None
+        self._engine = None  # once loaded; its expert cache is freed on every way out
         self._thermal: ThermalWatch | None = None
         self._background: list[asyncio.Task] = []
 
@@ -94,6 +97,7 @@ class Daemon:
             await self.startup()
         except BaseException as exc:
             self._close_listeners()  # a half-started daemon must not leave its socket behind
+            self._free_engine_after_failed_start()  # nor hugepages raised for its cache
             self._cancel_background()
             if not isinstance(exc, StartupError):
                 raise
@@ -120,6 +124,13 @@ class Daemon:
     # -- startup --------------------------------------------------------------------------
 
     async def startup(self) -> None:
+        # Before anything that costs the machine memory or changes it: a second colibrid on a
+        # socket that is served gives up here, having touched nothing.
+        try:
+            check_free(self.config.socket)
+        except ListenerError as exc:
+            raise StartupError(str(exc)) from None
+        return_orphaned_hugepages(HugepageRecord(self.config.hugepage_record))
         self._notifier.status(f"loading {self.config.model}")
         nice = affinity.apply_nice(self.config.nice)  # before any thread exists: they all inherit it
         cpus = self._cpus = self._plan_cpus()
@@ -130,7 +141,7 @@ class Daemon:
 
         # libcolibri's compute workers: one per compute CPU, each pinned to it.
         native.configure_default_pool(cpus=sorted(cpus.compute))
-        engine = await asyncio.to_thread(self._load_engine)
+        engine = self._engine = await asyncio.to_thread(self._load_engine)
         try:
             self._listeners = open_listeners(self.config.socket, self.config.socket_group)
         except ListenerError as exc:
@@ -141,7 +152,7 @@ class Daemon:
         self._server = Server(engine, self._scheduler, self.config.model, self.config.max_frame_bytes,
                               self.config.default_max_tokens,
                               AccessPolicy(self.config.allow_users, self.config.allow_groups))
-        self._server.machine = {"cpus": cpus.describe(), "nice": nice}
+        self._server.machine = {"cpus": cpus.describe(), "nice": nice, "memory_budget": engine.experts.budget_status()}
         self._show_settings()
         await self._start_thermal_watch(engine)
         await self._server.start(self._listeners)
@@ -154,6 +165,7 @@ class Daemon:
         log.info("serving %s (%s params, %s active) from %s on %s \u2014 stop with Ctrl-C or SIGTERM",
                  model_name(self.config.model), _count(engine.parameters_total),
                  _count(engine.parameters_active), self.config.model, where)
+        self._log_budget(engine.experts)
         log.debug("compute threads on CPUs %s, I/O threads on CPUs %s", cpus.describe()["compute"],
                   cpus.describe()["io"])
         self._notifier.ready(self._server.service_status(0.0))
@@ -191,7 +203,7 @@ class Daemon:
         try:
             return CachedExpertSource(pack, cache_size, policy=c.cache_policy, io_queue_depth=c.io_queue_depth,
                                       hugepages=c.hugepages, lock_memory=c.lock_memory,
-                                      prefetch=c.prefetch == "lookahead")
+                                      prefetch=c.prefetch == "lookahead", hugepage_record=c.hugepage_record)
         finally:
             affinity.pin_current_thread(self._cpus.compute)
 
@@ -215,7 +227,10 @@ class Daemon:
         if self._thermal is not None:
             self._thermal.reconcile()  # the new cache starts unthrottled: apply what the drive's heat allows
         self._log_cache(new)
+        if self._server is not None:
+            self._server.machine["memory_budget"] = new.budget_status()
         log.info("expert cache %s: %d slots (cache_size = %s)", reason or "resized", new.n_slots, cache_size)
+        self._log_budget(new)
 
     def _load_engine(self):
         # Imported here: they pull in numpy and libcolibri.
@@ -228,7 +243,11 @@ class Daemon:
         try:
             pack = Pack.open(c.model)
             experts = self._expert_cache(pack, c.cache_size)
-            engine = Engine(pack, experts=experts, max_context=c.max_context)
+            try:
+                engine = Engine(pack, experts=experts, max_context=c.max_context)
+            except BaseException:
+                experts.close()  # frees the cache and gives back the hugepages raised for it
+                raise
         except PackError as exc:  # its message already names the pack and the fix
             raise StartupError(f"cannot load the model: {exc}") from None
         except ExpertCacheError as exc:  # its message says how to fix the machine
@@ -244,6 +263,26 @@ class Daemon:
                     "max_context = %d is above what %s supports; using %d tokens",
                     self.config.max_context, model_name(self.config.model), engine.max_context)
         return engine
+
+    @staticmethod
+    def _log_budget(experts) -> None:
+        """Which memory cache_size was measured against: MemAvailable or the cgroup limit."""
+        budget = experts.budget_status()
+        log.info("expert cache %s: cache_size = %s of the memory budget %s (%s)", format_bytes(budget["cache_bytes"]),
+                 budget["cache_size"], format_bytes(budget["available_bytes"]), budget["basis"])
+
+    def _free_engine_after_failed_start(self) -> None:
+        """Startup failed after the model was loaded (the socket, the thermal watch, the self-check):
+        free the expert cache, which gives back the hugepages raised for it."""
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        if self._scheduler is not None:
+            self._scheduler.stop()
+            if not self._scheduler.join(5.0):
+                engine.experts.return_hugepages()  # the slab stays mapped for the engine thread
+                return
+        engine.experts.close()
 
     @staticmethod
     def _log_cache(experts) -> None:
@@ -375,6 +414,7 @@ class Daemon:
             self._server.engine.experts.close()
         else:
             log.warning("the engine thread is still running; leaving the expert cache to the kernel")
+            self._server.engine.experts.return_hugepages()  # freed by the kernel when the slab is unmapped at exit
 
     def _close_listeners(self) -> None:
         for listener in self._listeners:

@@ -72,6 +72,27 @@ def open_listeners(path: Path, group: str = "") -> list[Listener]:
     return inherited if inherited else [open_listener(path, group)]
 
 
+def check_free(path: Path) -> None:
+    """Raises ListenerError if a daemon answers at `path` (unless systemd passes us our
+    sockets, and the path is not ours to bind). Called before the model is loaded, so a second
+    colibrid gives up before it costs the machine memory or hugepages; open_listener checks
+    again when it binds."""
+    if _passed_by_systemd():
+        return
+    try:
+        mode = path.lstat().st_mode
+    except OSError:
+        return
+    if stat.S_ISSOCK(mode) and _answers(path):
+        raise ListenerError(f"another colibrid is already serving on {path}; stop it first "
+                            "(or choose another --socket)")
+
+
+def _passed_by_systemd() -> bool:
+    listen_pid, listen_fds = os.environ.get("LISTEN_PID", ""), os.environ.get("LISTEN_FDS", "")
+    return listen_pid.isdigit() and listen_fds.isdigit() and int(listen_pid) == os.getpid()
+
+
 def inherited_listeners() -> list[Listener]:
     """Listening sockets passed by systemd to this very process; the LISTEN_* variables are consumed."""
     listen_pid, listen_fds = os.environ.get("LISTEN_PID", ""), os.environ.get("LISTEN_FDS", "")

@@ -25,12 +25,14 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
 from colibrid import native
 from colibrid.engine.experts import ExpertChecksumError, ExpertLoadError
-from colibrid.memory import HugepageReservation, format_bytes, memlock_fix_hint, parse_size, reserve_hugepages
+from colibrid.memory import (DEFAULT_HUGEPAGE_RECORD, HugepageRecord, HugepageReservation, MemoryBudget, format_bytes,
+                             measure_budget, memlock_fix_hint, parse_size, reserve_hugepages)
 from colibrid.pack.reader import ExpertWeights, Pack
 
 log = logging.getLogger(__name__)
@@ -124,18 +126,23 @@ class _PinnedExperts(Mapping):
 class CachedExpertSource:
     """An ExpertSource whose experts live in a bounded slab cache.
 
-    cache_bytes      int or a size string ("6G", "40%" of MemAvailable); rounded down to
-                     whole slots, at least one slot, at most one slot per expert.
+    cache_bytes      int or a size string ("6G", "40%" of the memory budget: MemAvailable, or
+                     the headroom under the cgroup memory limit when smaller); rounded down
+                     to whole slots, at least one slot, at most one slot per expert.
     policy           "lru" or "lfru" (per-layer quotas, least-frequently-used within a layer).
     io_queue_depth   reads in flight at most (changeable: set_io_queue_depth).
     hugepages        "auto": hugetlb 2 MiB pages, raising vm.nr_hugepages when privileged (and
-                     giving them back on close), else transparent hugepages, else pages;
+                     giving them back on close) and not under a cgroup memory limit (which
+                     would not count them), else transparent hugepages, else pages;
                      "thp": transparent hugepages, else pages; "off": ordinary pages;
                      an int N: raise vm.nr_hugepages to at least N and require hugetlb pages.
     lock_memory      "required" (fail with a fix-it message), "try" (log and go on), "off".
     prefetch         whether prefetch() starts reads (changeable: set_prefetch).
     direct           "try" (O_DIRECT; buffered only if the file system refuses it),
                      "required", "off".
+    budget           the MemoryBudget percentages are of; measured now when not given.
+    hugepage_record  the file where pages added to vm.nr_hugepages are written down, so the
+                     next start gives them back if this process dies first; None: nowhere.
 
     set_loading_paused(LoadingPause) stops every read (the thermal watch does, at the drive's
     critical temperature or when the drive is gone): a step that needs a read raises
@@ -144,7 +151,8 @@ class CachedExpertSource:
 
     def __init__(self, pack: Pack, cache_bytes: int | str, policy: str = "lru", io_queue_depth: int = 16,
                  hugepages: str | int = "auto", lock_memory: str = "try", prefetch: bool = True,
-                 direct: str = "try", max_io_queue_depth: int = 32) -> None:
+                 direct: str = "try", max_io_queue_depth: int = 32, budget: MemoryBudget | None = None,
+                 hugepage_record: Path | None = DEFAULT_HUGEPAGE_RECORD) -> None:
         self.pack = pack
         self.path = pack.experts_path
         self.hugepages_mode = hugepages
@@ -161,7 +169,9 @@ class CachedExpertSource:
             raise ExpertCacheError(f"pack {pack.path} has no routed experts: nothing to cache")
         record_bytes = max(r.length for r in records)
         self.slot_bytes = -(-record_bytes // PAGE_BYTES) * PAGE_BYTES
-        self.cache_bytes_requested = parse_size(cache_bytes, "cache_size")
+        self.budget = budget if budget is not None else measure_budget()
+        self.cache_size_setting = cache_bytes
+        self.cache_bytes_requested = parse_size(cache_bytes, "cache_size", self.budget.available_bytes)
         n_slots = self.cache_bytes_requested // self.slot_bytes
         if n_slots < 1:
             raise ExpertCacheError(
@@ -173,6 +183,7 @@ class CachedExpertSource:
         self.n_slots = int(n_slots)
         self.max_pinned = self.n_slots
         self.notes: list[str] = []  # every fallback taken, for status
+        self._check_budget(cache_bytes)
 
         # (L, E) index of records for C; length 0 marks dense layers and missing experts.
         table = np.zeros((config.num_layers, max(config.num_experts, 1)), dtype=native.EXPERT_RECORD_DTYPE)
@@ -181,6 +192,7 @@ class CachedExpertSource:
         self._lengths = table["length"].copy()  # (L, E)
         self._offsets = table["offset"].copy()  # (L, E)
 
+        self._hugepage_record = HugepageRecord(hugepage_record) if hugepage_record is not None else None
         self._hugepages = self._plan_hugepages(hugepages)
         self._slab = self._loader = self._cache = None
         try:
@@ -204,6 +216,18 @@ class CachedExpertSource:
 
     # ---- setup -------------------------------------------------------------------------
 
+    def _check_budget(self, cache_bytes: int | str) -> None:
+        """Says which memory a percentage was of, and warns when the cache alone is bigger
+        than the memory there is: the kernel would take it back with the OOM killer."""
+        region = self.n_slots * self.slot_bytes
+        log.info("cache_size = %s: %s of the %s", cache_bytes, format_bytes(region), self.budget.describe())
+        if region > self.budget.available_bytes:
+            note = (f"cache_size = {cache_bytes} ({format_bytes(region)}) is above the memory available "
+                    f"({format_bytes(self.budget.available_bytes)}, {self.budget.basis}): "
+                    "colibrid may be OOM-killed; lower cache_size or use a percentage")
+            log.warning("%s", note)
+            self.notes.append(note)
+
     def _plan_hugepages(self, hugepages: str | int) -> tuple[native.AepcMode, native.AepcMode, HugepageReservation | None]:
         """(hugetlb mode, thp mode, reservation) for the slab."""
         region = self.n_slots * self.slot_bytes
@@ -212,16 +236,24 @@ class CachedExpertSource:
         if hugepages == "thp":
             return native.AepcMode.OFF, native.AepcMode.TRY, None
         if hugepages == "auto":
-            res = reserve_hugepages(region, raise_pool=os.geteuid() == 0 if hasattr(os, "geteuid") else False)
+            # Under a cgroup memory limit, raising the pool would take memory from outside the
+            # limit, which does not count hugetlb pages: only pages already free are used.
+            under_limit = self.budget.cgroup is not None and not self.budget.cgroup.counts_hugetlb
+            may_raise = os.geteuid() == 0 and not under_limit
+            res = reserve_hugepages(region, raise_pool=may_raise, record=self._hugepage_record)
             if not res.available:
-                note = f"hugetlb pages not used: {res.message}; falling back to transparent hugepages"
+                why = res.message
+                if under_limit and os.geteuid() == 0:
+                    why += ("; not raised under a cgroup memory limit, which would not count them "
+                            "(hugepages = N raises it anyway)")
+                note = f"hugetlb pages not used: {why}; falling back to transparent hugepages"
                 log.warning("%s", note)
                 self.notes.append(note)
                 res.release()
                 return native.AepcMode.OFF, native.AepcMode.TRY, None
             return native.AepcMode.TRY, native.AepcMode.TRY, res
         if isinstance(hugepages, int) and not isinstance(hugepages, bool) and hugepages >= 0:
-            res = reserve_hugepages(region, raise_pool=True, target_total=hugepages)
+            res = reserve_hugepages(region, raise_pool=True, target_total=hugepages, record=self._hugepage_record)
             if not res.available:
                 res.release()
                 raise ExpertCacheError(f"hugepages = {hugepages}: {res.message}")
@@ -437,6 +469,12 @@ class CachedExpertSource:
             "notes": list(self.notes),
         }
 
+    def budget_status(self) -> dict:
+        """The memory budget the cache was sized from, for status: how much, measured on what
+        (MemAvailable or the cgroup limit), how hugetlb pages count, and what the cache took."""
+        return {**self.budget.status(), "cache_size": self.cache_size_setting,
+                "cache_bytes": self.n_slots * self.slot_bytes}
+
     def stats(self) -> dict:
         """Per-layer and total counters: hits, misses, bytes read, evictions, read latency
         percentiles (ms), prefetch issued/useful and prediction precision/recall."""
@@ -508,6 +546,11 @@ class CachedExpertSource:
                 setattr(self, name, None)
         self.__dict__.pop("_region", None)
         self.__dict__.pop("_slot_views", None)
+        self.return_hugepages()
+
+    def return_hugepages(self) -> None:
+        """Lowers vm.nr_hugepages by the pages this cache added; safe while the slab is still
+        mapped (the kernel frees those pages when it is unmapped, at close or at exit)."""
         plan = self.__dict__.get("_hugepages")
         if plan and plan[2] is not None:
             plan[2].release()

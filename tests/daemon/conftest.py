@@ -15,12 +15,16 @@ from tests.daemon.wire import stop_process, wait_for_socket
 
 
 class DaemonProcess:
-    def __init__(self, pack: Path, socket_path: Path, *flags: str) -> None:
+    def __init__(self, pack: Path, socket_path: Path, *flags: str, preexec_fn=None) -> None:
+        """``preexec_fn`` runs in the child before colibrid does (e.g. to enter a cgroup)."""
         self.socket_path = socket_path
-        self.argv = [sys.executable, "-m", "colibrid", "--model", str(pack), "--socket", str(socket_path), *flags]
+        # The hugepages a test daemon raises are written down next to its socket, not in the machine's record.
+        self.argv = [sys.executable, "-m", "colibrid", "--model", str(pack), "--socket", str(socket_path),
+                     "--hugepage-record", str(socket_path.parent / "hugepages.json"), *flags]
         # No config file from the machine: the defaults and the flags only.
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                     preexec_fn=preexec_fn)
         wait_for_socket(socket_path, self.proc)
 
     def terminate(self, timeout_s: float = 20.0) -> tuple[int, str]:

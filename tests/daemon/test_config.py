@@ -96,7 +96,7 @@ def test_the_shipped_file_documents_every_key_with_its_default(demo_pack):
     for key in KEYS:
         if key.name != "model":
             default = getattr(defaults, key.name)
-            expected = str(default) if key.name == "socket" else list(default) if isinstance(default, tuple) else default
+            expected = str(default) if isinstance(default, Path) else list(default) if isinstance(default, tuple) else default
             assert table[key.name] == expected, key.name
 
 

@@ -464,11 +464,12 @@ def test_generation_completes_in_a_memory_cgroup_smaller_than_the_pack(big_pack,
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.access("/proc/sys/vm/nr_hugepages", os.W_OK),
                     reason="raising vm.nr_hugepages needs root")
-def test_hugepages_auto_raises_the_pool_and_gives_it_back(pack_path, reference):
+def test_hugepages_auto_raises_the_pool_and_gives_it_back(pack_path, reference, tmp_path):
     from colibrid.memory import meminfo
 
     before = int(open("/proc/sys/vm/nr_hugepages").read())
-    engine, source = _cached_engine(pack_path, cache_bytes="2M", hugepages="auto")
+    engine, source = _cached_engine(pack_path, cache_bytes="2M", hugepages="auto",
+                                    hugepage_record=tmp_path / "hugepages.json")
     try:
         info = source.backing_info()
         if info["backing"] != "hugetlb":  # the kernel could not find free 2 MiB pages
@@ -480,3 +481,82 @@ def test_hugepages_auto_raises_the_pool_and_gives_it_back(pack_path, reference):
     finally:
         source.close()
     assert int(open("/proc/sys/vm/nr_hugepages").read()) == before
+
+
+# ---- the memory budget and the hugepages it may take -------------------------------------------
+
+
+def _budget(mem_available_bytes: int, cgroup_room_bytes: int | None):
+    from colibrid.cgroup_memory import CgroupLimit
+    from colibrid.memory import MemoryBudget
+
+    limit = None if cgroup_room_bytes is None else CgroupLimit(
+        1, "/colibri-test", "memory.limit_in_bytes", cgroup_room_bytes + (64 << 20), 64 << 20, counts_hugetlb=False)
+    return MemoryBudget(mem_available_bytes, limit)
+
+
+@pytest.mark.parametrize("mem_available_slots, cgroup_room_slots, expected_slots", [
+    (20, None, 10),  # no limit: half of MemAvailable (the pack has 16 experts)
+    (20, 10, 5),  # a limit with less room than MemAvailable: half of that room
+    (8, 30, 4),  # a limit with more room: MemAvailable still
+])
+def test_a_percentage_is_of_mem_available_or_the_room_under_the_cgroup_limit(pack_path, mem_available_slots,
+                                                                             cgroup_room_slots, expected_slots):
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.pack.reader import Pack
+
+    slot = _slot_bytes(pack_path)
+    budget = _budget(mem_available_slots * slot, None if cgroup_room_slots is None else cgroup_room_slots * slot)
+    with CachedExpertSource(Pack.open(pack_path), "50%", hugepages="off", budget=budget) as source:
+        assert source.n_slots == expected_slots
+        status = source.budget_status()
+    assert status["available_bytes"] == 2 * expected_slots * slot
+    assert (status["cgroup_limit_bytes"] is not None) == (cgroup_room_slots is not None)
+    assert status["basis"].startswith("cgroup v1 /colibri-test") == (cgroup_room_slots == 10)
+    assert (status["cache_size"], status["cache_bytes"]) == ("50%", expected_slots * slot)
+
+
+def test_a_cache_size_above_the_budget_is_a_visible_warning(pack_path):
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.pack.reader import Pack
+
+    slot = _slot_bytes(pack_path)
+    with CachedExpertSource(Pack.open(pack_path), 4 * slot, hugepages="off", budget=_budget(1 << 30, 2 * slot)) as source:
+        assert source.n_slots == 4
+        (note,) = [n for n in source.backing_info()["notes"] if "above the memory available" in n]
+    assert "cgroup v1 /colibri-test" in note and "OOM" in note
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/proc/sys/vm/nr_hugepages", os.W_OK),
+                    reason="raising vm.nr_hugepages needs root")
+def test_hugepages_auto_never_raises_the_pool_under_a_cgroup_limit(big_pack, tmp_path):
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.memory import meminfo
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(big_pack)
+    region = pack.manifest.experts_size
+    if meminfo()["HugePages_Free"] * (2 << 20) >= region + (16 << 20):
+        pytest.skip("enough free hugetlb pages for the whole pack: nothing would be raised anyway")
+    before = int(open("/proc/sys/vm/nr_hugepages").read())
+    budget = _budget(8 << 30, 4 * region)  # room for the whole pack under the limit
+    with CachedExpertSource(pack, "50%", hugepages="auto", budget=budget,
+                            hugepage_record=tmp_path / "hugepages.json") as source:
+        assert int(open("/proc/sys/vm/nr_hugepages").read()) == before
+        info = source.backing_info()
+    assert info["backing"] != "hugetlb" and info["hugepages_added"] == 0
+    assert any("not raised under a cgroup memory limit" in note for note in info["notes"])
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/proc/sys/vm/nr_hugepages", os.W_OK),
+                    reason="raising vm.nr_hugepages needs root")
+def test_a_cache_that_fails_after_raising_the_pool_gives_it_back(pack_path, tmp_path):
+    from colibrid.engine.expert_cache import CachedExpertSource, ExpertCacheError
+    from colibrid.pack.reader import Pack
+
+    before = int(open("/proc/sys/vm/nr_hugepages").read())
+    record = tmp_path / "hugepages.json"
+    with pytest.raises(ExpertCacheError, match="io_queue_depth"):  # the loader is made after the pool is raised
+        CachedExpertSource(Pack.open(pack_path), "2M", hugepages=before + 2, io_queue_depth=99, hugepage_record=record)
+    assert int(open("/proc/sys/vm/nr_hugepages").read()) == before
+    assert not record.exists()

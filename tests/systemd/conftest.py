@@ -54,7 +54,8 @@ def start_service(demo_pack, work_dir):
                 if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
                              "JOURNAL_STREAM")}
         argv = [*(prefix or []), sys.executable, "-m", "colibrid", "--model", str(demo_pack),
-                "--socket", str(work_dir / "colibrid.sock"), *flags]
+                "--socket", str(work_dir / "colibrid.sock"), "--hugepage-record", str(work_dir / "hugepages.json"),
+                *flags]  # (the hugepages a test daemon raises are written down here, not in the machine's record)
         service = Service(argv, {**base, "PYTHONUNBUFFERED": "1", **(env or {})})
         started.append(service)
         return service

@@ -19,7 +19,8 @@ def run_with_stderr_pipe(demo_pack, work_dir, journal_stream: str | None, *flags
     elif journal_stream is not None:
         env["JOURNAL_STREAM"] = journal_stream
     proc = subprocess.Popen([sys.executable, "-m", "colibrid", "--model", str(demo_pack),
-                             "--socket", str(work_dir / "s.sock"), *flags],
+                             "--socket", str(work_dir / "s.sock"), "--hugepage-record", str(work_dir / "hugepages.json"),
+                             *flags],
                             stdout=subprocess.DEVNULL, stderr=write_end, env=env)
     os.close(write_end)
     try:

@@ -24,7 +24,7 @@ LENGTH_PREFIX = struct.Struct(">I")  # N, the body length in bytes
 # Errors after which the server cannot trust the byte stream or the client, so it closes the
 # connection; every other error ends only the request it names.
 CONNECTION_CLOSING_CODES = frozenset({"bad_frame", "frame_too_large", "bad_request", "unknown_op",
-                                      "unsupported_protocol", "forbidden"})
+                                      "unsupported_protocol", "forbidden", "timeout"})
 
 RequestId = Union[str, int]
 

@@ -15,12 +15,13 @@ from tests.daemon.wire import stop_process, wait_for_socket
 
 
 class DaemonProcess:
-    def __init__(self, pack: Path, socket_path: Path, *flags: str) -> None:
+    def __init__(self, pack: Path, socket_path: Path, *flags: str, preexec_fn=None) -> None:
         self.socket_path = socket_path
         self.argv = [sys.executable, "-m", "colibrid", "--model", str(pack), "--socket", str(socket_path), *flags]
         # No config file from the machine: the defaults and the flags only.
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                                     preexec_fn=preexec_fn)
         wait_for_socket(socket_path, self.proc)
 
     def terminate(self, timeout_s: float = 20.0) -> tuple[int, str]:
@@ -38,11 +39,12 @@ def socket_dir():
 
 @pytest.fixture
 def start_daemon(demo_pack, socket_dir):
-    """start_daemon(*flags) -> a running DaemonProcess; every one started is stopped at the end."""
+    """start_daemon(*flags) -> a running DaemonProcess; every one started is stopped at the end.
+    preexec_fn runs in the daemon's process before it starts (to lower a resource limit, say)."""
     started: list[DaemonProcess] = []
 
-    def start(*flags: str, socket_name: str = "colibrid.sock") -> DaemonProcess:
-        daemon = DaemonProcess(demo_pack, socket_dir / "run" / socket_name, *flags)
+    def start(*flags: str, socket_name: str = "colibrid.sock", preexec_fn=None) -> DaemonProcess:
+        daemon = DaemonProcess(demo_pack, socket_dir / "run" / socket_name, *flags, preexec_fn=preexec_fn)
         started.append(daemon)
         return daemon
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+import signal
 import socket
 import struct
 import threading
@@ -195,3 +196,23 @@ def test_a_denormal_temperature_gives_the_greedy_tokens(shared_daemon):
         client.ask("denormal", max_tokens=12, temperature=1e-310, seed=7)
         denormal, _ = client.collect("denormal")
     assert [t["token_ids"] for t in denormal] == [t["token_ids"] for t in greedy]
+
+
+def test_the_limits_are_reloadable_and_shown_in_status(start_daemon, socket_dir):
+    config = socket_dir / "colibrid.toml"
+    config.write_text("max_connections = 3\nhello_timeout_s = 4.0\n")
+    daemon = start_daemon("--config", str(config))
+    config.write_text("max_connections = 5\nhello_timeout_s = 2.5\nmax_outbox_bytes = 65536\n")
+    daemon.proc.send_signal(signal.SIGHUP)
+    deadline_s = time.monotonic() + 10
+    while True:
+        with WireClient(daemon.socket_path) as client:
+            client.hello()
+            client.send({"op": "status", "id": "s"})
+            status = client.recv()
+        if status["connections"]["limit"] == 5 or time.monotonic() > deadline_s:
+            break
+        time.sleep(0.1)
+    assert status["connections"]["limit"] == 5
+    assert (status["settings"]["max_connections"], status["settings"]["hello_timeout_s"],
+            status["settings"]["max_outbox_bytes"], status["settings"]["frame_timeout_s"]) == (5, 2.5, 65536, 30.0)

@@ -30,6 +30,7 @@ import dataclasses
 import errno
 import itertools
 import logging
+import os
 import resource
 import socket
 import time
@@ -215,6 +216,8 @@ class Server:
             self.limits.max_connections)
 
     def _accept(self, listening: socket.socket) -> None:
+        if listening.fileno() < 0:
+            return  # closed under us (a failed start-up closes its listeners): nothing to accept
         for _ in range(ACCEPT_BATCH):
             try:
                 sock, _ = listening.accept()
@@ -275,7 +278,7 @@ class Server:
         await asyncio.gather(*leftover, return_exceptions=True)
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._connections) >= self.limits.max_connections:
+        if len(self._connections) >= self.limits.max_connections and not _from_this_process(writer):
             await self._refuse_busy(writer)
             return
         connection = Connection(self, reader, writer, next(self._connection_numbers))
@@ -339,6 +342,13 @@ class Server:
     def hello_event(self, request_id: RequestId) -> Event:
         return {"event": "hello", "id": request_id, "protocol": PROTOCOL_VERSION, "server": SERVER_NAME,
                 "model": self.model["name"], "max_frame_bytes": self.max_frame_bytes}
+
+
+def _from_this_process(writer: asyncio.StreamWriter) -> bool:
+    """The daemon's own start-up check (a hello to itself) is never refused for want of room:
+    clients that crowd the socket first must not be able to make it fail to start."""
+    peer = peer_credentials(writer.get_extra_info("socket"))
+    return peer is not None and peer.pid == os.getpid()
 
 
 def _drop_event(event: Event) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from colibrictl import display
 from colibrictl.connection import (
+    DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_SOCKET_PATH,
     ClientError,
     Connection,
@@ -55,8 +56,9 @@ exit status:
   0    ok (also when stdout was closed early, e.g. `| head`; the request is cancelled)
   1    the daemon refused or failed the request: "colibrictl: error [code]: message"
   2    usage error (bad option, empty prompt)
-  69   daemon not reachable (EX_UNAVAILABLE); the message names the socket tried
-       and how to start the daemon
+  69   daemon not reachable (EX_UNAVAILABLE), or it did not accept and answer
+       hello within --connect-timeout; the message names the socket tried and
+       how to start the daemon
   76   the daemon broke the protocol (EX_PROTOCOL)
   130  interrupted by Ctrl-C; the open request is cancelled first
 """
@@ -75,6 +77,11 @@ def _common_options() -> argparse.ArgumentParser:
     common.add_argument(
         "--socket", metavar="PATH", default=argparse.SUPPRESS,
         help=f"daemon socket (default: ${SOCKET_ENV} or {DEFAULT_SOCKET_PATH})",
+    )
+    common.add_argument(
+        "--connect-timeout", type=float, metavar="SECONDS", default=argparse.SUPPRESS,
+        help=f"give up (exit 69) if the daemon has not accepted and answered hello within SECONDS "
+             f"(default {DEFAULT_CONNECT_TIMEOUT_S:g}; 0: wait forever); the request itself has no limit",
     )
     common.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS,
@@ -134,7 +141,8 @@ def socket_path(args: argparse.Namespace) -> str:
 
 
 def connect(args: argparse.Namespace) -> Connection:
-    return Connection.open(socket_path(args))
+    timeout_s = getattr(args, "connect_timeout", DEFAULT_CONNECT_TIMEOUT_S)
+    return Connection.open(socket_path(args), timeout_s=timeout_s if timeout_s > 0 else None)
 
 
 def wants_json(args: argparse.Namespace) -> bool:

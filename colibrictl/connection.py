@@ -17,6 +17,7 @@ import collections
 import itertools
 import socket
 import struct
+import time
 from typing import Any, Iterator
 
 import msgpack
@@ -26,6 +27,10 @@ from colibrictl import __version__
 PROTOCOL_VERSION = 1
 CLIENT_NAME = f"colibrictl {__version__}"  # sent in hello, for the daemon's logs
 DEFAULT_SOCKET_PATH = "/run/colibri/colibrid.sock"
+# How long connecting and the hello may take. A daemon that is stuck, or has as many clients
+# as it takes and a full backlog, must not leave the client hanging; once greeted, waits are
+# the request's own (an ask may queue behind others for minutes), so they have no limit.
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
 
 _LENGTH = struct.Struct(">I")  # the frame header: one unsigned 32-bit big-endian length
 # What we accept from the daemon before its hello tells us its own limit. The daemon's limit
@@ -68,6 +73,10 @@ class RequestError(ClientError):
 
 class ProtocolViolation(ClientError):
     """The daemon sent something the protocol does not allow (a bad frame, a stray event)."""
+
+
+class _ReadTimedOut(Exception):
+    """A read outlasted the socket's timeout (only the handshake has one); Connection.open says so."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,6 +129,8 @@ class FrameReader:
         while len(self._buffer) < count:
             try:
                 chunk = self._sock.recv(max(_RECV_CHUNK_BYTES, count - len(self._buffer)))
+            except TimeoutError:
+                raise _ReadTimedOut() from None
             except OSError as error:
                 raise DaemonUnreachable(self._socket_path, f"connection lost ({error.strerror})")
             if not chunk:
@@ -135,8 +146,29 @@ class FrameReader:
 # --------------------------------------------------------------------------------------------
 
 
-def _describe_connect_failure(error: OSError) -> str:
+# How often a connect() refused for a full backlog is tried again, until the timeout.
+_CONNECT_RETRY_S = 0.05
+
+
+def _connect_by(sock: socket.socket, socket_path: str, deadline_s: float | None) -> None:
+    """connect(), waiting for room in the daemon's backlog until deadline_s (monotonic).
+
+    A Unix socket with a timeout is non-blocking underneath, and a non-blocking connect() to
+    a full backlog fails at once with EAGAIN instead of waiting like a blocking one."""
+    while True:
+        try:
+            sock.connect(socket_path)
+            return
+        except BlockingIOError:
+            if deadline_s is not None and time.monotonic() >= deadline_s:
+                raise TimeoutError("the daemon's backlog stayed full") from None
+            time.sleep(_CONNECT_RETRY_S)
+
+
+def _describe_connect_failure(error: OSError, timeout_s: float | None = None) -> str:
     """Say why connect() failed in words that point at the fix."""
+    if isinstance(error, TimeoutError):
+        return f"not accepted within {timeout_s:g} s (the daemon is stuck, or has all the clients it takes)"
     if isinstance(error, FileNotFoundError):
         return "no such socket (the daemon is not running, or uses another socket)"
     if isinstance(error, ConnectionRefusedError):
@@ -161,24 +193,32 @@ class Connection:
         self.max_request_bytes: int | None = None  # the daemon's limit, from its hello
 
     @classmethod
-    def open(cls, socket_path: str, client_name: str = CLIENT_NAME) -> "Connection":
-        """Connect and say hello; raises DaemonUnreachable, RequestError, ProtocolViolation."""
+    def open(cls, socket_path: str, client_name: str = CLIENT_NAME,
+             timeout_s: float | None = DEFAULT_CONNECT_TIMEOUT_S) -> "Connection":
+        """Connect and say hello, within timeout_s (None: no limit); raises DaemonUnreachable,
+        RequestError, ProtocolViolation."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
         try:
-            sock.connect(socket_path)
+            _connect_by(sock, socket_path, None if timeout_s is None else time.monotonic() + timeout_s)
         except OSError as error:
             sock.close()
-            raise DaemonUnreachable(socket_path, _describe_connect_failure(error)) from error
+            raise DaemonUnreachable(socket_path, _describe_connect_failure(error, timeout_s)) from error
         connection = cls(sock, socket_path)
         try:
-            connection._greet(client_name)
+            connection._greet(client_name, timeout_s)
+            sock.settimeout(None)
         except BaseException:  # including Ctrl-C during the handshake: never leak the socket
             connection.close()
             raise
         return connection
 
-    def _greet(self, client_name: str) -> None:
-        self.hello = self.request("hello", protocol=PROTOCOL_VERSION, client=client_name)
+    def _greet(self, client_name: str, timeout_s: float | None = None) -> None:
+        try:
+            self.hello = self.request("hello", protocol=PROTOCOL_VERSION, client=client_name)
+        except _ReadTimedOut:
+            raise DaemonUnreachable(self.socket_path, f"no answer to hello within {timeout_s:g} s "
+                                                      "(the daemon is stuck or overloaded)") from None
         if self.hello.get("protocol") != PROTOCOL_VERSION:
             raise ProtocolViolation(f"the daemon speaks protocol {self.hello.get('protocol')!r}")
         limit = self.hello.get("max_frame_bytes")
@@ -204,7 +244,7 @@ class Connection:
         try:
             self._sock.sendall(frame)
         except OSError as error:
-            raise DaemonUnreachable(self.socket_path, f"connection lost ({error.strerror})")
+            raise DaemonUnreachable(self.socket_path, f"connection lost ({error.strerror or 'timed out'})")
         self._open_ids.add(request_id)
         return request_id
 

@@ -33,6 +33,10 @@ MAX_SOCKET_PATH_BYTES = 107
 # A frame must hold a hello and a short ask; above 64 MiB one client could pin too much memory.
 MIN_FRAME_BYTES = 1024
 MAX_FRAME_BYTES = 64 * 1024 * 1024
+# Each connection costs a file descriptor and up to max_outbox_bytes of memory.
+MAX_CONNECTIONS = 65536
+MIN_OUTBOX_BYTES = 64 * 1024
+MAX_OUTBOX_BYTES = 256 * 1024 * 1024
 # Thermal thresholds a drive can meaningfully have, and the shortest poll: every poll makes the
 # drive answer SMART commands, so it must stay a matter of seconds, never a tight loop.
 MIN_THERMAL_C, MAX_THERMAL_C = 20.0, 120.0
@@ -52,6 +56,11 @@ class DaemonConfig:
     allow_groups: tuple[str | int, ...] = ()  # peers allowed by any of their groups (name or gid)
     max_queue: int = 16  # requests waiting beyond the one running
     max_frame_bytes: int = 1024 * 1024  # largest frame accepted or sent, length prefix excluded
+    max_connections: int = 128  # clients connected at once; one more gets `busy` and is closed
+    max_outbox_bytes: int = 1024 * 1024  # replies queued for one client before its requests wait
+    stalled_client_timeout_s: float = 30.0  # how long a client may leave max_outbox_bytes unread
+    hello_timeout_s: float = 10.0  # from connecting to a complete hello
+    frame_timeout_s: float = 30.0  # from a frame's first byte to its last
     max_context: int = 4096  # tokens one request may hold: prompt + generated
     default_max_tokens: int = 256  # for an ask without max_tokens
     cache_size: str = "50%"  # the expert cache (AEPC): bytes, "6G", or "40%" of the memory budget at start
@@ -119,6 +128,10 @@ def _parse_float_flag(text: str) -> float | str:
 
 def _number_at_least(minimum: float) -> Callable[[Any], bool]:
     return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v >= minimum
+
+
+def _positive_number(value: Any) -> bool:
+    return _number_at_least(0)(value) and value > 0
 
 
 def _is_size(value: Any) -> bool:
@@ -192,6 +205,19 @@ KEYS: tuple[_Key, ...] = (
          reloadable=True),
     _Key("max_frame_bytes", "largest request frame accepted, in bytes", f"must be an integer in [{MIN_FRAME_BYTES}, {MAX_FRAME_BYTES}]",
          _parse_int_flag, _int_at_least(MIN_FRAME_BYTES, MAX_FRAME_BYTES), "BYTES", reloadable=True),
+    _Key("max_connections", "clients connected at once; one more gets a busy error and is closed",
+         f"must be an integer in [1, {MAX_CONNECTIONS}]", _parse_int_flag, _int_at_least(1, MAX_CONNECTIONS), "N",
+         reloadable=True),
+    _Key("max_outbox_bytes", "bytes of replies queued for one client before its next requests wait",
+         f"must be an integer in [{MIN_OUTBOX_BYTES}, {MAX_OUTBOX_BYTES}]", _parse_int_flag,
+         _int_at_least(MIN_OUTBOX_BYTES, MAX_OUTBOX_BYTES), "BYTES", reloadable=True),
+    _Key("stalled_client_timeout_s", "seconds a client may leave more than max_outbox_bytes unread before it is closed",
+         "must be a number > 0 (seconds)", _parse_float_flag, _positive_number, "SECONDS", reloadable=True,
+         normalise=float),
+    _Key("hello_timeout_s", "seconds from connecting to a complete hello", "must be a number > 0 (seconds)",
+         _parse_float_flag, _positive_number, "SECONDS", reloadable=True, normalise=float),
+    _Key("frame_timeout_s", "seconds from a request frame's first byte to its last", "must be a number > 0 (seconds)",
+         _parse_float_flag, _positive_number, "SECONDS", reloadable=True, normalise=float),
     _Key("max_context", "tokens one request may hold, prompt plus output", "must be an integer >= 2 (tokens)", _parse_int_flag, _int_at_least(2), "TOKENS"),
     _Key("default_max_tokens", "tokens generated when an ask sets no max_tokens", "must be an integer >= 1", _parse_int_flag, _int_at_least(1), "N",
          reloadable=True),

@@ -40,7 +40,7 @@ from colibrid.logsetup import configure_logging, set_level
 from colibrid.memory import HugepageRecord, format_bytes, return_orphaned_hugepages
 from colibrid.protocol import LENGTH_PREFIX, PROTOCOL_VERSION, decode_body, encode_frame
 from colibrid.scheduler import Scheduler
-from colibrid.server import Server, model_name
+from colibrid.server import ClientLimits, Server, model_name
 from colibrid.systemd_notify import Notifier, watchdog_interval_s
 from colibrid.thermal.watch import ThermalSettings, ThermalWatch
 from colibrid.watchdog import Watchdog
@@ -151,7 +151,8 @@ class Daemon:
         affinity.pin_current_thread(cpus.io)  # the event loop and the threads it starts later
         self._server = Server(engine, self._scheduler, self.config.model, self.config.max_frame_bytes,
                               self.config.default_max_tokens,
-                              AccessPolicy(self.config.allow_users, self.config.allow_groups))
+                              AccessPolicy(self.config.allow_users, self.config.allow_groups),
+                              ClientLimits.from_config(self.config))
         self._server.machine = {"cpus": cpus.describe(), "nice": nice, "memory_budget": engine.experts.budget_status()}
         self._show_settings()
         await self._start_thermal_watch(engine)
@@ -371,6 +372,7 @@ class Daemon:
         self._server.max_frame_bytes = self.config.max_frame_bytes
         self._server.default_max_tokens = self.config.default_max_tokens
         self._server.access = AccessPolicy(self.config.allow_users, self.config.allow_groups)
+        self._server.limits = ClientLimits.from_config(self.config)
         if self._watchdog is not None:
             self._watchdog.stall_timeout_s = self.config.stall_timeout_s
         self._show_settings()
@@ -383,6 +385,7 @@ class Daemon:
             "stall_timeout_s": self.config.stall_timeout_s, "max_frame_bytes": self.config.max_frame_bytes,
             "default_max_tokens": self.config.default_max_tokens,
             "allow_users": list(self.config.allow_users), "allow_groups": list(self.config.allow_groups),
+            **dataclasses.asdict(ClientLimits.from_config(self.config)),
         }
 
     async def _report_status(self) -> None:

@@ -24,9 +24,13 @@ LENGTH_PREFIX = struct.Struct(">I")  # N, the body length in bytes
 # Errors after which the server cannot trust the byte stream or the client, so it closes the
 # connection; every other error ends only the request it names.
 CONNECTION_CLOSING_CODES = frozenset({"bad_frame", "frame_too_large", "bad_request", "unknown_op",
-                                      "unsupported_protocol", "forbidden"})
+                                      "unsupported_protocol", "forbidden", "timeout"})
 
 RequestId = Union[str, int]
+
+# The longest string id a request may carry, in UTF-8 bytes. Every event of a request repeats
+# its id, so without a bound one 900 kB id in an ask becomes hundreds of MB of token events.
+MAX_ID_BYTES = 256
 
 
 class ProtocolError(Exception):
@@ -126,7 +130,11 @@ def _is_number(value: Any) -> bool:
 
 
 def is_request_id(value: Any) -> bool:
-    return isinstance(value, str) or _is_int(value)
+    """A string of at most MAX_ID_BYTES (UTF-8) or an integer (msgpack bounds it to 64 bits)."""
+    if isinstance(value, str):
+        # Characters first: a long string is refused without encoding it.
+        return len(value) <= MAX_ID_BYTES and len(value.encode("utf-8", "surrogatepass")) <= MAX_ID_BYTES
+    return _is_int(value)
 
 
 def _is_message_list(value: Any) -> bool:
@@ -166,7 +174,8 @@ def parse_request(message: dict[str, Any], default_max_tokens: int,
     ``sampling_defaults`` (the model's generation_config.json) fill the sampling fields an ask omits."""
     request_id = message.get("id", _MISSING)
     if request_id is _MISSING or not is_request_id(request_id):
-        raise ProtocolError("bad_request", "every request needs an `id`: a string or an integer")
+        raise ProtocolError("bad_request", f"every request needs an `id`: a string of at most {MAX_ID_BYTES} "
+                                           "bytes or an integer")
     op = message.get("op", _MISSING)
     if not isinstance(op, str):
         raise ProtocolError("bad_request", "every request needs an `op` string", request_id)
@@ -212,7 +221,8 @@ def _parse_ask(message: dict[str, Any], request_id: RequestId, default_max_token
 def _parse_cancel(message: dict[str, Any], request_id: RequestId) -> Cancel:
     target = message.get("target", _MISSING)
     if not is_request_id(target):
-        raise ProtocolError("bad_request", "cancel needs `target`: the id (string or integer) of an open ask",
+        raise ProtocolError("bad_request", "cancel needs `target`: the id (string of at most "
+                                           f"{MAX_ID_BYTES} bytes, or integer) of an open ask",
                             request_id)
     return Cancel(request_id, target)
 

@@ -2,9 +2,20 @@
 
 Each connection has a reader (frames in -> requests) and a writer (an outbox of encoded frames
 -> the socket). Replies never write to the socket directly: they go into the outbox, so a
-client that reads slowly only grows its own outbox (bounded by the tokens it asked for) and
-never blocks the engine thread or another client. A connection that breaks the protocol gets
-one `error` and is closed; nothing it sends can reach the other connections.
+client that reads slowly never blocks the engine thread or another client. What one client
+can cost is bounded (ClientLimits, each a config key):
+
+  - its outbox: above max_outbox_bytes the reader stops taking its requests until the outbox
+    drains; if it stays above for stalled_client_timeout_s the client is closed (`slow_client`)
+    and its asks end as if it had disconnected, so the engine moves on;
+  - its time: the reader yields to the event loop after every request, so a pipeline of
+    thousands cannot keep the loop from other clients; a hello must arrive within
+    hello_timeout_s, and a frame that has begun within frame_timeout_s (`timeout`);
+  - the number of clients: past max_connections a new one gets `busy` and is closed, well
+    before the daemon runs out of file descriptors (which is logged once per interval).
+
+A connection that breaks the protocol gets one `error` and is closed; nothing it sends can
+reach the other connections.
 
 Each connection's peer credentials (SO_PEERCRED) are read when it is accepted, named in every
 log line about it, and checked against allow_users / allow_groups; a refused peer's first
@@ -14,9 +25,16 @@ request is answered with `forbidden` and the connection is closed.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
+import errno
 import itertools
 import logging
+import os
+import resource
+import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +60,78 @@ FLUSH_TIMEOUT_S = 5.0
 # How long shutdown waits for the engine thread to reach the end of its current token. A long
 # prompt's prefill cannot be interrupted; past this the daemon exits anyway (the thread is a daemon).
 WORKER_STOP_TIMEOUT_S = 10.0
+# File descriptors the daemon needs besides its connections: the pack's files, the listening
+# sockets, the event loop, the thermal watch, the log. max_connections must leave room for them.
+FDS_BESIDES_CONNECTIONS = 64
+# Warnings a client can provoke at will (refused connections, accept failures) are logged at
+# most once per this interval, with a count: a flood must not turn into a flood of log lines.
+REPEATED_WARNING_INTERVAL_S = 10.0
+# accept() errors that mean "out of a resource", not "this one connection failed": accepting
+# pauses for ACCEPT_RETRY_S (the kernel keeps the listening socket readable, so retrying at
+# once would spin), and the waiting clients stay in the backlog meanwhile.
+ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_RETRY_S = 1.0
+# Connections accepted per wake-up of a listening socket before the loop serves the others.
+ACCEPT_BATCH = 64
+
+
+@dataclass(frozen=True)
+class ClientLimits:
+    """What one client may cost the daemon; the config keys of the same names (all reloadable)."""
+
+    max_connections: int = 128
+    max_outbox_bytes: int = 1024 * 1024
+    stalled_client_timeout_s: float = 30.0
+    hello_timeout_s: float = 10.0
+    frame_timeout_s: float = 30.0
+
+    @classmethod
+    def from_config(cls, config) -> "ClientLimits":
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+
+class RepeatedWarning:
+    """A warning logged at most once per REPEATED_WARNING_INTERVAL_S, saying how many it stands for."""
+
+    def __init__(self, interval_s: float = REPEATED_WARNING_INTERVAL_S) -> None:
+        self.interval_s = interval_s
+        self.count = 0  # occurrences since start, for status
+        self._unreported = 0
+        self._last_logged_s: float | None = None
+
+    def warn(self, message: str, *args: Any) -> None:
+        self.count += 1
+        self._unreported += 1
+        now = time.monotonic()
+        if self._last_logged_s is not None and now - self._last_logged_s < self.interval_s:
+            return
+        if self._unreported > 1:
+            message += f" ({self._unreported} times in the last {now - self._last_logged_s:.0f} s)"
+        log.warning(message, *args)
+        self._last_logged_s, self._unreported = now, 0
+
+
+def raise_open_files_limit(max_connections: int) -> int:
+    """Raise RLIMIT_NOFILE's soft limit to the hard one (logged); warn if max_connections does not
+    fit under it. Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            log.info("open files limit raised from %d to %d (the hard limit)", soft, hard)
+            soft = hard
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open files limit from %d to %d: %s", soft, hard, exc)
+    if soft != resource.RLIM_INFINITY and max_connections + FDS_BESIDES_CONNECTIONS > soft:
+        log.warning("max_connections %d and the daemon's own ~%d files need more than the open files limit %d: "
+                    "past about %d connections new clients wait unanswered; raise LimitNOFILE= or lower "
+                    "max_connections", max_connections, FDS_BESIDES_CONNECTIONS, soft,
+                    max(0, soft - FDS_BESIDES_CONNECTIONS))
+    return soft
+
+
+class ClientTooSlow(Exception):
+    """The client left more than max_outbox_bytes unread for stalled_client_timeout_s."""
 
 
 def model_name(pack_path: Path) -> str:
@@ -64,7 +154,8 @@ def describe_model(engine, pack_path: Path) -> dict[str, Any]:
 
 class Server:
     def __init__(self, engine, scheduler: Scheduler, pack_path: Path, max_frame_bytes: int,
-                 default_max_tokens: int, access: AccessPolicy | None = None) -> None:
+                 default_max_tokens: int, access: AccessPolicy | None = None,
+                 limits: ClientLimits | None = None) -> None:
         self.engine = engine
         self.scheduler = scheduler
         self.model = describe_model(engine, pack_path)
@@ -72,22 +163,89 @@ class Server:
         self.max_frame_bytes = max_frame_bytes
         self.default_max_tokens = default_max_tokens
         self.access = access or AccessPolicy()
+        self.limits = limits or ClientLimits()  # replaced on reload too
         self.machine: dict[str, Any] = {}  # what status shows of the daemon's setup (cpus, nice, ...)
         self.thermal = None  # the daemon's ThermalWatch, once started: status() and status_line()
         self.started_s = time.monotonic()
         self._connections: set[Connection] = set()
         self._connection_numbers = itertools.count(1)
-        self._asyncio_servers: list[asyncio.AbstractServer] = []
+        self._listener_sockets: list[socket.socket] = []  # those we accept on
+        self._accept_retry: asyncio.TimerHandle | None = None  # set while accepting is paused
+        self._connection_tasks: set[asyncio.Task] = set()
         self._listening: list[dict[str, Any]] = []
+        self._refused_busy = RepeatedWarning()
+        self._accept_failures = RepeatedWarning()
 
     async def start(self, listeners: list[Listener]) -> None:
+        raise_open_files_limit(self.limits.max_connections)
         for listener in listeners:
-            self._asyncio_servers.append(await asyncio.start_unix_server(self._serve_connection, sock=listener.sock))
+            listener.sock.setblocking(False)
+            self._listener_sockets.append(listener.sock)
             self._listening.append({"address": listener.address, "inherited": listener.inherited})
+        self._resume_accepting()
 
     def stop_accepting(self) -> None:
-        for asyncio_server in self._asyncio_servers:
-            asyncio_server.close()
+        loop = asyncio.get_running_loop()
+        if self._accept_retry is not None:
+            self._accept_retry.cancel()
+            self._accept_retry = None
+        for sock in self._listener_sockets:
+            if sock.fileno() >= 0:
+                loop.remove_reader(sock.fileno())
+        self._listener_sockets = []
+
+    # -- accepting -------------------------------------------------------------------------
+    # Our own accept loop rather than asyncio.start_unix_server's: out of file descriptors,
+    # that one logs a traceback per failed accept (over a thousand a second here) and keeps
+    # retrying on a timer even after the server is closed.
+
+    def _resume_accepting(self) -> None:
+        self._accept_retry = None
+        loop = asyncio.get_running_loop()
+        for sock in self._listener_sockets:
+            loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        loop = asyncio.get_running_loop()
+        for sock in self._listener_sockets:
+            loop.remove_reader(sock.fileno())
+        self._accept_retry = loop.call_later(ACCEPT_RETRY_S, self._resume_accepting)
+        self._accept_failures.warn(
+            "cannot accept connections: %s (%d connections open); new clients wait until some close. "
+            "Raise LimitNOFILE= or lower max_connections (%d)", exc.strerror, len(self._connection_tasks),
+            self.limits.max_connections)
+
+    def _accept(self, listening: socket.socket) -> None:
+        if listening.fileno() < 0:
+            return  # closed under us (a failed start-up closes its listeners): nothing to accept
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, _ = listening.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return  # nobody else is waiting
+            except OSError as exc:
+                if exc.errno not in ACCEPT_RESOURCE_ERRNOS:
+                    raise
+                self._pause_accepting(exc)
+                return
+            sock.setblocking(False)
+            task = asyncio.get_running_loop().create_task(self._serve_socket(sock))
+            self._connection_tasks.add(task)
+            task.add_done_callback(self._connection_ended)
+
+    def _connection_ended(self, task: asyncio.Task) -> None:
+        self._connection_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a connection failed unexpectedly", exc_info=task.exception())
+
+    async def _serve_socket(self, sock: socket.socket) -> None:
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except OSError as exc:  # out of memory or descriptors for the event loop's own needs
+            log.debug("could not set up an accepted connection: %s", exc)
+            sock.close()
+            return
+        await self._serve_connection(reader, writer)
 
     async def drain(self, grace_s: float, cut_short: asyncio.Event) -> None:
         """Let accepted requests finish for up to grace_s (or until cut_short is set); refuse new ones."""
@@ -114,14 +272,34 @@ class Server:
             log.warning("the engine thread did not stop within %.0f s; exiting without it", WORKER_STOP_TIMEOUT_S)
         await asyncio.sleep(0)  # the worker's last events are queued on the loop; let them reach the outboxes
         await asyncio.gather(*(connection.close() for connection in list(self._connections)))
+        leftover = [task for task in self._connection_tasks if not task.done()]  # accepted as we stopped
+        for task in leftover:
+            task.cancel()
+        await asyncio.gather(*leftover, return_exceptions=True)
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._connections) >= self.limits.max_connections and not _from_this_process(writer):
+            await self._refuse_busy(writer)
+            return
         connection = Connection(self, reader, writer, next(self._connection_numbers))
         self._connections.add(connection)
         try:
             await connection.serve()
         finally:
             self._connections.discard(connection)
+
+    async def _refuse_busy(self, writer: asyncio.StreamWriter) -> None:
+        """One `busy` error (id null), then close: the client learns at once instead of hanging."""
+        limit = self.limits.max_connections
+        self._refused_busy.warn("refused a connection: %d are open (max_connections)", limit)
+        writer.write(encode_frame(error_event(None, "busy", f"colibrid serves at most {limit} connections at once "
+                                                            "(max_connections); try again later")))
+        writer.close()
+        try:
+            await asyncio.wait_for(writer.wait_closed(), 1.0)
+        except (asyncio.TimeoutError, ConnectionError, OSError):
+            pass
+        writer.transport.abort()
 
     # -- replies that need the whole daemon's view ---------------------------------------
 
@@ -142,6 +320,9 @@ class Server:
             "queue_limit": self.scheduler.max_queue,
             "version": __version__,
             "listening": self._listening,
+            "connections": {"open": len(self._connections), "limit": self.limits.max_connections,
+                            "refused_busy": self._refused_busy.count,
+                            "accept_failures": self._accept_failures.count},
             **({"thermal": self.thermal.status()} if self.thermal is not None else {}),
             **self.machine,
         }
@@ -163,6 +344,13 @@ class Server:
                 "model": self.model["name"], "max_frame_bytes": self.max_frame_bytes}
 
 
+def _from_this_process(writer: asyncio.StreamWriter) -> bool:
+    """The daemon's own start-up check (a hello to itself) is never refused for want of room:
+    clients that crowd the socket first must not be able to make it fail to start."""
+    peer = peer_credentials(writer.get_extra_info("socket"))
+    return peer is not None and peer.pid == os.getpid()
+
+
 def _drop_event(event: Event) -> None:
     """A Job's emit until its connection provides the real one."""
 
@@ -179,7 +367,14 @@ class Connection:
         self._reader = reader
         self._writer = writer
         self._loop = asyncio.get_running_loop()
-        self._outbox: asyncio.Queue[bytes | None] = asyncio.Queue()  # None: flush and close
+        # Encoded frames not yet handed to the socket, and their total size. The reader waits
+        # for room (below max_outbox_bytes) before it takes the next request.
+        self._outbox: collections.deque[bytes] = collections.deque()
+        self._outbox_bytes = 0
+        self._outbox_over_limit_since_s: float | None = None  # monotonic; None while within the limit
+        self._outbox_has_room = asyncio.Event()
+        self._outbox_has_room.set()
+        self._frame_queued = asyncio.Event()  # wakes the writer: a frame, or _closed set
         self._open_asks: dict[RequestId, Job] = {}
         self._greeted = False
         self._closed = False  # no more frames are queued once set
@@ -213,7 +408,7 @@ class Connection:
             self.server.scheduler.withdraw(job, STOP_DISCONNECTED)
         self._open_asks.clear()
         self._closed = True
-        self._outbox.put_nowait(None)
+        self._frame_queued.set()  # the writer sends what is queued, then returns
         try:
             await asyncio.wait_for(self._write_task, FLUSH_TIMEOUT_S)
             self._writer.close()  # unlike abort(), sends what is still buffered first
@@ -228,9 +423,12 @@ class Connection:
     # -- reading ---------------------------------------------------------------------------
 
     async def _read_requests(self) -> None:
+        hello_deadline_s = self._loop.time() + self.server.limits.hello_timeout_s
         while True:
+            # A client that does not read its replies gets no more of them made for it.
+            await self._outbox_has_room.wait()
             try:
-                message = await self._read_frame()
+                message = await self._read_frame(None if self._greeted else hello_deadline_s)
                 if message is None:
                     return  # the client closed the connection between frames
                 self._handle(message)
@@ -239,21 +437,46 @@ class Connection:
                 self.send(error_event(exc.request_id, exc.code, exc.message))
                 if exc.closes_connection:
                     return
+            # Requests that are already buffered are read without waiting, so a pipeline of
+            # thousands would hold the loop: let other connections (and accept) go between two.
+            await asyncio.sleep(0)
 
-    async def _read_frame(self) -> dict[str, Any] | None:
+    async def _read_frame(self, hello_deadline_s: float | None) -> dict[str, Any] | None:
+        """The next frame's map; None if the client closed between frames. Before hello the whole
+        frame must arrive by hello_deadline_s; after, a frame may take frame_timeout_s once begun."""
         try:
-            prefix = await self._reader.readexactly(LENGTH_PREFIX.size)
-        except asyncio.IncompleteReadError as exc:
-            if not exc.partial:
-                return None
+            first_byte = await self._read_by(1, hello_deadline_s, "hello")
+        except asyncio.IncompleteReadError:
+            return None
+        frame_deadline_s = self._loop.time() + self.server.limits.frame_timeout_s
+        deadline_s, waited_for = frame_deadline_s, "frame"
+        if hello_deadline_s is not None and hello_deadline_s < frame_deadline_s:
+            deadline_s, waited_for = hello_deadline_s, "hello"
+        try:
+            prefix = first_byte + await self._read_by(LENGTH_PREFIX.size - 1, deadline_s, waited_for)
+        except asyncio.IncompleteReadError:
             raise ProtocolError("bad_frame", "connection closed in the middle of a length prefix") from None
         length = body_length(prefix, self.server.max_frame_bytes)  # checked before reading: never allocate it
         try:
-            body = await self._reader.readexactly(length)
+            body = await self._read_by(length, deadline_s, waited_for)
         except asyncio.IncompleteReadError as exc:
             raise ProtocolError("bad_frame", f"connection closed after {len(exc.partial)} of {length} bytes "
                                              "of a frame") from None
         return decode_body(body)
+
+    async def _read_by(self, count: int, deadline_s: float | None, waited_for: str) -> bytes:
+        """readexactly(count), or a `timeout` error if the bytes have not all come by deadline_s."""
+        if deadline_s is None:
+            return await self._reader.readexactly(count)
+        try:
+            return await asyncio.wait_for(self._reader.readexactly(count), max(0.0, deadline_s - self._loop.time()))
+        except asyncio.TimeoutError:
+            limits = self.server.limits
+            if waited_for == "hello":
+                message = f"no hello within hello_timeout_s ({limits.hello_timeout_s:g} s) of connecting"
+            else:
+                message = f"a frame began but did not end within frame_timeout_s ({limits.frame_timeout_s:g} s)"
+            raise ProtocolError("timeout", message) from None
 
     def _handle(self, message: dict[str, Any]) -> None:
         if not self.server.access.allows(self.peer):
@@ -326,16 +549,73 @@ class Connection:
         self.send(event)
 
     def send(self, event: Event) -> None:
-        if not self._closed:
-            self._outbox.put_nowait(encode_frame(event))
+        if self._closed:
+            return
+        frame = encode_frame(event)
+        self._outbox.append(frame)
+        self._outbox_bytes += len(frame)
+        self._frame_queued.set()
+        if self._outbox_bytes > self.server.limits.max_outbox_bytes and self._outbox_over_limit_since_s is None:
+            self._outbox_over_limit_since_s = time.monotonic()
+            self._outbox_has_room.clear()
+
+    def _take_frame(self) -> bytes:
+        frame = self._outbox.popleft()
+        self._outbox_bytes -= len(frame)
+        if self._outbox_bytes <= self.server.limits.max_outbox_bytes:
+            self._outbox_over_limit_since_s = None
+            self._outbox_has_room.set()
+        return frame
+
+    def _seconds_until_too_slow(self) -> float:
+        """How long the outbox may stay over its limit from now on (the timeout while within it)."""
+        timeout_s = self.server.limits.stalled_client_timeout_s
+        if self._outbox_over_limit_since_s is None:
+            return timeout_s
+        return max(0.0, self._outbox_over_limit_since_s + timeout_s - time.monotonic())
 
     async def _write_frames(self) -> None:
         try:
-            while (frame := await self._outbox.get()) is not None:
-                self._writer.write(frame)
-                await self._writer.drain()
+            while True:
+                if not self._outbox:
+                    if self._closed:
+                        return
+                    self._frame_queued.clear()
+                    await self._frame_queued.wait()
+                    continue
+                self._writer.write(self._take_frame())
+                await self._drain()
+        except ClientTooSlow:
+            self._close_too_slow()
         except (ConnectionError, OSError) as exc:
             log.debug("%s: write failed: %s", self.name, exc)
             self._closed = True
             if self._read_task is not None:
                 self._read_task.cancel()  # the client is gone: stop waiting for its requests
+
+    async def _drain(self) -> None:
+        """Wait until the socket takes more; ClientTooSlow once the outbox has been over
+        max_outbox_bytes for stalled_client_timeout_s."""
+        while True:
+            try:
+                await asyncio.wait_for(self._writer.drain(), self._seconds_until_too_slow())
+                return
+            except asyncio.TimeoutError:
+                if self._outbox_over_limit_since_s is not None and self._seconds_until_too_slow() == 0.0:
+                    raise ClientTooSlow() from None
+
+    def _close_too_slow(self) -> None:
+        """Drop what it did not read, tell it why (after what the kernel already holds for it), stop
+        reading; serve() then ends its asks as for a disconnect, which frees the engine."""
+        limits = self.server.limits
+        log.warning("%s: closed: more than %d bytes of replies stayed unread for %g s "
+                    "(max_outbox_bytes, stalled_client_timeout_s)", self.name, limits.max_outbox_bytes,
+                    limits.stalled_client_timeout_s)
+        self._outbox.clear()
+        self._outbox_bytes = 0
+        self._closed = True
+        self._writer.write(encode_frame(error_event(
+            None, "slow_client", f"more than {limits.max_outbox_bytes} bytes of replies stayed unread for "
+                                 f"{limits.stalled_client_timeout_s:g} s; the connection is closed")))
+        if self._read_task is not None:
+            self._read_task.cancel()

@@ -49,6 +49,10 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(pack.path)
         self.sampling_defaults = _sampling_defaults(Path(pack.path))
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.config.max_position_embeddings)
+        # No text longer than this can fit in max_context tokens (Tokenizer.max_token_bytes says
+        # why), so longer prompts are refused before the tokenizer spends seconds and hundreds
+        # of MB on them. Real text runs at about 4 bytes a token, so a prompt that fits is far below.
+        self.max_prompt_bytes = self.max_context * self.tokenizer.max_token_bytes
         self.parameters_total, self.parameters_active = parameter_counts(self.config)
 
     def set_experts(self, experts: ExpertSource) -> ExpertSource:
@@ -70,13 +74,26 @@ class Engine:
 
     def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None,
                    system: str | None = None, raw: bool = False) -> list[int]:
-        """Token ids for a raw prompt or a chat; chats go through the model's template."""
+        """Token ids for a raw prompt or a chat; chats go through the model's template.
+        ValueError, before any tokenizing, if the text is too long to fit in max_context."""
+        self._check_prompt_bytes(prompt, messages, system)
         if messages is None:
             if raw or not self.tokenizer.has_chat_template:
                 text = prompt if system is None else f"{system}\n\n{prompt}"
                 return self.tokenizer.encode(text or "", add_special_tokens=True)
             messages = [{"role": "user", "content": prompt or ""}]
         return self.tokenizer.encode_chat(messages, system=system)
+
+    def _check_prompt_bytes(self, prompt: str | None, messages: list[dict] | None, system: str | None) -> None:
+        texts = [prompt or "", system or "", *(value for message in messages or () for value in message.values())]
+        # Encoding to count costs about a millisecond per MB: nothing next to tokenizing it.
+        prompt_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts if isinstance(text, str))
+        if prompt_bytes > self.max_prompt_bytes:
+            raise ValueError(
+                f"the prompt is {prompt_bytes} bytes; max_context {self.max_context} tokens of this model's "
+                f"tokenizer (at most {self.tokenizer.max_token_bytes} bytes each) hold at most "
+                f"{self.max_prompt_bytes} bytes"
+            )
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  session: Session | None = None) -> Iterator[GenerationEvent | GenerationDone]:

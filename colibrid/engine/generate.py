@@ -103,6 +103,16 @@ def _check_prompt_fits(session: GenerationSession, prompt_ids: Sequence[int]) ->
         )
 
 
+def tokens_possible(session: GenerationSession, prompt_tokens: int, params: SamplingParams) -> int:
+    """The most tokens a generation of `prompt_tokens` can sample: max_tokens, bounded by the context.
+
+    After the prompt, each sampled token but the last is fed back into the KV cache; the last
+    one sampled when the cache is full ends the generation ("context"), hence the + 1.
+    """
+    free_after_prompt = session.max_context - session.n_past - prompt_tokens
+    return min(params.max_tokens, free_after_prompt + 1)
+
+
 @dataclass
 class _Counters:
     """Timing and counts of one generation, for GenerationDone."""
@@ -141,7 +151,9 @@ def _generate(
     stop_matcher = StopMatcher(params.stop)
     eos_ids = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
     # Every id so far, for the repetition penalty: one preallocated buffer, no per-step copies.
-    history = np.empty(len(prompt_ids) + params.max_tokens, dtype=np.int64)  # (prompt + max_tokens,)
+    # Sized by what can really be generated, never by max_tokens alone (a client may send 2**64-1).
+    history = np.empty(len(prompt_ids) + tokens_possible(session, len(prompt_ids), params),
+                       dtype=np.int64)  # (prompt + generated,)
     history[: len(prompt_ids)] = prompt_ids
     history_len = len(prompt_ids)
     counters = _Counters(start_s=time.perf_counter())

@@ -22,6 +22,11 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
+# A temperature below this samples as greedy (argmax). Dividing logits by a tiny temperature
+# overflows (1e-310 is a denormal: every score becomes +-inf and softmax NaN, garbage tokens);
+# long before that, softmax(scores / T) puts all its mass on the best token anyway. vLLM uses
+# the same threshold.
+GREEDY_TEMPERATURE_BELOW = 1e-5
 # OpenAI and vLLM cap alternatives per token at 20; more is rarely useful and costs a sort.
 MAX_TOP_LOGPROBS = 20
 # Top-p first looks for its nucleus among this many best tokens (one partial sort), then among
@@ -33,7 +38,7 @@ TOP_P_FIRST_CANDIDATES = 1024
 class SamplingParams:
     """How to pick tokens and when to stop. Defaults mean: plain sampling at temperature 1."""
 
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
@@ -64,7 +69,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE_BELOW
 
 
 # generation_config.json keys that set a sampling default, and SamplingParams' name for each.

@@ -20,6 +20,7 @@ UTF-8 character, in O(1) decode work per token.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -342,6 +343,21 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 length of the longest vocabulary entry, added tokens included: at most how many
+        bytes of text one token can stand for.
+
+        A vocabulary entry spells what its token covers, never in fewer bytes: byte-level BPE
+        maps each byte to one 1-2 byte character ("Ġ" for a space), SentencePiece writes a space
+        as the 3-byte "▁" and a fallback byte as "<0x0A>", special tokens match their own text.
+        So a text of B bytes needs at least B / max_token_bytes tokens - as long as the
+        normalizer does not delete text, which these tokenizers' normalizers (none, prepend,
+        replace a space) do not. Computed once (the engine asks at load).
+        """
+        return max((len(entry.encode("utf-8")) for entry in self._backend.get_vocab(with_added_tokens=True)),
+                   default=1)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of `token_id` (e.g. "▁world", "Ġworld"), not its decoded text."""

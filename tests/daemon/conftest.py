@@ -42,11 +42,12 @@ def socket_dir():
 
 @pytest.fixture
 def start_daemon(demo_pack, socket_dir):
-    """start_daemon(*flags) -> a running DaemonProcess; every one started is stopped at the end."""
+    """start_daemon(*flags) -> a running DaemonProcess; every one started is stopped at the end.
+    preexec_fn runs in the daemon's process before it starts (to lower a resource limit, say)."""
     started: list[DaemonProcess] = []
 
-    def start(*flags: str, socket_name: str = "colibrid.sock") -> DaemonProcess:
-        daemon = DaemonProcess(demo_pack, socket_dir / "run" / socket_name, *flags)
+    def start(*flags: str, socket_name: str = "colibrid.sock", preexec_fn=None) -> DaemonProcess:
+        daemon = DaemonProcess(demo_pack, socket_dir / "run" / socket_name, *flags, preexec_fn=preexec_fn)
         started.append(daemon)
         return daemon
 

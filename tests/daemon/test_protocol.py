@@ -91,3 +91,24 @@ def test_refusals_carry_the_code_the_document_gives(message, code):
         parse(message)
     assert caught.value.code == code
     assert caught.value.closes_connection == (code not in ("invalid_params",))
+
+
+def test_a_string_id_may_be_256_bytes_long():
+    assert parse({"op": "status", "id": "x" * 256}) == Status("x" * 256)
+    assert parse({"op": "status", "id": "é" * 128}) == Status("é" * 128)  # 256 bytes in UTF-8
+
+
+@pytest.mark.parametrize("request_id", ["x" * 257, "é" * 129, "7" * 900_000],
+                         ids=["257-ascii", "258-bytes-utf8", "900-kB"])
+def test_a_longer_id_is_a_bad_request_without_an_id(request_id):
+    # Every event of a request repeats its id: a long one would be copied into each token event.
+    with pytest.raises(ProtocolError) as caught:
+        parse({"op": "ask", "id": request_id, "prompt": "hi"})
+    assert caught.value.code == "bad_request" and caught.value.request_id is None
+    assert "256 bytes" in caught.value.message
+
+
+def test_a_cancel_target_longer_than_256_bytes_is_a_bad_request():
+    with pytest.raises(ProtocolError) as caught:
+        parse({"op": "cancel", "id": "c", "target": "t" * 257})
+    assert caught.value.code == "bad_request" and caught.value.request_id == "c"

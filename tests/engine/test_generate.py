@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -157,6 +159,19 @@ def test_length_wins_over_context_on_the_same_token(tokenizer, eos, prompt):
     session = ScriptedSession(tokenizer.vocab_size, [5, 6, 7], max_context=len(prompt) + 1)
     _, done = _run(session, tokenizer, prompt, max_tokens=2, **GREEDY)
     assert done.finish_reason == "length"
+
+
+@pytest.mark.parametrize("max_tokens", [2**32, 2**64 - 1], ids=["2**32", "uint64-max"])
+def test_a_huge_max_tokens_is_bounded_by_the_context_without_allocating_for_it(tokenizer, prompt, max_tokens):
+    session = ScriptedSession(tokenizer.vocab_size, [5, 6, 7], max_context=len(prompt) + 4)
+    tracemalloc.start()
+    try:
+        events, done = _run(session, tokenizer, prompt, max_tokens=max_tokens, **GREEDY)
+        _, peak_bytes = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert done.finish_reason == "context" and len(events) == 5
+    assert peak_bytes < 1 << 20  # nothing in proportion to max_tokens (2**32 int64 ids would be 32 GiB)
 
 
 def test_bad_requests_fail_before_any_work(tokenizer, prompt):

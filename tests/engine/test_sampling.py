@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from colibrid.engine.sampling import (
+    GREEDY_TEMPERATURE_BELOW,
     MAX_TOP_LOGPROBS,
     TOP_P_FIRST_CANDIDATES,
     Sampler,
@@ -162,6 +163,21 @@ def test_greedy_ignores_top_k_top_p_min_p_and_temperature():
     logits = _logits(500, 3)
     params = SamplingParams(temperature=0.0, top_k=3, top_p=0.1, min_p=0.9)
     assert Sampler(params).sample(logits, []).token_id == int(np.argmax(logits))
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-300, GREEDY_TEMPERATURE_BELOW / 2],
+                         ids=["denormal", "smallest-denormal", "tiny", "half-the-threshold"])
+def test_a_temperature_below_the_threshold_is_greedy(temperature):
+    # Dividing by a denormal made every score infinite and the draw garbage.
+    for seed in range(20):
+        logits = _logits(1000, seed, scale=30.0)
+        sampler = Sampler(SamplingParams(temperature=temperature, seed=seed))
+        assert sampler.sample(logits, []).token_id == int(np.argmax(logits))
+
+
+def test_the_threshold_itself_samples():
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE_BELOW).is_greedy
+    assert SamplingParams(temperature=0.0).is_greedy
 
 
 def test_same_seed_same_tokens_different_seed_different_tokens():

@@ -228,7 +228,8 @@ class Daemon:
         try:
             pack = Pack.open(c.model)
             experts = self._expert_cache(pack, c.cache_size)
-            engine = Engine(pack, experts=experts, max_context=c.max_context)
+            engine = Engine(pack, experts=experts, max_context=c.max_context,
+                            parse_special_tokens_in_content=c.parse_special_tokens_in_content)
         except PackError as exc:  # its message already names the pack and the fix
             raise StartupError(f"cannot load the model: {exc}") from None
         except ExpertCacheError as exc:  # its message says how to fix the machine

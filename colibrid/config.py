@@ -63,6 +63,7 @@ class DaemonConfig:
     frame_timeout_s: float = 30.0  # from a frame's first byte to its last
     max_context: int = 4096  # tokens one request may hold: prompt + generated
     default_max_tokens: int = 256  # for an ask without max_tokens
+    parse_special_tokens_in_content: bool = False  # True: "<|im_start|>" in a chat message becomes the special token
     cache_size: str = "50%"  # the expert cache (AEPC): bytes, "6G", or "40%" of the memory budget at start
     cache_policy: str = "lru"  # eviction: "lru" or "lfru" (frequency-aware, per-layer quotas)
     io_queue_depth: int = 16  # expert reads in flight at most
@@ -117,6 +118,10 @@ def _parse_int_flag(text: str) -> int | str:
         return int(text)
     except ValueError:
         return text  # left as a string, so the check fails and the message shows what was given
+
+
+def _parse_bool_flag(text: str) -> bool | str:
+    return {"true": True, "false": False}.get(text, text)
 
 
 def _parse_float_flag(text: str) -> float | str:
@@ -221,6 +226,9 @@ KEYS: tuple[_Key, ...] = (
     _Key("max_context", "tokens one request may hold, prompt plus output", "must be an integer >= 2 (tokens)", _parse_int_flag, _int_at_least(2), "TOKENS"),
     _Key("default_max_tokens", "tokens generated when an ask sets no max_tokens", "must be an integer >= 1", _parse_int_flag, _int_at_least(1), "N",
          reloadable=True),
+    _Key("parse_special_tokens_in_content", "let special-token text in chat messages become special tokens "
+         "(transformers' behaviour; lets clients forge roles): true or false",
+         "must be true or false", _parse_bool_flag, lambda v: isinstance(v, bool), "BOOL"),
     _Key("cache_size", 'memory for routed experts: bytes, "6G", "512M" or "40%" of MemAvailable or, if smaller, '
          'of the room left under the cgroup memory limit',
          'must be a size above 0: bytes (123), K/M/G/T ("512M", "6G") or a percentage of the memory budget ("40%")',

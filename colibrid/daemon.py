@@ -245,7 +245,8 @@ class Daemon:
             pack = Pack.open(c.model)
             experts = self._expert_cache(pack, c.cache_size)
             try:
-                engine = Engine(pack, experts=experts, max_context=c.max_context)
+                engine = Engine(pack, experts=experts, max_context=c.max_context,
+                                parse_special_tokens_in_content=c.parse_special_tokens_in_content)
             except BaseException:
                 experts.close()  # frees the cache and gives back the hugepages raised for it
                 raise

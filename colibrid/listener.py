@@ -10,6 +10,18 @@ connections. So before binding, the path is probed: if a daemon answers there, s
 second one would steal its clients, and we refuse; if nobody answers, the file is stale and is
 replaced. On the way out we remove the file only if it is still ours - another daemon may have
 replaced it meanwhile.
+
+colibrid usually runs as root or as its own user, and the socket path is a name other users may
+be able to touch. Like OpenSSH's StrictModes, we only create a socket in a directory that nobody
+else can change: the directory and every ancestor must be owned by root or by us and must not be
+writable by group or others unless the sticky bit is set (as on /tmp, where others cannot remove
+or rename our file). In such a directory nobody else can plant or swap a symlink at our path
+between a check and its use, so what we check is what bind() and chown() then act on. The walk
+itself goes one component at a time from "/" with file descriptors, following a symlink only if
+root or we own it, and checking the directories it leads to as well. Directories it creates get
+mode 0755 whatever the umask (the socket's own mode and group are the gate); the socket gets
+its mode at creation (umask around bind()), and its group from an lchown-style call that never
+follows a link.
 """
 
 from __future__ import annotations
@@ -125,55 +137,197 @@ def _address(sock: socket.socket) -> str:
 
 def open_listener(path: Path, group: str = "") -> Listener:
     """A bound, listening Unix stream socket at `path` (mode 0660, `group` if it exists), its directory created."""
+    directory_fd = _open_trusted_directory(Path(os.path.abspath(path.parent)))
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ListenerError(f"cannot create the socket directory {path.parent}: {exc.strerror}") from None
-    _remove_if_stale(path)
+        _remove_if_stale(path, directory_fd)
+        sock = _bind(path)
+        try:
+            # Between bind() and listen() every connect() is refused, so setting the group here
+            # leaves no moment in which the socket is open to more users than intended.
+            inode = _check_is_our_socket(path, directory_fd)
+            _set_group(path, directory_fd, group)
+            sock.listen(LISTEN_BACKLOG)
+        except (OSError, ListenerError) as exc:
+            sock.close()
+            if isinstance(exc, ListenerError):
+                raise
+            raise ListenerError(f"cannot listen on {path}: {exc.strerror}") from None
+    finally:
+        os.close(directory_fd)
+    sock.setblocking(False)
+    return Listener(sock, os.fspath(path), inode)
+
+
+def _bind(path: Path) -> socket.socket:
+    """A socket bound at `path`, created with SOCKET_MODE: never a moment with a wider mode, no chmod by name.
+
+    bind() creates the file with 0777 minus the umask; the umask is process-wide, but nothing
+    else creates files while the daemon starts (the engine is loaded, its threads only read).
+    """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    previous_umask = os.umask(0o777 & ~SOCKET_MODE)
     try:
         sock.bind(os.fspath(path))
-        # Between bind() and listen() every connect() is refused, so setting the mode and group
-        # here leaves no moment in which the file is open to more users than intended.
-        os.chmod(path, SOCKET_MODE)
-        _set_group(path, group)
-        sock.listen(LISTEN_BACKLOG)
     except OSError as exc:
         sock.close()
         raise ListenerError(f"cannot listen on {path}: {exc.strerror}") from None
-    sock.setblocking(False)
-    return Listener(sock, os.fspath(path), path.lstat().st_ino)
+    finally:
+        os.umask(previous_umask)
+    return sock
 
 
-def _set_group(path: Path, group: str) -> None:
+def _check_is_our_socket(path: Path, directory_fd: int) -> int:
+    """The inode of the socket bind() just made; refuse if something else is at the name by now."""
+    st = os.stat(path.name, dir_fd=directory_fd, follow_symlinks=False)
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        raise ListenerError(f"{path} was replaced right after colibrid created it; "
+                            "check who else can write to its directory")
+    return st.st_ino
+
+
+def _set_group(path: Path, directory_fd: int, group: str) -> None:
     if not group:
         return
     try:
         gid = grp.getgrnam(group).gr_gid
     except KeyError:
-        log.debug("group %s does not exist; %s keeps the group %d", group, path, path.lstat().st_gid)
+        log.debug("group %s does not exist; %s keeps the group %d", group, path,
+                  os.stat(path.name, dir_fd=directory_fd, follow_symlinks=False).st_gid)
         return
-    if path.lstat().st_gid == gid:
+    if os.stat(path.name, dir_fd=directory_fd, follow_symlinks=False).st_gid == gid:
         return  # already (colibrid running as that group): no chown, which a seccomp filter may forbid
     try:
-        os.chown(path, -1, gid)
+        # follow_symlinks=False: should the name be a link by now, the link changes group, never its target.
+        os.chown(path.name, -1, gid, dir_fd=directory_fd, follow_symlinks=False)
     except PermissionError:
         log.warning("cannot give %s to group %s (colibrid is neither root nor a member); "
                     "only its own user can connect", path, group)
 
 
-def _remove_if_stale(path: Path) -> None:
+def _remove_if_stale(path: Path, directory_fd: int) -> None:
     try:
-        mode = path.lstat().st_mode
+        st = os.stat(path.name, dir_fd=directory_fd, follow_symlinks=False)
     except FileNotFoundError:
         return
-    if not stat.S_ISSOCK(mode):
+    if not stat.S_ISSOCK(st.st_mode):
         raise ListenerError(f"{path} exists and is not a socket; remove it or choose another --socket")
     if _answers(path):
         raise ListenerError(f"another colibrid is already serving on {path}; stop it first "
                             "(or choose another --socket)")
+    if st.st_uid not in _trusted_owners():
+        # In a sticky directory (/tmp) another user may leave a dead socket at our path; it is
+        # theirs, not a leftover of ours, and they could swap it for something else meanwhile.
+        raise ListenerError(f"{path} is a stale socket of uid {st.st_uid}, not ours; "
+                            "remove it (as that user or root) or choose another --socket")
     log.info("removing stale socket %s (nobody answers on it)", path)
-    path.unlink()
+    os.unlink(path.name, dir_fd=directory_fd)  # unlink never follows a link
+
+
+# -- the socket's directory, StrictModes style ------------------------------------------------
+
+MAX_SYMLINKS = 40  # as the kernel's path walk (ELOOP)
+CREATED_DIRECTORY_MODE = 0o755  # others may reach the socket; its own mode and group decide who connects
+
+
+def _trusted_owners() -> tuple[int, ...]:
+    return (0, os.geteuid())
+
+
+def _open_trusted_directory(directory: Path) -> int:
+    """An O_PATH fd of `directory` (absolute), reached from "/" one component at a time.
+
+    Every directory on the way, the last included, must pass _check_trusted; a missing one is
+    created (CREATED_DIRECTORY_MODE); a symlink is followed only if root or we own it, and the
+    directories it leads to are checked like the others. Raises ListenerError saying what to fix.
+    """
+    stack = [_open_directory("/", None)]  # fds of the directories walked so far, "/" first
+    shown = ["/"]  # their names, for messages
+    try:
+        _check_trusted(stack[-1], "/")
+        pending = list(directory.parts[1:])
+        links_followed = 0
+        while pending:
+            name = pending.pop(0)
+            if name in ("", "."):
+                continue
+            if name == "..":
+                if len(stack) > 1:
+                    os.close(stack.pop())
+                    shown.pop()
+                continue
+            where = os.path.join(shown[-1], name)
+            target = _symlink_target(stack[-1], name, where)
+            if target is not None:
+                links_followed += 1
+                if links_followed > MAX_SYMLINKS:
+                    raise ListenerError(f"too many symlinks on the way to {directory}")
+                if target.startswith("/"):
+                    while len(stack) > 1:
+                        os.close(stack.pop())
+                        shown.pop()
+                pending[:0] = Path(target).parts[1 if target.startswith("/") else 0:]
+                continue
+            stack.append(_open_or_create_directory(stack[-1], name, where))
+            shown.append(where)
+            _check_trusted(stack[-1], where)
+        return stack.pop()
+    except OSError as exc:
+        raise ListenerError(f"cannot use the socket directory {directory}: {exc.strerror}") from None
+    finally:
+        for fd in stack:
+            os.close(fd)
+
+
+def _symlink_target(parent_fd: int, name: str, where: str) -> str | None:
+    """The target of `name` if it is a symlink we may follow, None if it is not a symlink (or missing)."""
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISLNK(st.st_mode):
+        return None
+    if st.st_uid not in _trusted_owners():
+        raise ListenerError(f"refusing the socket path: {where} is a symlink owned by uid {st.st_uid}, "
+                            "who could point it anywhere; use a path without it")
+    return os.readlink(name, dir_fd=parent_fd)
+
+
+def _open_directory(name: str, parent_fd: int | None) -> int:
+    return os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+
+
+def _open_or_create_directory(parent_fd: int, name: str, where: str) -> int:
+    try:
+        return _open_directory(name, parent_fd)
+    except FileNotFoundError:
+        pass
+    try:
+        os.mkdir(name, CREATED_DIRECTORY_MODE, dir_fd=parent_fd)
+    except FileExistsError:
+        return _open_directory(name, parent_fd)  # created meanwhile by someone the parent trusts
+    # mkdir() applied the umask (under umask 000 the directory would be world-writable): set
+    # the mode on what we created, through a descriptor, not by name.
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+    try:
+        os.fchmod(fd, CREATED_DIRECTORY_MODE)
+    finally:
+        os.close(fd)
+    log.debug("created the socket directory %s (mode %04o)", where, CREATED_DIRECTORY_MODE)
+    return _open_directory(name, parent_fd)
+
+
+def _check_trusted(fd: int, where: str) -> None:
+    """Refuse a directory that someone other than root or us could change (OpenSSH's StrictModes)."""
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ListenerError(f"cannot use the socket path: {where} is not a directory")
+    if st.st_uid not in _trusted_owners():
+        raise ListenerError(f"refusing to create the socket under {where}: it is owned by uid {st.st_uid}, "
+                            f"neither root nor colibrid's user ({os.geteuid()}); chown it or choose another --socket")
+    writable_by_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable_by_others and not st.st_mode & stat.S_ISVTX:
+        raise ListenerError(f"refusing to create the socket under {where}: mode {stat.S_IMODE(st.st_mode):04o} "
+                            "lets other users replace it; chmod go-w (or +t, as /tmp) it, or choose another --socket")
 
 
 def _answers(path: Path) -> bool:

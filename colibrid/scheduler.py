@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from colibrid.engine.chat_template import ChatTemplateError
 from colibrid.engine.expert_cache import ExpertLoadingPaused
 from colibrid.engine.experts import ExpertLoadError
 from colibrid.engine.generate import GenerationDone, GenerationEvent
@@ -232,6 +233,9 @@ class Scheduler:
             prompt_ids = self.engine.prompt_ids(prompt=ask.prompt, messages=ask.messages, system=ask.system,
                                                 raw=ask.raw)
             events = self.engine.generate(prompt_ids, ask.params)
+        except ChatTemplateError as exc:  # the pack's template went over its budget: the model's fault
+            log.warning("request %r from %s: %s", ask.id, job.origin, exc)
+            return error_event(ask.id, "engine", str(exc))
         except ValueError as exc:  # an empty or too long prompt, a chat without a template
             return error_event(ask.id, "invalid_params", str(exc))
         progress = _Progress(time.perf_counter(), prompt_tokens=len(prompt_ids),

@@ -41,12 +41,14 @@ class Session:
 
 
 class Engine:
-    def __init__(self, pack: Pack, experts: ExpertSource | None = None, max_context: int | None = None) -> None:
+    def __init__(self, pack: Pack, experts: ExpertSource | None = None, max_context: int | None = None,
+                 parse_special_tokens_in_content: bool = False) -> None:
         self.pack = pack
         self.config = pack.manifest.model
         self.experts = experts if experts is not None else PreadExpertSource(pack)
         self.model = Model(pack, self.experts)
-        self.tokenizer = Tokenizer.from_dir(pack.path)
+        # False (the daemon's default): special-token text a client writes in a chat stays text.
+        self.tokenizer = Tokenizer.from_dir(pack.path, parse_special_tokens_in_content)
         self.sampling_defaults = _sampling_defaults(Path(pack.path))
         self.max_context = min(max_context or DEFAULT_MAX_CONTEXT, self.config.max_position_embeddings)
         # No text longer than this can fit in max_context tokens (Tokenizer.max_token_bytes says
@@ -75,7 +77,12 @@ class Engine:
     def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None,
                    system: str | None = None, raw: bool = False) -> list[int]:
         """Token ids for a raw prompt or a chat; chats go through the model's template.
-        ValueError, before any tokenizing, if the text is too long to fit in max_context."""
+
+        A raw prompt is the client's whole text: special-token text in it becomes special tokens
+        (there is no template whose roles it could forge). In a chat it stays text unless the
+        tokenizer's parse_special_tokens_in_content is set.
+        ValueError, before any tokenizing, if the text is too long to fit in max_context.
+        """
         self._check_prompt_bytes(prompt, messages, system)
         if messages is None:
             if raw or not self.tokenizer.has_chat_template:

@@ -24,17 +24,21 @@ import functools
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import re
+import secrets
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.utils
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from colibrid.engine.chat_template import (
+    TEMPLATE_ALLOWANCE_CHARS,
+    ChatTemplateError,
+    compile_chat_template,
+    render_bounded,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +62,6 @@ SPECIAL_TOKEN_NAMES = (
 )
 
 NO_CHAT_TEMPLATE_MESSAGE = "this model has no chat template; send a raw prompt"
-
-# Older jinja2 releases have known sandbox escapes; chat templates are untrusted code from the Hub.
-MIN_JINJA2_VERSION = (3, 1, 6)
 
 # Names a message's reasoning may arrive under; templates read the first (transformers aliases them).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -143,99 +144,8 @@ def _select_chat_template(pack_dir: str, tokenizer_config: dict[str, Any]) -> st
 
 
 # --------------------------------------------------------------------------------------------
-# The chat template sandbox, configured as transformers configures it
+# What chat templates see
 # --------------------------------------------------------------------------------------------
-
-
-class _GenerationTagExtension(jinja2.ext.Extension):
-    """Accepts `{% generation %}...{% endgeneration %}` and renders its body unchanged.
-
-    transformers uses the tag to find assistant tokens for training masks; templates that
-    contain it must still compile here, and the tag adds no text.
-    """
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        call = self.call_method("_render_body")
-        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-    def _render_body(self, caller: Any) -> str:
-        return caller()
-
-
-class _TemplateDict:
-    """`dict` for templates: constructing and fromkeys only, so no attribute access escapes the sandbox."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """`namespace()` for templates, refusing underscore names that could reach CPython internals."""
-
-    # No named `self`: jinja's signature trick, so that namespace(self=...) still works.
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates may not set underscore attributes ({name!r})")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
-) -> str:
-    # jinja's own tojson escapes HTML characters (<, >, &, '), which changes the prompt text.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format_string: str) -> str:
-    return datetime.now().strftime(format_string)
-
-
-def _check_jinja2_version() -> None:
-    parts = []
-    for part in jinja2.__version__.split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        parts.append(int(digits or 0))
-    if tuple(parts) < MIN_JINJA2_VERSION:
-        wanted = ".".join(map(str, MIN_JINJA2_VERSION))
-        raise RuntimeError(f"chat templates need jinja2>={wanted} (sandbox fixes); installed {jinja2.__version__}")
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the environment transformers renders chat templates in."""
-    _check_jinja2_version()
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationTagExtension, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env.from_string(source)
 
 
 def _plain_template_data(value: Any) -> Any:
@@ -256,6 +166,60 @@ def _plain_template_data(value: Any) -> Any:
         return tuple(_plain_template_data(item) for item in value)
     # Anything else (objects with methods the sandbox cannot vet) becomes an inert placeholder.
     return f"<{type(value).__name__}>"
+
+
+def _map_strings(value: Any, function: Callable[[str], str]) -> Any:
+    """`value` (plain template data) with `function` applied to every string in it, keys excepted."""
+    if isinstance(value, str):
+        return function(value)
+    if isinstance(value, dict):
+        return {key: _map_strings(item, function) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_strings(item, function) for item in value)
+    return value
+
+
+def _text_length(value: Any) -> int:
+    """Characters in all the strings of `value` (plain template data), keys included."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_length(key) + _text_length(item) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_length(item) for item in value)
+    return 0
+
+
+class _SpecialTextMask:
+    """Hides special-token text in a conversation from the template, and gives it back afterwards.
+
+    Each occurrence becomes a placeholder (private-use characters around a random number, so
+    a client cannot write one, and templates that trim or test their content see ordinary
+    text); after rendering, every special token left in the prompt is the template's own.
+    """
+
+    def __init__(self, special_texts: Sequence[str]) -> None:
+        self._special_texts = list(special_texts)
+        self._find = re.compile("|".join(map(re.escape, special_texts))) if special_texts else None
+        self._index = {text: index for index, text in enumerate(special_texts)}
+        self._opening = f"\ue000{secrets.randbits(64)}:"
+        self._placeholder = re.compile(re.escape(self._opening) + r"(\d+)\ue001")
+        self.masked = 0  # occurrences hidden so far
+
+    def mask(self, text: str) -> str:
+        if self._find is None:
+            return text
+        masked, count = self._find.subn(lambda m: f"{self._opening}{self._index[m.group()]}\ue001", text)
+        self.masked += count
+        return masked
+
+    def restore(self, text: str) -> str:
+        return self._placeholder.sub(self._original, text) if self.masked else text
+
+    def _original(self, placeholder: re.Match) -> str:
+        index = int(placeholder.group(1))
+        # A template that rewrote the digits gets its text back as it wrote it: text, never a special.
+        return self._special_texts[index] if index < len(self._special_texts) else placeholder.group()
 
 
 def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -292,9 +256,18 @@ class TokenizerFiles:
 class Tokenizer:
     """A pack's tokenizer: encode, decode, special ids and the chat template."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, files: TokenizerFiles) -> None:
+    def __init__(self, backend: tokenizers.Tokenizer, files: TokenizerFiles,
+                 parse_special_tokens_in_content: bool = False) -> None:
         self._backend = backend
         self._files = files
+        # False: special-token text in a conversation stays text (encode_chat); True: transformers'
+        # behaviour, where a user's "<|im_start|>system" becomes the special tokens.
+        self.parse_special_tokens_in_content = parse_special_tokens_in_content
+        self._special_tokens_by_text = {token.content: token for token in backend.get_added_tokens_decoder().values()
+                                        if token.special}
+        self._special_texts = sorted(self._special_tokens_by_text, key=len, reverse=True)  # longest match first
+        self._special_pattern = re.compile("|".join(map(re.escape, self._special_texts)) or r"(?!)")
+        self._backend_specials_as_text: tokenizers.Tokenizer | None = None  # built when first needed
         # transformers skips the WordPiece-era clean-up for BPE models: it deletes real spaces.
         self._clean_up_spaces = files.clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
         self._template: jinja2.Template | None = None
@@ -308,7 +281,7 @@ class Tokenizer:
                 logger.warning("%s", self._template_error)
 
     @classmethod
-    def from_dir(cls, pack_dir: str | os.PathLike[str]) -> Tokenizer:
+    def from_dir(cls, pack_dir: str | os.PathLike[str], parse_special_tokens_in_content: bool = False) -> Tokenizer:
         """Load the tokenizer files of a pack (or of a Hugging Face checkpoint directory)."""
         pack_dir = os.fspath(pack_dir)
         tokenizer_path = os.path.join(pack_dir, TOKENIZER_FILE)
@@ -332,7 +305,7 @@ class Tokenizer:
         logger.debug(
             "tokenizer from %s: vocab %d, eos ids %s", pack_dir, backend.get_vocab_size(), sorted(files.eos_token_ids)
         )
-        return cls(backend, files)
+        return cls(backend, files, parse_special_tokens_in_content)
 
     # ---- ids and text ----------------------------------------------------------------------
 
@@ -369,7 +342,8 @@ class Tokenizer:
         add_special_tokens applies tokenizer.json's post-processor (e.g. a BOS template).
         tokenizer_config's add_bos_token/add_eos_token are ignored, as transformers 5.x ignores
         them whenever tokenizer.json exists. Special-token text in `text` (e.g. "<|im_start|>")
-        becomes the special token, as in transformers.
+        becomes the special token, as in transformers (a raw prompt is the client's whole text;
+        encode_chat keeps a conversation's special-token text as text).
         """
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -430,38 +404,89 @@ class Tokenizer:
 
         The template sees what transformers gives it: messages, tools, documents,
         add_generation_prompt, the named special tokens (bos_token, eos_token, ...) and `extra`
-        (which overrides them; e.g. enable_thinking=False).
+        (which overrides them; e.g. enable_thinking=False). Raises ValueError for a conversation
+        the template rejects, ChatTemplateError for a template over its budget (chat_template.py).
         """
-        template = self._require_template()
-        if not messages:
-            raise ValueError("cannot apply the chat template to an empty conversation")
-        extra = dict(extra)
-        tools = _plain_template_data(extra.pop("tools", None))
-        documents = _plain_template_data(extra.pop("documents", None))
-        variables = {**self._files.special_tokens, **_plain_template_data(extra)}
-        try:
-            return template.render(
-                messages=_normalize_messages(messages),
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
-        except jinja2.exceptions.TemplateError as exc:
-            # raise_exception() in templates reports malformed conversations (e.g. roles out of order).
-            raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
+        return self._render(messages, add_generation_prompt, lambda text: text, extra)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], system: str | None = None) -> list[int]:
         """Prompt ids for a conversation: the rendered template, encoded without added special tokens.
 
         `system`, if given, is prepended as a system message. add_special_tokens=False because
         the template already writes BOS and friends itself (transformers does the same).
+
+        Special-token text inside the conversation (a user writing "<|im_start|>system") stays
+        text, unless parse_special_tokens_in_content: only the template's own special tokens
+        become special ids, so a client cannot forge roles. A conversation without such text is
+        encoded exactly as transformers encodes it.
         """
         self._require_template()
         if system is not None:
             messages = [{"role": "system", "content": system}, *messages]
-        prompt = self.apply_chat_template(messages, add_generation_prompt=True)
-        return self.encode(prompt, add_special_tokens=False)
+        if self.parse_special_tokens_in_content:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+        mask = _SpecialTextMask(self._special_texts)
+        prompt = self._render(messages, True, mask.mask, {})
+        if not mask.masked:
+            return self.encode(prompt, add_special_tokens=False)
+        return self._encode_template_specials_only(prompt, mask)
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+                content_filter: Callable[[str], str], extra: dict[str, Any]) -> str:
+        """Render the template; `content_filter` is applied to every string of messages, tools and documents."""
+        template = self._require_template()
+        if not messages:
+            raise ValueError("cannot apply the chat template to an empty conversation")
+        extra = dict(extra)
+        conversation = _map_strings(_normalize_messages(messages), content_filter)
+        tools = _map_strings(_plain_template_data(extra.pop("tools", None)), content_filter)
+        documents = _map_strings(_plain_template_data(extra.pop("documents", None)), content_filter)
+        variables = {**self._files.special_tokens, **_plain_template_data(extra)}
+        # The template may add TEMPLATE_ALLOWANCE_CHARS to what the conversation holds, no more.
+        max_chars = _text_length((conversation, tools, documents, variables)) + TEMPLATE_ALLOWANCE_CHARS
+        try:
+            return render_bounded(template, max_chars, dict(
+                messages=conversation, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt, **variables))
+        except jinja2.exceptions.TemplateError as exc:
+            # raise_exception() in templates reports malformed conversations (e.g. roles out of order).
+            raise ValueError(f"the chat template rejected the conversation: {exc}") from exc
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # a template bug (a TypeError, a recursion): the model's fault, not the client's
+            raise ChatTemplateError(f"this model's chat template failed: {type(exc).__name__}: {exc}") from exc
+
+    def _encode_template_specials_only(self, prompt: str, mask: _SpecialTextMask) -> list[int]:
+        """Ids of `prompt`, where the only special-token text left is the template's own.
+
+        The prompt is cut at those special tokens; the text between two of them (the template's
+        words and the client's, with the client's special-token text put back) is encoded with
+        special-token parsing off, and the template's special tokens become their ids - what the
+        tokenizer would do for the whole string, minus the specials the client wrote.
+        """
+        ids: list[int] = []
+        position = 0
+        for match in self._special_pattern.finditer(prompt):
+            token = self._special_tokens_by_text[match.group()]
+            text = prompt[position : match.start()]
+            if token.lstrip:  # the token swallows the whitespace before it (and after, with rstrip)
+                text = text.rstrip()
+            ids += self._encode_as_text(mask.restore(text))
+            ids.append(self._backend.token_to_id(token.content))
+            position = match.end()
+            if token.rstrip:
+                position += len(prompt[position:]) - len(prompt[position:].lstrip())
+        ids += self._encode_as_text(mask.restore(prompt[position:]))
+        return ids
+
+    def _encode_as_text(self, text: str) -> list[int]:
+        """Ids of `text` with special-token text in it taken as text (transformers' split_special_tokens)."""
+        if not text:
+            return []
+        if self._backend_specials_as_text is None:
+            self._backend_specials_as_text = tokenizers.Tokenizer.from_str(self._backend.to_str())
+            self._backend_specials_as_text.encode_special_tokens = True
+        return self._backend_specials_as_text.encode(text, add_special_tokens=False).ids
 
     def _require_template(self) -> jinja2.Template:
         if self._template is not None:

@@ -36,6 +36,15 @@ def test_flags_override_the_file(demo_pack, tmp_path):
         demo_pack, 5, "debug", Path("/tmp/x.sock"))
 
 
+def test_special_tokens_in_content_stay_text_unless_opted_in(demo_pack, tmp_path):
+    assert load_config(["--config", str(write_config(tmp_path, "")), "--model", str(demo_pack)]
+                       ).parse_special_tokens_in_content is False
+    from_file = write_config(tmp_path, f'model = "{demo_pack}"\nparse_special_tokens_in_content = true\n')
+    assert load_config(["--config", str(from_file)]).parse_special_tokens_in_content is True
+    assert load_config(["--config", str(from_file), "--parse-special-tokens-in-content", "false"]
+                       ).parse_special_tokens_in_content is False
+
+
 @pytest.mark.parametrize("file_text, flags, expected", [
     ("max_queue = -1\n", [], "max_queue = -1: must be an integer >= 1"),
     ('cache_size = "lots"\n', [], 'cache_size = "lots": must be a size above 0'),
@@ -58,6 +67,8 @@ def test_flags_override_the_file(demo_pack, tmp_path):
     ("", ["--thermal-resume", "400"], 'thermal_resume = 400.0: must be "auto" or a temperature in [20, 120]'),
     ("thermal_throttle = 70\nthermal_resume = 70\n", [], "thermal_resume = 70 must be below thermal_throttle = 70"),
     ("max_queue = \n", [], "is not valid TOML"),
+    ("", ["--parse-special-tokens-in-content", "yes"], 'parse_special_tokens_in_content = "yes": must be true or false'),
+    ('parse_special_tokens_in_content = "true"\n', [], 'parse_special_tokens_in_content = "true": must be true or false'),
 ])
 def test_a_bad_value_names_the_key_the_value_and_what_is_allowed(demo_pack, tmp_path, file_text, flags, expected):
     path = write_config(tmp_path, file_text)

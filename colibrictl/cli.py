@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from colibrictl import display
+from colibrictl import __version__, display
 from colibrictl.connection import (
     DEFAULT_SOCKET_PATH,
     ClientError,
@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[common],
     )
+    parser.add_argument("--version", action="version", version=f"colibrictl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ask = commands.add_parser("ask", parents=[common], help="ask the model; stream the answer",
                               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 
+from colibrid import __version__
 from colibrid.convert.converter import ConversionError, convert
 from colibrid.convert.quant_spec import DEFAULT_QUANT, TENSOR_CLASSES, TYPE_NAMES, parse_quant
 from colibrid.models import supported_names
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="alignment of tensors and expert records, a power of two >= 4096 (default 4096)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    parser.add_argument("--version", action="version", version=f"colibri-convert {__version__}")
     return parser
 
 

@@ -6,12 +6,14 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 from colibrid import __version__
 from colibrid.convert.converter import ConversionError, convert
 from colibrid.convert.quant_spec import DEFAULT_QUANT, TENSOR_CLASSES, TYPE_NAMES, parse_quant
 from colibrid.models import supported_names
 from colibrid.native import ColibriError
+from colibrid.pack.manifest import Manifest
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -42,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def describe_experts(pack: Path) -> str:
+    """'4 layers of 16 experts': the shape people compare with the model card, rather than the
+    number of records (64), which reads like the model's expert count."""
+    records = Manifest.read(pack).expert_records
+    layers = len({record.layer for record in records})
+    experts_per_layer = len({record.expert for record in records})
+    return f"{layers} layer{'s' * (layers != 1)} of {experts_per_layer} expert{'s' * (experts_per_layer != 1)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="colibri-convert: warning: %(message)s")
@@ -63,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quiet:
         seconds = time.monotonic() - started
         print(
-            f"wrote {report.out}: {report.architecture}, {report.num_expert_records} experts, "
+            f"wrote {report.out}: {report.architecture}, {describe_experts(Path(report.out))}, "
             f"dense {report.dense_bytes / 1e6:.1f} MB + experts {report.experts_bytes / 1e6:.1f} MB "
             f"({', '.join(f'{c}={t}' for c, t in quant.to_json().items())}) in {seconds:.1f}s",
             file=sys.stderr,

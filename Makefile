@@ -24,6 +24,9 @@ SYSCTLDIR ?= $(LIBDIR)/sysctl.d
 DOCDIR ?= $(PREFIX)/share/doc/colibri
 
 INSTALL ?= install
+# The documents installed next to the units (their Documentation= names two); install and
+# uninstall both read this one list, so they cannot drift apart.
+DOCS = systemd.md protocol.md thermal.md
 # The units name the colibrid executable and the docs by absolute path, known only at install.
 SUBSTITUTE = sed -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@DOCDIR@|$(DOCDIR)|g'
 
@@ -42,7 +45,7 @@ install:
 	$(INSTALL) -m 0644 systemd/tmpfiles.d/colibri.conf $(DESTDIR)$(TMPFILESDIR)/colibri.conf
 	$(INSTALL) -m 0644 udev/60-colibri-nvme.rules $(DESTDIR)$(UDEVRULESDIR)/60-colibri-nvme.rules
 	$(INSTALL) -m 0644 etc/sysctl.d/60-colibri.conf $(DESTDIR)$(SYSCTLDIR)/60-colibri.conf
-	$(INSTALL) -m 0644 docs/systemd.md docs/protocol.md docs/thermal.md $(DESTDIR)$(DOCDIR)/
+	$(INSTALL) -m 0644 $(addprefix docs/,$(DOCS)) $(DESTDIR)$(DOCDIR)/
 	@# The config is the admin's once installed: never overwrite an edited one.
 	test -e $(DESTDIR)$(SYSCONFDIR)/colibri/colibrid.toml || \
 		$(INSTALL) -m 0644 etc/colibri/colibrid.toml $(DESTDIR)$(SYSCONFDIR)/colibri/colibrid.toml
@@ -51,7 +54,8 @@ uninstall:
 	rm -f $(DESTDIR)$(UNITDIR)/colibrid.service $(DESTDIR)$(UNITDIR)/colibrid.socket \
 		$(DESTDIR)$(SYSUSERSDIR)/colibri.conf $(DESTDIR)$(TMPFILESDIR)/colibri.conf \
 		$(DESTDIR)$(UDEVRULESDIR)/60-colibri-nvme.rules $(DESTDIR)$(SYSCTLDIR)/60-colibri.conf \
-		$(DESTDIR)$(DOCDIR)/systemd.md $(DESTDIR)$(DOCDIR)/protocol.md
+		$(addprefix $(DESTDIR)$(DOCDIR)/,$(DOCS))
+	-rmdir $(DESTDIR)$(DOCDIR) 2>/dev/null
 	@echo "left in place: $(SYSCONFDIR)/colibri/colibrid.toml, /var/lib/colibri and the colibri user"
 
 activate:

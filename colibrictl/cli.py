@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from colibrictl import display
+from colibrictl import __version__, display
 from colibrictl.connection import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_SOCKET_PATH,
@@ -43,14 +43,21 @@ socket:
   --socket PATH, else ${SOCKET_ENV}, else {DEFAULT_SOCKET_PATH}.
 
 ask:
-  The prompt is the words after `ask`; with none it is read from stdin (verbatim),
-  so `cat notes.txt | colibrictl ask --system "Summarize this"` works. The answer
-  is written to stdout as it is generated (flushed per token; --no-stream: once, at
-  the end). Always, on a terminal or not, it ends with a newline unless it is empty
-  or already ends with one -- also when an error or Ctrl-C cuts it short.
+  The prompt is the words after `ask`; with none it is read from stdin, so
+  `cat notes.txt | colibrictl ask --system "Summarize this"` works. One final
+  newline of stdin is dropped: `echo "class Stack:" | colibrictl ask --raw` asks
+  what `colibrictl ask --raw "class Stack:"` asks. --stdin-verbatim sends stdin's
+  exact bytes.
+  The answer is written to stdout as it is generated (flushed per token;
+  --no-stream: once, at the end). Always, on a terminal or not, it
+  ends with a newline unless it is empty or already ends with one -- also
+  when an error or Ctrl-C cuts it short.
   --json writes one JSON object per event per line: token events (token_ids, text;
   with --logprobs N also logprob and top_logprobs), then the done event
-  (finish_reason, text, usage), or an error event.
+  (finish_reason, text, usage), or an error event. After Ctrl-C the last line is
+  {{"event": "cancelled", "id", "text", "generated_tokens"}}: what was received
+  before the interrupt. So the last line tells a complete answer (done) from a
+  failed (error) or a cut-off (cancelled) one.
 
 exit status:
   0    ok (also when stdout was closed early, e.g. `| head`; the request is cancelled)
@@ -94,6 +101,8 @@ def _add_ask_options(ask: argparse.ArgumentParser) -> None:
     ask.add_argument("prompt", nargs="*", help="the prompt (default: read from stdin)")
     ask.add_argument("--system", metavar="TEXT", help="system prompt")
     ask.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
+    ask.add_argument("--stdin-verbatim", action="store_true",
+                     help="send stdin's exact bytes as the prompt, its final newline included")
     ask.add_argument("--no-stream", dest="stream", action="store_false",
                      help="print the answer once, when it is complete "
                           "(with --json: only the done event)")
@@ -123,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         parents=[common],
     )
+    parser.add_argument("--version", action="version", version=f"colibrictl {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     ask = commands.add_parser("ask", parents=[common], help="ask the model; stream the answer",
                               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -175,7 +185,8 @@ def _error(message: str) -> None:
 
 
 def read_prompt(args: argparse.Namespace) -> str:
-    """The prompt from the command line, or else all of stdin (verbatim, as UTF-8)."""
+    """The prompt from the command line, or else all of stdin as UTF-8, less one final newline
+    unless --stdin-verbatim."""
     if args.prompt:
         prompt = " ".join(args.prompt)
     elif sys.stdin is None:
@@ -184,9 +195,20 @@ def read_prompt(args: argparse.Namespace) -> str:
         if sys.stdin.isatty():  # otherwise a bare `colibrictl ask` would seem to hang
             _error("reading the prompt from stdin; end it with Ctrl-D")
         prompt = sys.stdin.buffer.read().decode("utf-8", errors="replace")
+        if not args.stdin_verbatim:
+            prompt = drop_final_newline(prompt)
     if not prompt.strip():
         args.parser.error("the prompt is empty")
     return prompt
+
+
+def drop_final_newline(text: str) -> str:
+    """'class Stack:\n' → 'class Stack:'. echo, a here-string and an editor all end the text
+    with a newline nobody means as part of the prompt, and a raw prompt that ends in one is
+    continued differently. Only one goes: a blank line the writer added on purpose stays."""
+    if text.endswith("\r\n"):
+        return text[:-2]
+    return text[:-1] if text.endswith("\n") else text
 
 
 # argparse destination → protocol field, for the options that are sent only when given.
@@ -271,14 +293,28 @@ def _end_line(shown: str) -> None:
 
 
 def _print_events_as_json(connection: Connection, request_id: int, stream: bool) -> None:
+    received: list[str] = []  # the text of every token event, for the cancelled line
+    received_tokens = 0
     try:
         for event in connection.events(request_id):
+            if event["event"] == "token":
+                received.append(str(event.get("text") or ""))
+                received_tokens += len(event.get("token_ids") or ())
             if stream or event["event"] != "token":
                 _emit_json(event)
     except RequestError as error:
         # A machine reading stdout learns of the failure in the same format as the rest.
         _emit_json({"event": "error", "id": error.request_id,
                     "code": error.code, "message": error.message})
+        raise
+    except KeyboardInterrupt:
+        # Without a last line of its own, an answer cut by Ctrl-C would look like one whose
+        # done line is still to come. A failure to write must not hide the interrupt.
+        try:
+            _emit_json({"event": "cancelled", "id": request_id, "text": "".join(received),
+                        "generated_tokens": received_tokens})
+        except OSError:
+            pass
         raise
 
 

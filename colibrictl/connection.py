@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import socket
+import stat
 import struct
 import time
 from typing import Any, Iterator
@@ -165,14 +167,29 @@ def _connect_by(sock: socket.socket, socket_path: str, deadline_s: float | None)
             time.sleep(_CONNECT_RETRY_S)
 
 
-def _describe_connect_failure(error: OSError, timeout_s: float | None = None) -> str:
+def _not_a_socket(socket_path: str) -> str | None:
+    """What the path is when it is no socket: connect() says only "connection refused" for a
+    regular file or a directory, which sends people looking for a daemon that is not the
+    problem."""
+    try:
+        mode = os.stat(socket_path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISDIR(mode):
+        return "that is a directory, not a socket (name the socket inside it, e.g. colibrid.sock)"
+    if not stat.S_ISSOCK(mode):
+        return "that is a regular file, not a socket" if stat.S_ISREG(mode) else "that is not a socket"
+    return None
+
+
+def _describe_connect_failure(error: OSError, socket_path: str, timeout_s: float | None = None) -> str:
     """Say why connect() failed in words that point at the fix."""
     if isinstance(error, TimeoutError):
         return f"not accepted within {timeout_s:g} s (the daemon is stuck, or has all the clients it takes)"
     if isinstance(error, FileNotFoundError):
         return "no such socket (the daemon is not running, or uses another socket)"
     if isinstance(error, ConnectionRefusedError):
-        return "connection refused (nothing is listening on that socket)"
+        return _not_a_socket(socket_path) or "connection refused (nothing is listening on that socket)"
     if isinstance(error, PermissionError):
         return "permission denied (check the socket's mode and your group membership)"
     return error.strerror or str(error)
@@ -203,7 +220,7 @@ class Connection:
             _connect_by(sock, socket_path, None if timeout_s is None else time.monotonic() + timeout_s)
         except OSError as error:
             sock.close()
-            raise DaemonUnreachable(socket_path, _describe_connect_failure(error, timeout_s)) from error
+            raise DaemonUnreachable(socket_path, _describe_connect_failure(error, socket_path, timeout_s)) from error
         connection = cls(sock, socket_path)
         try:
             connection._greet(client_name, timeout_s)

@@ -1,8 +1,8 @@
 """Human-readable rendering of the daemon's status and models replies.
 
 Values get units chosen from the field name, the convention the protocol follows:
-``*_bytes`` and ``bytes_*`` are sizes, ``*_s`` durations (``*_per_s`` are rates, left
-alone), ``*_c`` degrees Celsius, ``parameters_*`` counts. Fields this client does not know yet are still shown, by
+``*_bytes`` and ``bytes_*`` are sizes, ``*_s`` durations, ``*_per_s`` rates (one decimal,
+``/s`` in the label), ``*_c`` degrees Celsius, ``parameters_*`` counts. Fields this client does not know yet are still shown, by
 the same rules, so a newer daemon is never hidden behind an older client.
 """
 
@@ -53,7 +53,9 @@ def format_value(key: str, value: Any) -> str:
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if is_number and (key.endswith("_bytes") or key.startswith("bytes_")):  # bytes_read too
         return format_bytes(value)
-    if is_number and key.endswith("_s") and not key.endswith("_per_s"):  # not a rate
+    if is_number and key.endswith("_per_s"):  # a rate: 41.52 tokens/s reads as 41.5
+        return f"{value:.1f}"
+    if is_number and key.endswith("_s"):
         return format_duration(value)
     if is_number and key.endswith("_c"):  # temperatures, e.g. of the NVMe drive
         return f"{value:g} °C"
@@ -69,7 +71,10 @@ def format_value(key: str, value: Any) -> str:
 
 
 def _label(key: str) -> str:
-    """'memory.rss_bytes' → 'memory rss': the unit moves from the name into the value."""
+    """'memory.rss_bytes' → 'memory rss': the unit moves from the name into the value (a
+    rate keeps it in the label: 'recent_tokens_per_s' → 'recent tokens/s')."""
+    if key.endswith("_per_s"):
+        return _label(key[: -len("_per_s")]) + "/s"
     for suffix in ("_bytes", "_s", "_c"):
         if key.endswith(suffix) and not key.endswith("_per_s"):
             key = key[: -len(suffix)]

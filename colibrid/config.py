@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from colibrid import __version__
+
 DEFAULT_CONFIG_PATH = Path("/etc/colibri/colibrid.toml")
 LOG_LEVELS = ("error", "warning", "info", "debug")
 # sockaddr_un.sun_path is 108 bytes on Linux, one of them the terminating NUL.
@@ -298,6 +300,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", metavar="PATH", default=None,
                         help=f"TOML config file (default {DEFAULT_CONFIG_PATH}, if it exists)")
+    parser.add_argument("--version", action="version", version=f"colibrid {__version__}")
     defaults = {f.name: f.default for f in dataclasses.fields(DaemonConfig)}
     for key in KEYS:
         default = defaults[key.name]

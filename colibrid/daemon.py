@@ -395,7 +395,8 @@ class Daemon:
         while True:
             await asyncio.sleep(STATUS_INTERVAL_S)
             tokens, now = self._scheduler.tokens_generated, time.monotonic()
-            self._notifier.status(self._server.service_status((tokens - tokens_before) / (now - time_before)))
+            self._server.recent_tokens_per_s = (tokens - tokens_before) / (now - time_before)  # status shows it too
+            self._notifier.status(self._server.service_status(self._server.recent_tokens_per_s))
             tokens_before, time_before = tokens, now
 
     # -- shutdown -------------------------------------------------------------------------

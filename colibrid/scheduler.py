@@ -64,6 +64,7 @@ class Job:
     stop_reason: str | None = None
     submitted_s: float = field(default_factory=time.monotonic)
     origin: str = "a client"  # who asked, for the log: "connection 3 (uid 1000 (alice) gid 1000 pid 42)"
+    progress: "_Progress | None" = None  # set by the worker when the generation starts
 
 
 def shutdown_error(job: Job) -> Event:
@@ -215,6 +216,23 @@ class Scheduler:
                     self.requests_served += 1
             if last_event is not None:
                 job.emit(last_event)
+            self._log_finished(job, last_event)
+
+    @staticmethod
+    def _log_finished(job: Job, last_event: Event | None) -> None:
+        """One info line per request the engine took: who asked, how much, how fast, how it ended."""
+        if last_event is not None and last_event["event"] == "done":
+            usage = last_event["usage"]
+            ending = last_event["finish_reason"]
+            prompt_tokens, generated_tokens = usage["prompt_tokens"], usage["generated_tokens"]
+            tokens_per_s = usage["decode_tokens_per_s"]
+        else:  # an error, or a client that went away: what it had produced until then
+            ending = f"error {last_event['code']}" if last_event is not None else str(job.stop_reason)
+            progress = job.progress or _Progress(0.0)
+            prompt_tokens, generated_tokens = progress.prompt_tokens, progress.generated_tokens
+            tokens_per_s = progress.decode_tokens_per_s()
+        log.info("request %r from %s: %d prompt tokens, %d generated, %.1f tokens/s, %s", job.ask.id, job.origin,
+                 prompt_tokens, generated_tokens, tokens_per_s, ending)
 
     @staticmethod
     def _run_tasks(tasks: list[Callable[[], None]]) -> None:
@@ -238,8 +256,8 @@ class Scheduler:
             return error_event(ask.id, "engine", str(exc))
         except ValueError as exc:  # an empty or too long prompt, a chat without a template
             return error_event(ask.id, "invalid_params", str(exc))
-        progress = _Progress(time.perf_counter(), prompt_tokens=len(prompt_ids),
-                             expert_counts_before=expert_counts(self.engine.experts))
+        progress = job.progress = _Progress(time.perf_counter(), prompt_tokens=len(prompt_ids),
+                                            expert_counts_before=expert_counts(self.engine.experts))
         log.debug("request %r from %s: %d prompt tokens, waited %.3f s", ask.id, job.origin, len(prompt_ids),
                   time.monotonic() - job.submitted_s)
         try:

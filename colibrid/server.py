@@ -166,6 +166,7 @@ class Server:
         self.limits = limits or ClientLimits()  # replaced on reload too
         self.machine: dict[str, Any] = {}  # what status shows of the daemon's setup (cpus, nice, ...)
         self.thermal = None  # the daemon's ThermalWatch, once started: status() and status_line()
+        self.recent_tokens_per_s = 0.0  # the daemon's rate of the STATUS= line, updated with it
         self.started_s = time.monotonic()
         self._connections: set[Connection] = set()
         self._connection_numbers = itertools.count(1)
@@ -315,6 +316,7 @@ class Server:
             "cache": cache,
             "uptime_s": time.monotonic() - self.started_s,
             "requests_served": self.scheduler.requests_served,
+            "recent_tokens_per_s": self.recent_tokens_per_s,
             "requests_running": self.scheduler.requests_running,
             "queue_depth": self.scheduler.queue_depth,
             "queue_limit": self.scheduler.max_queue,

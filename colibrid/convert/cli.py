@@ -6,11 +6,14 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
+from colibrid import __version__
 from colibrid.convert.converter import ConversionError, convert
 from colibrid.convert.quant_spec import DEFAULT_QUANT, TENSOR_CLASSES, TYPE_NAMES, parse_quant
 from colibrid.models import supported_names
 from colibrid.native import ColibriError
+from colibrid.pack.manifest import Manifest
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -37,7 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="alignment of tensors and expert records, a power of two >= 4096 (default 4096)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
+    parser.add_argument("--version", action="version", version=f"colibri-convert {__version__}")
     return parser
+
+
+def describe_experts(pack: Path) -> str:
+    """'4 layers of 16 experts': the shape people compare with the model card, rather than the
+    number of records (64), which reads like the model's expert count."""
+    records = Manifest.read(pack).expert_records
+    layers = len({record.layer for record in records})
+    experts_per_layer = len({record.expert for record in records})
+    return f"{layers} layer{'s' * (layers != 1)} of {experts_per_layer} expert{'s' * (experts_per_layer != 1)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quiet:
         seconds = time.monotonic() - started
         print(
-            f"wrote {report.out}: {report.architecture}, {report.num_expert_records} experts, "
+            f"wrote {report.out}: {report.architecture}, {describe_experts(Path(report.out))}, "
             f"dense {report.dense_bytes / 1e6:.1f} MB + experts {report.experts_bytes / 1e6:.1f} MB "
             f"({', '.join(f'{c}={t}' for c, t in quant.to_json().items())}) in {seconds:.1f}s",
             file=sys.stderr,

@@ -34,15 +34,22 @@ def main(argv: list[str] | None = None) -> int:
     given = {k: v for k, v in vars(args).items() if k in ("temperature", "top_k", "top_p") and v is not None}
     params = SamplingParams(**{"temperature": 0.0, **engine.sampling_defaults, **given}, seed=args.seed,
                             max_tokens=args.max_tokens)
+    written = ""  # the answer's last piece on stdout, for the final newline
     try:
         ids = engine.prompt_ids(prompt=prompt, system=args.system, raw=args.raw)
         for event in engine.generate(ids, params):
             if isinstance(event, GenerationDone):
-                print(f"\n[{event.finish_reason}: {event.prompt_tokens} prompt tokens, {event.generated_tokens} generated, "
+                # Like colibrictl: the answer ends its line, so the shell's prompt (or the
+                # next line of a file it is written to) does not run on after it.
+                if written and not written.endswith("\n"):
+                    sys.stdout.write("\n")
+                    sys.stdout.flush()
+                print(f"[{event.finish_reason}: {event.prompt_tokens} prompt tokens, {event.generated_tokens} generated, "
                       f"{event.decode_tokens_per_s:.1f} tok/s]", file=sys.stderr)
             else:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
+                written = event.text or written
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

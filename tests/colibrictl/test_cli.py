@@ -62,8 +62,36 @@ def test_prompt_from_stdin_with_a_system_prompt(fake_daemon, socket_path):
 
     assert result.returncode == 0, result.stderr
     (ask,) = fake_daemon.requests_with("ask")
-    assert ask["prompt"] == notes.decode()  # verbatim, trailing newline included
+    assert ask["prompt"] == "line one\nline two — ünïcode"  # less the final newline only
     assert ask["system"] == "Summarize this"
+
+
+def test_echo_asks_what_the_argument_asks(fake_daemon, socket_path):
+    """echo's newline is not part of the question: a raw prompt ending in one is continued
+    differently."""
+    run_cli("--socket", socket_path, "ask", "--raw", stdin=b"class Stack:\n")
+    run_cli("--socket", socket_path, "ask", "--raw", "class Stack:")
+
+    from_stdin, from_argument = fake_daemon.requests_with("ask")
+    assert from_stdin["prompt"] == from_argument["prompt"] == "class Stack:"
+
+
+@pytest.mark.parametrize("stdin, prompt", [
+    (b"a\r\n", "a"),  # a Windows editor's line end is one newline too
+    (b"a\n\n", "a\n"),  # a blank line written on purpose stays
+    (b"a", "a"),  # nothing to drop
+])
+def test_only_one_final_newline_is_dropped(fake_daemon, socket_path, stdin, prompt):
+    run_cli("--socket", socket_path, "ask", stdin=stdin)
+
+    assert fake_daemon.requests_with("ask")[0]["prompt"] == prompt
+
+
+def test_stdin_verbatim_sends_the_exact_text(fake_daemon, socket_path):
+    result = run_cli("--socket", socket_path, "ask", "--stdin-verbatim", stdin=b"class Stack:\n")
+
+    assert result.returncode == 0, result.stderr
+    assert fake_daemon.requests_with("ask")[0]["prompt"] == "class Stack:\n"
 
 
 def test_an_empty_prompt_is_a_usage_error(fake_daemon, socket_path):
@@ -86,6 +114,14 @@ def test_help_documents_the_exit_codes():
     for documented in (b"0 ", b"1 ", b"2 ", b"69 ", b"76 ", b"130 ", b"COLIBRI_SOCKET",
                        b"/run/colibri/colibrid.sock", b"ends with a newline"):
         assert documented in result.stdout
+
+
+def test_help_documents_stdin_and_the_cancelled_line():
+    text = b" ".join(run_cli("ask", "--help").stdout.split())  # argparse wraps lines anywhere
+
+    for documented in (b"One final newline of stdin is dropped", b"--stdin-verbatim",
+                       b'{"event": "cancelled", "id", "text", "generated_tokens"}'):
+        assert documented in text
 
 
 # ---- what reaches the daemon ------------------------------------------------------------------
@@ -223,6 +259,32 @@ def test_ctrl_c_cancels_and_exits_130(fake_daemon, socket_path):
     assert fake_daemon.requests_with("cancel")[0]["target"] == ask["id"]
 
 
+def test_ctrl_c_in_json_mode_ends_with_a_cancelled_line(fake_daemon, socket_path):
+    """A pipeline reading --json tells an answer cut by Ctrl-C from a complete one by its
+    last line, which carries what had arrived."""
+    fake_daemon.ask_script = endless(delay_s=0.005)
+    process = subprocess.Popen(cli_command("--socket", socket_path, "ask", "hi", "--json"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env(),
+                               cwd=REPO_ROOT,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        before = _read_until(process.stdout, b"word1", timeout_s=5)
+        process.send_signal(signal.SIGINT)
+        rest, errors = process.communicate(timeout=10)
+    finally:
+        process.kill() if process.poll() is None else None
+
+    assert process.returncode == 130
+    assert errors == b""
+    events = [json.loads(line) for line in (before + rest).decode().splitlines()]
+    *tokens, last = events
+    (ask,) = fake_daemon.requests_with("ask")
+    assert {event["event"] for event in tokens} == {"token"}
+    assert last == {"event": "cancelled", "id": ask["id"], "generated_tokens": len(tokens),
+                    "text": "".join(event["text"] for event in tokens)}
+    assert fake_daemon.cancel_received.wait(timeout=5)
+
+
 # ---- failures ---------------------------------------------------------------------------------
 
 
@@ -248,6 +310,22 @@ def test_a_socket_nobody_listens_on_exits_69(socket_dir):
     assert result.returncode == 69
     assert stale in result.stderr.decode()
     assert "refused" in result.stderr.decode()
+
+
+@pytest.mark.parametrize("kind", ["directory", "regular file"])
+def test_a_socket_path_that_is_no_socket_is_named_as_such(socket_dir, kind):
+    path = os.path.join(socket_dir, "colibrid.sock")
+    if kind == "directory":
+        os.mkdir(path)
+    else:
+        open(path, "w").close()
+
+    result = run_cli("--socket", path, "status")
+
+    assert result.returncode == 69
+    message = result.stderr.decode()
+    assert f"{path}: that is a {kind}, not a socket" in message
+    assert "refused" not in message
 
 
 def test_a_request_error_exits_1_with_its_code(fake_daemon, socket_path):

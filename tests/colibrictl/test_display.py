@@ -37,10 +37,17 @@ def test_units_follow_the_field_name():
     assert format_value("bytes_read", 2048) == "2.00 KiB"
     assert format_value("uptime_s", 65) == "1m 05s"
     assert format_value("decode_tokens_per_s", 41.5) == "41.5"  # a rate, not a duration
+    assert format_value("recent_tokens_per_s", 12.3456) == "12.3"  # one decimal is what a reader can use
     assert format_value("parameters_total", 30_500_000_000) == "30.50 B"
     assert format_value("requests_served", 12) == "12"
     assert format_value("composite_c", 48.5) == "48.5 °C"
     assert format_value("anything", None) == "-"
+
+
+def test_recent_tokens_per_second_is_a_rate_row():
+    table = format_status({"event": "status", "id": 3, "requests_served": 4, "recent_tokens_per_s": 41.26})
+
+    assert table.splitlines() == ["requests served  4", "recent tokens/s  41.3"]
 
 
 def test_fields_this_client_does_not_know_are_still_shown():

@@ -6,6 +6,12 @@ mount namespace (boot_systemd.sh: private /tmp, /run, /var and an overlay on /et
 boot target with nothing but journald), drives it with `nsenter ... systemctl`, and powers it
 off at the end - also when the test fails. Only a drop-in differs from what users install: the
 pack path, the socket path, and how to run this checkout's Python.
+
+The service runs the very interpreter that runs the tests, sys.executable, not the file it links
+to: in a virtualenv, bin/python is a link to the base interpreter, and only when started through
+the link does Python find the virtualenv (its pyvenv.cfg) and the colibrid installed there. The
+virtualenv, the base interpreter and the checkout are carried into the namespace when they live
+where it hides (/tmp, /root, /var/...).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 BOOT_SCRIPT = Path(__file__).with_name("boot_systemd.sh")
 SYSTEMD = Path("/lib/systemd/systemd")
 SOCKET = "/run/colibri/test.sock"
-PYTHON = os.path.realpath(sys.executable)
+PYTHON = sys.executable  # never resolved: see above
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -54,19 +60,26 @@ WHY_NOT = _why_not()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 
 
-HIDDEN_BY_THE_NAMESPACE = ("/tmp", "/var/lib", "/var/tmp", "/var/log")
+HIDDEN_BY_THE_NAMESPACE = ("/tmp", "/var/lib", "/var/tmp", "/var/log", "/root")
+HIDDEN_BY_PRIVATE_TMP = ("/tmp", "/var/tmp")  # the service's PrivateTmp=yes
 
 
-def _carried_source_root() -> str:
-    """The checkout, when it lives somewhere the namespace hides (a CI clone in /tmp)."""
-    root = _source_root()
-    return str(root) if any(root.is_relative_to(hidden) for hidden in HIDDEN_BY_THE_NAMESPACE) else ""
+def _needed_paths() -> list[Path]:
+    """What the service's Python needs: the base interpreter's installation (pyenv's lives
+    under /root), the virtualenv if the tests run in one, and the checkout colibrid is
+    imported from."""
+    needed = [Path(sys.base_prefix), _source_root()]
+    if sys.prefix != sys.base_prefix:
+        needed.append(Path(sys.prefix))
+    return needed
 
 
-def _python_root() -> str:
-    """The directory to carry into the namespace's /root when this Python lives there (pyenv)."""
-    path = Path(PYTHON)
-    return str(Path(*path.parts[:3])) if path.is_relative_to("/root") else ""
+def _carried_paths() -> list[str]:
+    """The needed paths the namespace hides, outermost only (a virtualenv inside the checkout
+    comes with it)."""
+    hidden = {path for path in _needed_paths() if any(path.is_relative_to(h) for h in HIDDEN_BY_THE_NAMESPACE)}
+    return sorted(str(path) for path in hidden if not any(path != other and path.is_relative_to(other)
+                                                        for other in hidden))
 
 
 def _cgroup_dirs() -> set[Path]:
@@ -84,7 +97,7 @@ class BootedSystemd:
         self.log = open(work_dir.parent / f"{work_dir.name}.boot.log", "w+")
         self.unshare = subprocess.Popen(
             ["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "private",
-             "sh", str(BOOT_SCRIPT), str(work_dir), _python_root(), _carried_source_root()],
+             "sh", str(BOOT_SCRIPT), str(work_dir), *_carried_paths()],
             stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT)
         self.pid = self._wait_for_pid_1()
         self._wait_until_running()
@@ -168,13 +181,28 @@ def booted_systemd(demo_pack):
         Path(f"{work_dir}.boot.log").unlink(missing_ok=True)
 
 
-def _source_binding() -> str:
-    """A checkout under /tmp (a CI clone) is hidden from the service by its PrivateTmp=yes:
-    bind it back, read-only, at the path the editable install points to."""
-    source = _carried_source_root()
-    if not source or not Path(source).is_relative_to("/tmp"):
+def _private_tmp_bindings() -> str:
+    """A checkout or a virtualenv under /tmp (a CI clone) is hidden from the service by its
+    PrivateTmp=yes: bind it back, read-only, at the same path."""
+    paths = [path for path in _carried_paths() if any(Path(path).is_relative_to(h) for h in HIDDEN_BY_PRIVATE_TMP)]
+    if not paths:
         return ""
-    return f"# The checkout under test lives under /tmp, which PrivateTmp=yes hides.\nBindReadOnlyPaths={source}\n"
+    return ("# The code under test lives under /tmp, which PrivateTmp=yes hides.\n"
+            + "".join(f"BindReadOnlyPaths={path}\n" for path in paths))
+
+
+def _service_environment() -> dict[str, str]:
+    """A checkout tested through PYTHONPATH (no install) is what the service must import too."""
+    return {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+
+
+def _imported_by_the_service_user(systemd: BootedSystemd) -> str:
+    """Where the service's Python, run as the service's user with the service's environment,
+    imports colibrid from."""
+    environment = [f"{name}={value}" for name, value in _service_environment().items()]
+    result = systemd.run("runuser", "-u", "colibri", "--", "env", "-i", *environment, PYTHON, "-c",
+                         "import colibrid; print(colibrid.__file__)", check=False)
+    return result.stdout.strip() if result.returncode == 0 else f"nothing: {result.stderr.strip()[-300:]}"
 
 
 def colibrictl(systemd: BootedSystemd, *argv: str) -> subprocess.CompletedProcess:
@@ -187,12 +215,17 @@ def test_socket_activated_reloaded_and_stopped_by_systemd(booted_systemd):
                 "SYSUSERSDIR=/etc/sysusers.d", "TMPFILESDIR=/etc/tmpfiles.d", "UDEVRULESDIR=/etc/udev/rules.d",
                 "SYSCTLDIR=/etc/sysctl.d", "DOCDIR=/run/colibri-test/doc", "BINDIR=/usr/bin")
     systemd.run("systemd-sysusers", "/etc/sysusers.d/colibri.conf")
+    # The service must run the code under test, not whatever colibrid the base interpreter has.
+    assert _imported_by_the_service_user(systemd) == str(_source_root() / "colibrid" / "__init__.py"), (
+        f"{PYTHON} run as the colibri user must import colibrid from {_source_root()} "
+        "(is the virtualenv readable by other users?)")
     systemd.write("/etc/systemd/system/colibrid.service.d/test.conf",
                   "[Service]\nExecStart=\n"
                   f"ExecStart={PYTHON} -m colibrid --config /etc/colibri/colibrid.toml "
                   "--model /run/colibri-test/demo.pack\n"
                   "# This Python lives under /root: readable, not hidden (the namespace's /root holds only it).\n"
-                  "ProtectHome=read-only\n" + _source_binding())
+                  "ProtectHome=read-only\n" + _private_tmp_bindings()
+                  + "".join(f"Environment={name}={value}\n" for name, value in _service_environment().items()))
     systemd.write("/etc/systemd/system/colibrid.socket.d/test.conf",
                   f"[Socket]\nListenStream=\nListenStream={SOCKET}\n")
     systemd.run("systemctl", "daemon-reload")

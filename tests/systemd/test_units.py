@@ -86,3 +86,26 @@ def test_every_udev_rule_says_why():
     for number, line in enumerate(lines):
         if line and not line.startswith("#") and not line.startswith("LABEL="):
             assert lines[number - 1].startswith("#"), f"rule on line {number + 1} has no comment above it"
+
+
+def test_make_uninstall_removes_every_file_but_the_config(tmp_path):
+    """The admin's config stays (it may be edited); everything else make install put there goes."""
+    make = ["make", "-s", "-C", str(REPO), f"DESTDIR={tmp_path}", "PREFIX=/usr"]
+    subprocess.run([*make, "install"], check=True, capture_output=True)
+
+    subprocess.run([*make, "uninstall"], check=True, capture_output=True)
+
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == ["etc/colibri/colibrid.toml"]
+    assert not (tmp_path / "usr/share/doc/colibri").exists()
+
+
+def test_the_sysctl_file_says_why_the_service_needs_its_reservation():
+    """The shipped unit forbids colibrid to raise vm.nr_hugepages itself, so the reservation at
+    boot is how a service gets hugetlb pages; the file must say so while the unit does this."""
+    sysctl = (REPO / "etc/sysctl.d/60-colibri.conf").read_text()
+    unit = (REPO / "systemd/colibrid.service").read_text()
+
+    assert "ProtectKernelTunables=yes" in unit.splitlines()
+    assert "ProtectKernelTunables=yes" in sysctl and 'hugepages = "auto"' in sysctl
+    assert "not in this version" not in sysctl

@@ -133,6 +133,10 @@ _SIGNATURES = {
     # (pool, type, router (E, row_bytes(D)), E, D, x (T, D) f32, n_tok, top_k, normalize, experts (T, A) i32, weights (T, A) f32)
     "col_moe_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]),
+    "col_moe_router_size": (ctypes.c_size_t, []),
+    # (pool, router, x (T, D) f32, n_tok, experts (T, A) i32, weights (T, A) f32)
+    "col_moe_router_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                            ctypes.c_void_p]),
     "col_crc32c": (ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]),
     "col_crc32c_sw": (ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]),
     "col_crc32c_hw": (ctypes.c_int, []),
@@ -375,7 +379,8 @@ class _PoolParams(ctypes.Structure):
 
 
 def _check_struct_sizes(lib: ctypes.CDLL) -> None:
-    for struct, size_fn in ((_PoolParams, lib.col_pool_params_size), (AttentionLayer, lib.col_attention_layer_size)):
+    for struct, size_fn in ((_PoolParams, lib.col_pool_params_size), (AttentionLayer, lib.col_attention_layer_size),
+                            (MoeRouter, lib.col_moe_router_size)):
         if ctypes.sizeof(struct) != size_fn():
             raise LibraryNotFoundError(
                 f"{struct.__name__} is {ctypes.sizeof(struct)} bytes, libcolibri says {size_fn()}: the build is stale"
@@ -796,6 +801,73 @@ def moe_route(type_: TensorType | int | str, data, n_experts: int, dim: int, x: 
                                   int(bool(normalize)), _ptr(experts), _ptr(weights))
     if status:
         check(status, f"moe_route {t.name_in_pack}")
+    return experts, weights
+
+
+ROUTER_SCORING_CODES = {"softmax": 0, "sigmoid": 1}  # enum col_router_scoring
+GROUP_SCORE_CODES = {"max": 0, "top2_sum": 1}  # enum col_group_score
+
+
+class MoeRouter(ctypes.Structure):
+    """Mirror of col_moe_router (colibri.h); its size is checked against C at load. Build it
+    with moe_router(), which checks every size once and keeps the arrays it points into alive."""
+
+    _fields_ = [
+        ("n_experts", ctypes.c_int64), ("dim", ctypes.c_int64), ("top_k", ctypes.c_int64),
+        ("n_groups", ctypes.c_int64), ("groups_kept", ctypes.c_int64),
+        ("type", ctypes.c_int32), ("scoring", ctypes.c_int32), ("group_score", ctypes.c_int32),
+        ("normalize", ctypes.c_int32), ("scaling", ctypes.c_float),
+        ("weight", ctypes.c_void_p), ("choice_bias", ctypes.c_void_p),
+    ]
+
+
+def moe_router(type_: TensorType | int | str, data, n_experts: int, dim: int, top_k: int, *, normalize: bool,
+               scoring: str = "softmax", choice_bias: np.ndarray | None = None, n_groups: int = 1,
+               groups_kept: int = 1, group_score: str = "max", scaling: float = 1.0) -> MoeRouter:
+    """A MoE layer's router for moe_router_route() (see col_moe_router_route): ``data`` the
+    router (E, D) encoded as ``type_``, read in place; ``choice_bias`` float32 (E) or None."""
+    t = _as_type(type_)
+    n_experts, dim, top_k = _as_count(n_experts, "n_experts"), _as_count(dim, "dim"), _as_count(top_k, "top_k")
+    n_groups, groups_kept = _as_count(n_groups, "n_groups"), _as_count(groups_kept, "groups_kept")
+    if scoring not in ROUTER_SCORING_CODES or group_score not in GROUP_SCORE_CODES:
+        raise InvalidArgumentError(f"scoring must be one of {', '.join(ROUTER_SCORING_CODES)} and group_score one of "
+                                   f"{', '.join(GROUP_SCORE_CODES)}, got {scoring!r}, {group_score!r}")
+    if n_experts == 0 or n_groups == 0 or n_experts % n_groups or not 1 <= groups_kept <= n_groups:
+        raise InvalidArgumentError(f"{n_experts} experts in {n_groups} groups, {groups_kept} kept: need groups that "
+                                   "divide the experts and 1 <= kept <= groups")
+    if not 1 <= top_k <= groups_kept * (n_experts // n_groups):
+        raise InvalidArgumentError(f"top_k must be in [1, {groups_kept * (n_experts // n_groups)}], got {top_k}")
+    if group_score == "top2_sum" and n_groups > 1 and n_experts // n_groups < 2:
+        raise InvalidArgumentError("top2_sum group scores need at least two experts per group")
+    if not np.isfinite(scaling):
+        raise InvalidArgumentError(f"scaling must be finite, got {scaling}")
+    raw = _byte_view(data, "data")
+    if raw.nbytes != n_experts * t.row_bytes(dim):
+        raise InvalidArgumentError(f"router has {raw.nbytes} bytes, {t.name_in_pack} ({n_experts}, {dim}) needs {n_experts * t.row_bytes(dim)}")
+    keep = [raw]
+    router = MoeRouter(n_experts=n_experts, dim=dim, top_k=top_k, n_groups=n_groups, groups_kept=groups_kept, type=int(t),
+                       scoring=ROUTER_SCORING_CODES[scoring], group_score=GROUP_SCORE_CODES[group_score],
+                       normalize=int(bool(normalize)), scaling=float(scaling), weight=_ptr(raw))
+    if choice_bias is not None:
+        keep.append(_f32_vector(choice_bias, "choice_bias", n_experts))
+        router.choice_bias = _ptr(choice_bias)
+    router._keep = keep  # the buffers the pointers point into
+    return router
+
+
+def moe_router_route(router: MoeRouter, x: np.ndarray, pool: "ThreadPool | None" = None) -> tuple[np.ndarray, np.ndarray]:
+    """Route every token of ``x`` float32 (T, D): (experts int32 (T, A) best first, weights
+    float32 (T, A)), one libcolibri call (see col_moe_router_route)."""
+    if not isinstance(router, MoeRouter) or not hasattr(router, "_keep"):
+        raise InvalidArgumentError("router must come from moe_router()")
+    x = _f32_matrix(x, "x", cols=router.dim)
+    n_tok = x.shape[0]
+    experts = np.empty((n_tok, router.top_k), dtype=np.int32)
+    weights = np.empty((n_tok, router.top_k), dtype=np.float32)
+    status = _lib().col_moe_router_route(_pool_handle(pool), ctypes.addressof(router), _ptr(x), n_tok, _ptr(experts),
+                                         _ptr(weights))
+    if status:
+        check(status, "moe_router_route")
     return experts, weights
 
 

@@ -364,6 +364,55 @@ COL_API int col_moe_route(col_pool *pool, int type, const void *router, int64_t 
                           const float *x, int64_t n_tok, int64_t top_k, int normalize, int32_t *experts,
                           float *weights);
 
+/* How a router scores experts (col_moe_router.scoring). */
+enum col_router_scoring {
+    COL_ROUTER_SOFTMAX = 0, /* softmax over the n_experts logits */
+    COL_ROUTER_SIGMOID = 1, /* sigmoid of each logit on its own (DeepSeek-V3, GLM-4.5) */
+};
+
+/* How a group of experts is scored for the group limit (col_moe_router.group_score). */
+enum col_group_score {
+    COL_GROUP_SCORE_MAX = 0,      /* its best expert's choice score (DeepSeek-V2) */
+    COL_GROUP_SCORE_TOP2_SUM = 1, /* the sum of its best two (DeepSeek-V3, GLM-4.5) */
+};
+
+/* One MoE layer's router, set up once and passed to every step. Shapes: D dim, E n_experts,
+ * G n_groups (experts e of group e / (E / G)), A top_k. */
+typedef struct col_moe_router {
+    int64_t n_experts;        /* E */
+    int64_t dim;              /* D */
+    int64_t top_k;            /* A, 1 .. groups_kept * E / G */
+    int64_t n_groups;         /* G, divides E; 1: no group limit */
+    int64_t groups_kept;      /* groups whose experts may be chosen, 1 .. G */
+    int32_t type;             /* type of weight */
+    int32_t scoring;          /* enum col_router_scoring */
+    int32_t group_score;      /* enum col_group_score (used when groups_kept < G) */
+    int32_t normalize;        /* 1: the A weights renormalised to sum 1 */
+    float scaling;            /* the weights times this (routed_scaling_factor), finite */
+    const void *weight;       /* (E, row_bytes(type, D)) */
+    const float *choice_bias; /* (E) added to the scores for choosing only, or NULL */
+} col_moe_router;
+
+/* sizeof(col_moe_router), for bindings that mirror the struct. */
+COL_API size_t col_moe_router_size(void);
+
+/* Routing of a MoE layer step for every token: logits = x @ weight^T (as col_matmul), then
+ * per token
+ *     s      = softmax(logits) or sigmoid(logits)                 (E)
+ *     c      = s + choice_bias (or s)                             (E)
+ *     if groups_kept < G: keep the groups_kept best groups by group_score of c; the experts
+ *            of the other groups cannot be chosen
+ *     experts[t] = the top_k allowed experts by c, best first
+ *     weights[t] = s[experts[t]], / (their sum + 1e-20) if normalize, * scaling
+ * Every choice prefers the larger value and, on equal values, the lower index. col_moe_route
+ * is this with softmax scoring, no bias, one group and scaling 1.
+ *   x:       (n_tok, D) float32
+ *   experts: (n_tok, top_k) int32 out;  weights: (n_tok, top_k) float32 out
+ * COL_EINVAL: bad sizes, type, enum values or NULL pointers; outputs untouched.
+ * COL_ENOMEM: scratch; outputs untouched. */
+COL_API int col_moe_router_route(col_pool *pool, const col_moe_router *router, const float *x, int64_t n_tok,
+                                 int32_t *experts, float *weights);
+
 /* ---------------------------------------------------------------------------------------
  * CRC-32C (Castagnoli, reflected polynomial 0x82F63B78)
  * ------------------------------------------------------------------------------------ */

@@ -266,6 +266,14 @@ COL_API int col_rms_norm(const float *x, const float *weight, int64_t rows, int6
 COL_API int col_rope(float *x, int64_t n_tok, int64_t n_heads, int64_t head_dim, const float *cos,
                      const float *sin);
 
+/* Partial rotary embedding (GLM-4.5's partial_rotary_factor), in place: the first rotary_dim
+ * dims of each head rotate as col_rope rotates a head of rotary_dim dims; the other
+ * head_dim - rotary_dim dims pass through. col_rope is this with rotary_dim = head_dim.
+ *   x: (n_tok, n_heads, head_dim) float32; cos, sin: (n_tok, rotary_dim) float32.
+ * COL_EINVAL: odd rotary_dim, rotary_dim > head_dim, negative sizes or NULL buffers; x untouched. */
+COL_API int col_rope_partial(float *x, int64_t n_tok, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
+                             const float *cos, const float *sin);
+
 /* SwiGLU's elementwise step, as the fused expert call computes it on the active level:
  * h[i] = g[i] / (1 + exp(-g[i])) * u[i]. Portable: expf; AVX-512 levels: a vectorized exp
  * within 2 ulp of expf (inf and 0 at the ends, NaN stays NaN).
@@ -323,6 +331,7 @@ typedef struct col_attention_layer {
     const float *bo;      /* (D) or NULL */
     const float *q_norm;  /* FULL: (H * Hd), HEAD: (Hd); NULL with COL_QK_NORM_NONE */
     const float *k_norm;  /* FULL: (K * Hd), HEAD: (Hd); NULL with COL_QK_NORM_NONE */
+    int64_t rotary_dim;   /* Hr: leading dims of each head RoPE rotates, even, <= Hd; 0: all Hd */
 } col_attention_layer;
 
 /* sizeof(col_attention_layer), for bindings that mirror the struct. */
@@ -335,14 +344,14 @@ COL_API size_t col_attention_layer_size(void);
  *     FULL: q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm
  *     clip: q, k, v clamped to [-clip_qkv, clip_qkv]
  *     HEAD: each head of q, k = rms_norm(head) * q_norm / k_norm
- *     q, k = rope(q, cos, sin), rope(k, cos, sin)
+ *     q, k = rope(q, cos, sin), rope(k, cos, sin)   (the first Hr dims of each head)
  *     keys[n_past + t], vals[n_past + t] = k[t], v[t]
  *     a = attention(q, keys[0 : n_past + n_tok], vals, positions n_past + t, window, scale)
  *     x += a wo^T + bo
  * each step with the arithmetic of col_rms_norm, col_matmul, col_rope and col_attention, so
  * the result equals that sequence of calls (and numpy's float32 adds and clamps) bit for bit.
  *   x:          (n_tok, D) float32, read and updated in place
- *   cos, sin:   (n_tok, Hd) float32, the rotary tables of the new tokens
+ *   cos, sin:   (n_tok, Hr) float32, the rotary tables of the new tokens (Hr = rotary_dim or Hd)
  *   keys, vals: (>= n_past + n_tok, K, Hd) float32, the layer's KV cache; rows n_past ..
  *               n_past + n_tok - 1 are written, rows before are read
  * COL_EINVAL: bad sizes, types or NULL pointers; nothing written. COL_ENOMEM: scratch

@@ -119,6 +119,9 @@ _SIGNATURES = {
     "col_rms_norm": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]),
     # (x (T, H, Hd) f32 in place, n_tok, n_heads, head_dim, cos (T, Hd), sin (T, Hd))
     "col_rope": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]),
+    # (x (T, H, Hd) f32 in place, n_tok, n_heads, head_dim, rotary_dim, cos (T, Hr), sin (T, Hr))
+    "col_rope_partial": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_void_p, ctypes.c_void_p]),
     # (pool, q (Tq, H, Hd), keys (S, K, Hd), vals (S, K, Hd), n_q, n_keys, H, K, Hd, positions (Tq) i64,
     #  window, scale, out (Tq, H*Hd))
     "col_attention": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -133,6 +136,10 @@ _SIGNATURES = {
     # (pool, type, router (E, row_bytes(D)), E, D, x (T, D) f32, n_tok, top_k, normalize, experts (T, A) i32, weights (T, A) f32)
     "col_moe_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]),
+    "col_moe_router_size": (ctypes.c_size_t, []),
+    # (pool, router, x (T, D) f32, n_tok, experts (T, A) i32, weights (T, A) f32)
+    "col_moe_router_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                            ctypes.c_void_p]),
     "col_crc32c": (ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]),
     "col_crc32c_sw": (ctypes.c_uint32, [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t]),
     "col_crc32c_hw": (ctypes.c_int, []),
@@ -375,7 +382,8 @@ class _PoolParams(ctypes.Structure):
 
 
 def _check_struct_sizes(lib: ctypes.CDLL) -> None:
-    for struct, size_fn in ((_PoolParams, lib.col_pool_params_size), (AttentionLayer, lib.col_attention_layer_size)):
+    for struct, size_fn in ((_PoolParams, lib.col_pool_params_size), (AttentionLayer, lib.col_attention_layer_size),
+                            (MoeRouter, lib.col_moe_router_size)):
         if ctypes.sizeof(struct) != size_fn():
             raise LibraryNotFoundError(
                 f"{struct.__name__} is {ctypes.sizeof(struct)} bytes, libcolibri says {size_fn()}: the build is stale"
@@ -639,15 +647,18 @@ def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate-half rotary embedding of float32 ``x`` (T, H, Hd) by cos/sin (T, Hd); returns a new array."""
+    """Rotate-half rotary embedding of float32 ``x`` (T, H, Hd) by cos/sin (T, Hr): the first
+    Hr <= Hd dims of each head rotate, the rest pass through (partial rotary when Hr < Hd);
+    returns a new array."""
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 3:
         raise InvalidArgumentError("x must be a float32 (T, H, Hd) array")
     T, H, Hd = x.shape
-    cos, sin = _f32_matrix(cos, "cos", cols=Hd), _f32_matrix(sin, "sin", cols=Hd)
-    if cos.shape[0] != T or sin.shape[0] != T:
-        raise InvalidArgumentError(f"cos and sin must be ({T}, {Hd})")
+    cos, sin = _f32_matrix(cos, "cos"), _f32_matrix(sin, "sin")
+    Hr = cos.shape[1]
+    if cos.shape != (T, Hr) or sin.shape != (T, Hr) or Hr > Hd:
+        raise InvalidArgumentError(f"cos and sin must be ({T}, Hr) with Hr <= {Hd}, got {cos.shape}, {sin.shape}")
     y = np.array(x, dtype=np.float32, order="C", copy=True)
-    check(_lib().col_rope(_ptr(y), T, H, Hd, _ptr(cos), _ptr(sin)), "rope")
+    check(_lib().col_rope_partial(_ptr(y), T, H, Hd, Hr, _ptr(cos), _ptr(sin)), "rope")
     return y
 
 
@@ -690,6 +701,7 @@ class AttentionLayer(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("clip_qkv", ctypes.c_float),
         ("qk_norm", ctypes.c_int32), ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32),
         *((name, ctypes.c_void_p) for name in ("norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")),
+        ("rotary_dim", ctypes.c_int64),
     ]
 
 
@@ -704,14 +716,18 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
                     eps: float, scale: float, window: int | None = None, clip_qkv: float | None = None,
                     qk_norm: str = "none", q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
                     bq: np.ndarray | None = None, bk: np.ndarray | None = None, bv: np.ndarray | None = None,
-                    bo: np.ndarray | None = None) -> AttentionLayer:
+                    bo: np.ndarray | None = None, rotary_dim: int = 0) -> AttentionLayer:
     """One layer's attention for attention_block(): ``wq`` (H*Hd, D), ``wk``/``wv`` (K*Hd, D)
     encoded as ``qkv_type``, ``wo`` (D, H*Hd) as ``o_type`` (contiguous buffers, read in place);
-    ``norm`` (D) the input RMSNorm; biases and q/k norm weights float32 or None."""
+    ``norm`` (D) the input RMSNorm; biases and q/k norm weights float32 or None; ``rotary_dim``
+    the leading dims of each head RoPE rotates (0: all)."""
     dim, n_heads, n_kv_heads, head_dim = (_as_count(v, n) for v, n in (
         (dim, "dim"), (n_heads, "n_heads"), (n_kv_heads, "n_kv_heads"), (head_dim, "head_dim")))
     if min(dim, n_heads, n_kv_heads, head_dim) == 0 or n_heads % n_kv_heads or head_dim % 2:
         raise InvalidArgumentError("attention needs dim, heads > 0, n_heads % n_kv_heads == 0 and an even head_dim")
+    rotary_dim = _as_count(rotary_dim, "rotary_dim")
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise InvalidArgumentError(f"rotary_dim must be even and at most head_dim {head_dim}, got {rotary_dim}")
     if qk_norm not in QK_NORM_CODES:
         raise InvalidArgumentError(f"qk_norm must be one of {', '.join(QK_NORM_CODES)}, got {qk_norm!r}")
     t_qkv, t_o = _as_type(qkv_type), _as_type(o_type)
@@ -719,7 +735,8 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
     keep = [_f32_vector(norm, "norm", dim)]
     layer = AttentionLayer(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, window=int(window or 0),
                            eps=float(eps), scale=float(scale), clip_qkv=float(clip_qkv or 0.0),
-                           qk_norm=QK_NORM_CODES[qk_norm], qkv_type=int(t_qkv), o_type=int(t_o), norm=_ptr(norm))
+                           qk_norm=QK_NORM_CODES[qk_norm], qkv_type=int(t_qkv), o_type=int(t_o), norm=_ptr(norm),
+                           rotary_dim=rotary_dim)
     for field, data, t, rows, cols in (("wq", wq, t_qkv, Q, dim), ("wk", wk, t_qkv, KV, dim), ("wv", wv, t_qkv, KV, dim),
                                        ("wo", wo, t_o, dim, Q)):
         raw = _byte_view(data, field)
@@ -750,7 +767,7 @@ def _f32_out(a, name: str, shape: tuple) -> None:
 def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
                     values: np.ndarray, n_past: int, pool: "ThreadPool | None" = None) -> None:
     """x += attention(rms_norm(x)) for T new tokens at positions n_past .., in place (see
-    col_attention_block): ``x`` (T, D), ``cos``/``sin`` (T, Hd), ``keys``/``values`` the
+    col_attention_block): ``x`` (T, D), ``cos``/``sin`` (T, Hr) (Hr = the layer's rotary_dim or Hd), ``keys``/``values`` the
     layer's whole cache buffers (capacity >= n_past + T, K, Hd), float32; rows n_past ..
     n_past + T - 1 of the cache are written."""
     if not isinstance(layer, AttentionLayer) or not hasattr(layer, "_keep"):
@@ -759,10 +776,11 @@ def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: 
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise InvalidArgumentError("x must be a (T, D) float32 array")
     T, Hd = x.shape[0], layer.head_dim
+    Hr = layer.rotary_dim or Hd
     _f32_out(x, "x", (T, layer.dim))
     for name, table in (("cos", cos), ("sin", sin)):
-        if not isinstance(table, np.ndarray) or table.dtype != np.float32 or table.shape != (T, Hd) or not table.flags.c_contiguous:
-            raise InvalidArgumentError(f"{name} must be a C-contiguous float32 ({T}, {Hd}) array")
+        if not isinstance(table, np.ndarray) or table.dtype != np.float32 or table.shape != (T, Hr) or not table.flags.c_contiguous:
+            raise InvalidArgumentError(f"{name} must be a C-contiguous float32 ({T}, {Hr}) array")
     capacity = keys.shape[0] if isinstance(keys, np.ndarray) and keys.ndim == 3 else -1
     if capacity < n_past + T:
         raise InvalidArgumentError(f"keys must be a (>= {n_past + T}, K, Hd) array")
@@ -796,6 +814,73 @@ def moe_route(type_: TensorType | int | str, data, n_experts: int, dim: int, x: 
                                   int(bool(normalize)), _ptr(experts), _ptr(weights))
     if status:
         check(status, f"moe_route {t.name_in_pack}")
+    return experts, weights
+
+
+ROUTER_SCORING_CODES = {"softmax": 0, "sigmoid": 1}  # enum col_router_scoring
+GROUP_SCORE_CODES = {"max": 0, "top2_sum": 1}  # enum col_group_score
+
+
+class MoeRouter(ctypes.Structure):
+    """Mirror of col_moe_router (colibri.h); its size is checked against C at load. Build it
+    with moe_router(), which checks every size once and keeps the arrays it points into alive."""
+
+    _fields_ = [
+        ("n_experts", ctypes.c_int64), ("dim", ctypes.c_int64), ("top_k", ctypes.c_int64),
+        ("n_groups", ctypes.c_int64), ("groups_kept", ctypes.c_int64),
+        ("type", ctypes.c_int32), ("scoring", ctypes.c_int32), ("group_score", ctypes.c_int32),
+        ("normalize", ctypes.c_int32), ("scaling", ctypes.c_float),
+        ("weight", ctypes.c_void_p), ("choice_bias", ctypes.c_void_p),
+    ]
+
+
+def moe_router(type_: TensorType | int | str, data, n_experts: int, dim: int, top_k: int, *, normalize: bool,
+               scoring: str = "softmax", choice_bias: np.ndarray | None = None, n_groups: int = 1,
+               groups_kept: int = 1, group_score: str = "max", scaling: float = 1.0) -> MoeRouter:
+    """A MoE layer's router for moe_router_route() (see col_moe_router_route): ``data`` the
+    router (E, D) encoded as ``type_``, read in place; ``choice_bias`` float32 (E) or None."""
+    t = _as_type(type_)
+    n_experts, dim, top_k = _as_count(n_experts, "n_experts"), _as_count(dim, "dim"), _as_count(top_k, "top_k")
+    n_groups, groups_kept = _as_count(n_groups, "n_groups"), _as_count(groups_kept, "groups_kept")
+    if scoring not in ROUTER_SCORING_CODES or group_score not in GROUP_SCORE_CODES:
+        raise InvalidArgumentError(f"scoring must be one of {', '.join(ROUTER_SCORING_CODES)} and group_score one of "
+                                   f"{', '.join(GROUP_SCORE_CODES)}, got {scoring!r}, {group_score!r}")
+    if n_experts == 0 or n_groups == 0 or n_experts % n_groups or not 1 <= groups_kept <= n_groups:
+        raise InvalidArgumentError(f"{n_experts} experts in {n_groups} groups, {groups_kept} kept: need groups that "
+                                   "divide the experts and 1 <= kept <= groups")
+    if not 1 <= top_k <= groups_kept * (n_experts // n_groups):
+        raise InvalidArgumentError(f"top_k must be in [1, {groups_kept * (n_experts // n_groups)}], got {top_k}")
+    if group_score == "top2_sum" and n_groups > 1 and n_experts // n_groups < 2:
+        raise InvalidArgumentError("top2_sum group scores need at least two experts per group")
+    if not np.isfinite(scaling):
+        raise InvalidArgumentError(f"scaling must be finite, got {scaling}")
+    raw = _byte_view(data, "data")
+    if raw.nbytes != n_experts * t.row_bytes(dim):
+        raise InvalidArgumentError(f"router has {raw.nbytes} bytes, {t.name_in_pack} ({n_experts}, {dim}) needs {n_experts * t.row_bytes(dim)}")
+    keep = [raw]
+    router = MoeRouter(n_experts=n_experts, dim=dim, top_k=top_k, n_groups=n_groups, groups_kept=groups_kept, type=int(t),
+                       scoring=ROUTER_SCORING_CODES[scoring], group_score=GROUP_SCORE_CODES[group_score],
+                       normalize=int(bool(normalize)), scaling=float(scaling), weight=_ptr(raw))
+    if choice_bias is not None:
+        keep.append(_f32_vector(choice_bias, "choice_bias", n_experts))
+        router.choice_bias = _ptr(choice_bias)
+    router._keep = keep  # the buffers the pointers point into
+    return router
+
+
+def moe_router_route(router: MoeRouter, x: np.ndarray, pool: "ThreadPool | None" = None) -> tuple[np.ndarray, np.ndarray]:
+    """Route every token of ``x`` float32 (T, D): (experts int32 (T, A) best first, weights
+    float32 (T, A)), one libcolibri call (see col_moe_router_route)."""
+    if not isinstance(router, MoeRouter) or not hasattr(router, "_keep"):
+        raise InvalidArgumentError("router must come from moe_router()")
+    x = _f32_matrix(x, "x", cols=router.dim)
+    n_tok = x.shape[0]
+    experts = np.empty((n_tok, router.top_k), dtype=np.int32)
+    weights = np.empty((n_tok, router.top_k), dtype=np.float32)
+    status = _lib().col_moe_router_route(_pool_handle(pool), ctypes.addressof(router), _ptr(x), n_tok, _ptr(experts),
+                                         _ptr(weights))
+    if status:
+        check(status, "moe_router_route")
     return experts, weights
 
 

@@ -307,6 +307,22 @@ def test_rope_matches_rotate_half():
     np.testing.assert_allclose(native.rope(x, cos, sin), Rotary.apply(x, cos, sin), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rotary_dim", [0, 2, 8, 16])
+def test_partial_rope_rotates_the_leading_dims_only(rotary_dim):
+    """transformers' apply_rotary_pos_emb with cos/sin narrower than the head (GLM-4.5):
+    rotate-half within the first rotary_dim dims, the rest passed through."""
+    x = gaussian((5, 3, 16), 15)
+    angles = gaussian((5, rotary_dim), 16)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    rotated = x[..., :rotary_dim]
+    half = rotary_dim // 2
+    turned = np.concatenate([-rotated[..., half:], rotated[..., :half]], axis=-1)
+    want = np.concatenate([rotated * cos[:, None] + turned * sin[:, None], x[..., rotary_dim:]], axis=-1)
+    np.testing.assert_allclose(native.rope(x, cos, sin), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(native.InvalidArgumentError):
+        native.rope(x, np.ones((5, 18), np.float32), np.ones((5, 18), np.float32))  # wider than the head
+
+
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("n_q", [1, 4])
 def test_attention_matches_masked_softmax(window, n_q, kernel_level, pools):
@@ -410,6 +426,32 @@ def test_attention_block_equals_the_separate_steps_bit_for_bit(case, n_tok, kern
             np.testing.assert_array_equal(got, want, err_msg=f"{level}, {n} threads")
             np.testing.assert_array_equal(keys, want_keys)  # rows n_past.. written, the others kept
             np.testing.assert_array_equal(values, want_values)
+
+
+@pytest.mark.parametrize("rotary_dim", [8, 16])
+def test_attention_block_with_partial_rotary_equals_the_separate_steps(rotary_dim, kernel_level, pools):
+    norm, w, extra = _attention_weights(TensorType.Q8_0, TensorType.Q8_0, "head", True, 75)
+    layer = native.attention_layer(D_ATTN, H_ATTN, K_ATTN, HD_ATTN, norm, TensorType.Q8_0, w["wq"], w["wk"], w["wv"],
+                                   TensorType.Q8_0, w["wo"], eps=1e-5, scale=HD_ATTN ** -0.5, qk_norm="head",
+                                   rotary_dim=rotary_dim, **extra)
+    n_past, capacity, n_tok = 4, 9, 3
+    x = gaussian((n_tok, D_ATTN), 85)
+    angles = gaussian((n_tok, rotary_dim), 86)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    past_keys, past_values = gaussian((capacity, K_ATTN, HD_ATTN), 87), gaussian((capacity, K_ATTN, HD_ATTN), 88)
+    for level in native.supported_kernels():
+        kernel_level(level)
+        want_keys, want_values = past_keys.copy(), past_values.copy()
+        want = _attention_steps(TensorType.Q8_0, TensorType.Q8_0, norm, w, extra, "head", None, None, x, cos, sin,
+                                want_keys, want_values, n_past, pools[1])
+        for n in (1, 2):
+            got, keys, values = x.copy(), past_keys.copy(), past_values.copy()
+            native.attention_block(layer, got, cos, sin, keys, values, n_past, pool=pools[n])
+            np.testing.assert_array_equal(got, want, err_msg=f"{level}, {n} threads")
+            np.testing.assert_array_equal(keys, want_keys)
+    with pytest.raises(native.InvalidArgumentError):  # tables as wide as the whole head
+        native.attention_block(layer, x.copy(), np.ones((n_tok, HD_ATTN), np.float32), np.ones((n_tok, HD_ATTN), np.float32),
+                               past_keys.copy(), past_values.copy(), n_past)
 
 
 def test_attention_block_rejects_bad_arguments():

@@ -33,6 +33,7 @@ ARCH_CLASSES = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
 }
 
 # Sizes keep every matrix row a multiple of 64 so every quantized type applies.
@@ -44,6 +45,8 @@ EXPERTS = {
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                       shared_expert_intermediate_size=128, intermediate_size=128),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128),
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128,
+                     first_k_dense_replace=1),
 }
 
 
@@ -79,8 +82,9 @@ def build_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
 
 
 def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
-    """Give every parameter, norms and biases included, a random value, so the oracle
-    test exercises each of them (transformers initialises norms to exactly 1)."""
+    """Give every parameter, norms and biases included, and the routers' saved bias buffers
+    a random value, so the oracle test exercises each of them (transformers initialises
+    norms to exactly 1 and the routers' choice bias to exactly 0)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -91,6 +95,9 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(std * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a saved buffer (DeepSeek-V3, GLM-4.5 routers)
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
 
 def corpus_token_ids(tokenizer) -> list[int]:

@@ -69,7 +69,7 @@ def expected_dense_shape(name: str, c: ModelConfig) -> tuple[int, ...]:
         "attn.q_bias": (q_out,), "attn.k_bias": (kv_out,), "attn.v_bias": (kv_out,), "attn.o_bias": (D,),
         "attn.q_norm": (q_out,) if c.qk_norm == "full" else (Hd,),
         "attn.k_norm": (kv_out,) if c.qk_norm == "full" else (Hd,),
-        "router": (c.num_experts, D), "shared_gate": (1, D),
+        "router": (c.num_experts, D), "router_choice_bias": (c.num_experts,), "shared_gate": (1, D),
         "shared.gate": (ffn, D), "shared.up": (ffn, D), "shared.down": (D, ffn),
         "mlp.gate": (ffn, D), "mlp.up": (ffn, D), "mlp.down": (D, ffn),
     }
@@ -133,7 +133,7 @@ class Converter:
     def _check_shape(self, hf_name: str, expected: tuple[int, ...]) -> None:
         info = self.checkpoint.tensors.get(hf_name)
         if info is None:
-            raise ConversionError(f"checkpoint {self.src} lacks tensor {hf_name}")
+            raise ConversionError(f"{self.arch.name} checkpoint {self.src} lacks tensor {hf_name}")
         if info.shape != expected:
             raise ConversionError(f"tensor {hf_name} has shape {list(info.shape)}, expected {list(expected)} from config.json")
 
@@ -165,6 +165,8 @@ class Converter:
 
     def run(self) -> ConversionReport:
         self.check()
+        for note in self.arch.conversion_notes(self.hf_config):
+            log.warning("%s", note)
         total = sum(self._source_bytes(name) for name in self._source_names())
         progress = Progress(total, f"converting {self.src.name}", enabled=self.progress_enabled)
         try:

@@ -1,5 +1,6 @@
-"""Grouped-query causal self-attention with RoPE, optional q/k RMSNorm, qkv clipping
-and sliding windows; keys and values go through the sequence's KV cache."""
+"""Grouped-query causal self-attention with RoPE (optionally partial: the leading dims of
+each head only), optional q/k RMSNorm, qkv clipping and sliding windows; keys and values go
+through the sequence's KV cache."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ class Attention:
             w["q"].data, w["k"].data, w["v"].data, w["o"].type, w["o"].data, eps=c.rms_norm_eps,
             scale=float(self.scale), window=self.window, clip_qkv=c.clip_qkv, qk_norm=c.qk_norm,
             q_norm=bias("q_norm"), k_norm=bias("k_norm"), bq=bias("q_bias"), bk=bias("k_bias"), bv=bias("v_bias"),
-            bo=bias("o_bias"))
+            bo=bias("o_bias"), rotary_dim=c.rotary_dim)
 
     def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
         """x + attention(rms_norm(x)) for tokens at ``positions`` = kv.length, kv.length + 1 ...;

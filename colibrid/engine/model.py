@@ -53,7 +53,7 @@ class Model:
         self.pack = pack
         self.config = c = pack.manifest.model
         self.experts = experts
-        self.rotary = Rotary(c.rope, c.head_dim)
+        self.rotary = Rotary(c.rope, c.rotated_dims)  # partial rotary: tables for the rotated dims only
         self.embed = _dense(pack, "embed")  # (V, D)
         self.lm_head = _dense(pack, "lm_head") if not c.tie_word_embeddings else self.embed  # (V, D)
         self.final_norm = _dense(pack, "final_norm")

@@ -1,7 +1,8 @@
 """The Mixture-of-Experts block, written once for every architecture:
-router -> softmax -> top-k -> optional renormalisation, then each selected expert
-runs once over all the tokens routed to it (batch-union), plus an optional shared
-expert with an optional sigmoid gate."""
+router -> scores (softmax, or sigmoid with a choice-only bias) -> optional group limit ->
+top-k -> optional renormalisation and scaling, then each selected expert runs once over
+all the tokens routed to it (batch-union), plus an optional shared expert with an
+optional sigmoid gate."""
 
 from __future__ import annotations
 
@@ -24,12 +25,24 @@ class Routing:
     weights: np.ndarray  # (T, A) float32, their mixing weights
 
 
-def route(x: np.ndarray, router: PackedTensor, top_k: int, normalize: bool) -> Routing:
-    """Softmax over all experts, keep the top ``top_k`` (best first, the lower index on ties),
-    optionally renormalise: one libcolibri call for every token of the step."""
-    num_experts, dim = router.shape
-    experts, weights = native.moe_route(router.type, router.data, num_experts, dim, x, top_k, normalize)
-    return Routing(experts, weights)
+class Router:
+    """A MoE layer's routing as the config describes it (see col_moe_router_route): the top
+    num_experts_per_tok experts of every token, best first (the lower index on ties), and
+    their mixing weights; one libcolibri call for all the tokens of a step. Holds no
+    per-sequence state: a batch of sequences is routed as one (T, D) input."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, PackedTensor]) -> None:
+        router = weights["router"]  # (E, D)
+        bias = weights["router_choice_bias"] if config.router_choice_bias else None  # (E)
+        num_experts, dim = router.shape
+        self.native = native.moe_router(
+            router.type, router.data, num_experts, dim, config.num_experts_per_tok, normalize=config.norm_topk_prob,
+            scoring=config.router_scoring, choice_bias=None if bias is None else bias.data,
+            n_groups=config.router_groups, groups_kept=config.router_groups_kept,
+            group_score=config.router_group_score, scaling=config.routed_scaling_factor)
+
+    def __call__(self, x: np.ndarray) -> Routing:
+        return Routing(*native.moe_router_route(self.native, x))
 
 
 def _distinct(experts: np.ndarray) -> list[int]:
@@ -51,11 +64,12 @@ class MoeBlock:
         self.layer = layer
         self.w = weights  # pack names without the "layers.{l}." prefix
         self.experts = experts
+        self.router = Router(config, weights)
         self.next_block: "MoeBlock | None" = None  # the next MoE layer, for lookahead prefetch (Model sets it)
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(x, dtype=np.float32)
-        routing = route(x, self.w["router"], self.c.num_experts_per_tok, self.c.norm_topk_prob)
+        routing = self.router(x)
         out = np.zeros_like(x)  # (T, D)
         selected = _distinct(routing.experts)  # batch-union: each expert once per step
         # A long prompt may touch more experts than the cache can pin at once: run them in waves.
@@ -87,7 +101,7 @@ class MoeBlock:
         Only each token's LOOKAHEAD_TOP best guesses: a wrong guess costs a whole read of disk
         time, and the lower-ranked guesses are wrong more often (see docs/performance.md)."""
         nxt = self.next_block
-        guess = route(x, nxt.w["router"], self.c.num_experts_per_tok, self.c.norm_topk_prob)
+        guess = nxt.router(x)
         best = guess.experts[:, :LOOKAHEAD_TOP]  # (T, n) best first
         predicted = best[0].tolist() if best.shape[0] == 1 else _distinct(best)
         self.experts.prefetch(nxt.layer, predicted[: max(1, wave_size // 2)])  # leave room for the next layer's own

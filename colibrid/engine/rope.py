@@ -36,10 +36,11 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:
 
 
 class Rotary:
-    """cos/sin tables for a head dimension, extended on demand."""
+    """cos/sin tables for the rotated dims of a head: all Hd, or the leading Hr with partial
+    rotary (whose frequencies transformers computes over Hr, as here)."""
 
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
-        self.head_dim = head_dim  # Hd
+        self.head_dim = head_dim  # Hd, or Hr with partial rotary
         if rope.type == "yarn":
             self.inv_freq, self.scale = _yarn_inv_freq(rope, head_dim)
         else:

@@ -33,11 +33,17 @@ class Architecture:
     name: str = ""
     hf_model_types: tuple[str, ...] = ()
     router_name = "mlp.gate"  # under model.layers.{l}.
+    router_choice_bias_name = "e_score_correction_bias"  # under the router, when config.router_choice_bias
+    shared_expert_prefix = "mlp.shared_expert"  # under model.layers.{l}.
     experts_prefix = "mlp.experts"  # under model.layers.{l}.
     expert_projections = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
 
     def model_config(self, hf: dict[str, Any]) -> ModelConfig:
         raise NotImplementedError
+
+    def conversion_notes(self, hf: dict[str, Any]) -> list[str]:
+        """What the converter leaves out of the pack on purpose (logged, one line each)."""
+        return []
 
     def expert_tensor_names(self, layer: int, expert: int) -> ExpertTensorNames:
         base = f"model.layers.{layer}.{self.experts_prefix}.{expert}"
@@ -71,9 +77,11 @@ class Architecture:
             names[pk + "attn.k_norm"] = hf + "self_attn.k_norm.weight"
         if config.moe_layers[layer]:
             names[pk + "router"] = hf + self.router_name + ".weight"
+            if config.router_choice_bias:
+                names[pk + "router_choice_bias"] = hf + f"{self.router_name}.{self.router_choice_bias_name}"
             if config.shared_expert_ffn:
                 for part in ("gate", "up", "down"):
-                    names[pk + f"shared.{part}"] = hf + f"mlp.shared_expert.{part}_proj.weight"
+                    names[pk + f"shared.{part}"] = hf + f"{self.shared_expert_prefix}.{part}_proj.weight"
             if config.shared_expert_gated:
                 names[pk + "shared_gate"] = hf + "mlp.shared_expert_gate.weight"
         else:
@@ -104,8 +112,6 @@ def rope_config(hf: dict[str, Any], default_theta: float) -> RopeConfig:
     for key, value in legacy_scaling.items():
         params.setdefault(key, value)
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedConfig("partial_rotary_factor != 1 is not supported")
     if rope_type == "default":
         return RopeConfig(theta=float(theta))
     if rope_type == "linear":
@@ -123,6 +129,26 @@ def rope_config(hf: dict[str, Any], default_theta: float) -> RopeConfig:
             truncate=bool(params.get("truncate", True)),
         )
     raise UnsupportedConfig(f"rope type {rope_type!r} is not supported (supported: default, linear, yarn)")
+
+
+def partial_rotary_factor(hf: dict[str, Any], default: float = 1.0) -> float:
+    """The share of each head RoPE rotates: in ``rope_parameters`` (transformers 5), in
+    ``rope_scaling``, or at the top level (GLM-4.5's published config.json)."""
+    for params in (hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}, hf):
+        if params.get("partial_rotary_factor") is not None:
+            return float(params["partial_rotary_factor"])
+    return default
+
+
+def rotary_dim(hf: dict[str, Any], head_size: int, default_factor: float = 1.0) -> int:
+    """Rotated dims per head, as transformers computes them (int(Hd * factor)); 0 = all."""
+    factor = partial_rotary_factor(hf, default_factor)
+    if not 0.0 < factor <= 1.0:
+        raise UnsupportedConfig(f"partial_rotary_factor must be in (0, 1], got {factor}")
+    dims = int(head_size * factor)
+    if dims % 2:
+        raise UnsupportedConfig(f"partial_rotary_factor {factor} rotates an odd {dims} of {head_size} head dims")
+    return 0 if dims == head_size else dims
 
 
 def eos_token_ids(hf: dict[str, Any]) -> tuple[int, ...]:
@@ -162,11 +188,16 @@ def qwen_moe_fields(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
     )
 
 
-def common_fields(hf: dict[str, Any], architecture: str, default_theta: float) -> dict[str, Any]:
-    """The ModelConfig fields every supported family reads the same way."""
+def common_fields(hf: dict[str, Any], architecture: str, default_theta: float,
+                  partial_rotary: float | None = None) -> dict[str, Any]:
+    """The ModelConfig fields every supported family reads the same way. ``partial_rotary``:
+    the family's partial_rotary_factor when config.json gives none; None: the family has no
+    partial rotary and refuses a factor below 1."""
     num_heads = require(hf, "num_attention_heads")
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedConfig(f"hidden_act {hf['hidden_act']!r} is not supported (only silu)")
+    if partial_rotary is None and partial_rotary_factor(hf) != 1.0:
+        raise UnsupportedConfig(f"partial_rotary_factor != 1 is not supported for {architecture}")
     return dict(
         architecture=architecture,
         vocab_size=require(hf, "vocab_size"),
@@ -178,6 +209,7 @@ def common_fields(hf: dict[str, Any], architecture: str, default_theta: float) -
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         rope=rope_config(hf, default_theta),
+        rotary_dim=0 if partial_rotary is None else rotary_dim(hf, head_dim(hf), partial_rotary),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_token_ids(hf),

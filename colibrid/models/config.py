@@ -18,6 +18,8 @@ from typing import Any
 
 QK_NORM_KINDS = ("none", "full", "head")
 ROPE_TYPES = ("default", "linear", "yarn")
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("max", "top2_sum")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class ModelConfig:
     qk_norm: str = "none"  # "full": RMSNorm over all heads (OLMoE); "head": per head (Qwen3)
     clip_qkv: float | None = None  # clamp q, k, v to +-clip_qkv (OLMoE option)
     sliding_window: tuple[int | None, ...] = ()  # per layer: window in tokens, None = full causal
+    rotary_dim: int = 0  # leading dims of each head that RoPE rotates (partial rotary); 0 = all Hd
     # Mixture of experts.
     num_experts: int = 0  # E
     num_experts_per_tok: int = 0  # A
@@ -60,6 +63,13 @@ class ModelConfig:
     dense_ffn: int = 0  # ffn width of the dense-MLP layers
     shared_expert_ffn: int = 0  # 0 = no shared expert
     shared_expert_gated: bool = False  # shared expert output scaled by sigmoid(x . w)
+    # Routing beyond softmax top-k (DeepSeek-V2/V3, GLM-4.5); the defaults are plain softmax top-k.
+    router_scoring: str = "softmax"  # "softmax" over all E, or "sigmoid" of each logit
+    router_choice_bias: bool = False  # a per-expert bias (E) added to the scores for choosing only
+    router_groups: int = 1  # experts split into this many groups of E / groups for the group limit
+    router_groups_kept: int = 1  # experts are chosen from the best this-many groups only
+    router_group_score: str = "max"  # a group's score: its best choice score, or its best two summed
+    routed_scaling_factor: float = 1.0  # the A mixing weights are multiplied by this
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -71,8 +81,21 @@ class ModelConfig:
             raise ValueError(f"rope type must be one of {ROPE_TYPES}, got {self.rope.type!r}")
         if len(self.moe_layers) != self.num_layers or len(self.sliding_window) != self.num_layers:
             raise ValueError("moe_layers and sliding_window need one entry per layer")
+        if self.router_scoring not in ROUTER_SCORINGS or self.router_group_score not in GROUP_SCORES:
+            raise ValueError(f"router_scoring must be one of {ROUTER_SCORINGS} and router_group_score one of "
+                             f"{GROUP_SCORES}, got {self.router_scoring!r}, {self.router_group_score!r}")
+        groups, kept = self.router_groups, self.router_groups_kept
+        if groups < 1 or not 1 <= kept <= groups or (self.num_experts and self.num_experts % groups):
+            raise ValueError(f"{self.num_experts} experts cannot be routed in {groups} groups keeping {kept}")
+        if self.rotary_dim < 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim must be even and at most head_dim {self.head_dim}, got {self.rotary_dim}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+
+    @property
+    def rotated_dims(self) -> int:
+        """How many leading dims of each head RoPE rotates (the width of the cos/sin tables)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -107,7 +130,7 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
         total += attn + norms
         active += attn + norms
         if is_moe:
-            router = config.num_experts * D
+            router = config.num_experts * (D + (1 if config.router_choice_bias else 0))
             total += router + shared + config.num_experts * expert
             active += router + shared + config.num_experts_per_tok * expert
         else:

@@ -266,6 +266,14 @@ COL_API int col_rms_norm(const float *x, const float *weight, int64_t rows, int6
 COL_API int col_rope(float *x, int64_t n_tok, int64_t n_heads, int64_t head_dim, const float *cos,
                      const float *sin);
 
+/* Partial rotary embedding (GLM-4.5's partial_rotary_factor), in place: the first rotary_dim
+ * dims of each head rotate as col_rope rotates a head of rotary_dim dims; the other
+ * head_dim - rotary_dim dims pass through. col_rope is this with rotary_dim = head_dim.
+ *   x: (n_tok, n_heads, head_dim) float32; cos, sin: (n_tok, rotary_dim) float32.
+ * COL_EINVAL: odd rotary_dim, rotary_dim > head_dim, negative sizes or NULL buffers; x untouched. */
+COL_API int col_rope_partial(float *x, int64_t n_tok, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
+                             const float *cos, const float *sin);
+
 /* SwiGLU's elementwise step, as the fused expert call computes it on the active level:
  * h[i] = g[i] / (1 + exp(-g[i])) * u[i]. Portable: expf; AVX-512 levels: a vectorized exp
  * within 2 ulp of expf (inf and 0 at the ends, NaN stays NaN).
@@ -323,6 +331,7 @@ typedef struct col_attention_layer {
     const float *bo;      /* (D) or NULL */
     const float *q_norm;  /* FULL: (H * Hd), HEAD: (Hd); NULL with COL_QK_NORM_NONE */
     const float *k_norm;  /* FULL: (K * Hd), HEAD: (Hd); NULL with COL_QK_NORM_NONE */
+    int64_t rotary_dim;   /* Hr: leading dims of each head RoPE rotates, even, <= Hd; 0: all Hd */
 } col_attention_layer;
 
 /* sizeof(col_attention_layer), for bindings that mirror the struct. */
@@ -335,14 +344,14 @@ COL_API size_t col_attention_layer_size(void);
  *     FULL: q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm
  *     clip: q, k, v clamped to [-clip_qkv, clip_qkv]
  *     HEAD: each head of q, k = rms_norm(head) * q_norm / k_norm
- *     q, k = rope(q, cos, sin), rope(k, cos, sin)
+ *     q, k = rope(q, cos, sin), rope(k, cos, sin)   (the first Hr dims of each head)
  *     keys[n_past + t], vals[n_past + t] = k[t], v[t]
  *     a = attention(q, keys[0 : n_past + n_tok], vals, positions n_past + t, window, scale)
  *     x += a wo^T + bo
  * each step with the arithmetic of col_rms_norm, col_matmul, col_rope and col_attention, so
  * the result equals that sequence of calls (and numpy's float32 adds and clamps) bit for bit.
  *   x:          (n_tok, D) float32, read and updated in place
- *   cos, sin:   (n_tok, Hd) float32, the rotary tables of the new tokens
+ *   cos, sin:   (n_tok, Hr) float32, the rotary tables of the new tokens (Hr = rotary_dim or Hd)
  *   keys, vals: (>= n_past + n_tok, K, Hd) float32, the layer's KV cache; rows n_past ..
  *               n_past + n_tok - 1 are written, rows before are read
  * COL_EINVAL: bad sizes, types or NULL pointers; nothing written. COL_ENOMEM: scratch
@@ -363,6 +372,55 @@ COL_API int col_attention_block(col_pool *pool, const col_attention_layer *layer
 COL_API int col_moe_route(col_pool *pool, int type, const void *router, int64_t n_experts, int64_t dim,
                           const float *x, int64_t n_tok, int64_t top_k, int normalize, int32_t *experts,
                           float *weights);
+
+/* How a router scores experts (col_moe_router.scoring). */
+enum col_router_scoring {
+    COL_ROUTER_SOFTMAX = 0, /* softmax over the n_experts logits */
+    COL_ROUTER_SIGMOID = 1, /* sigmoid of each logit on its own (DeepSeek-V3, GLM-4.5) */
+};
+
+/* How a group of experts is scored for the group limit (col_moe_router.group_score). */
+enum col_group_score {
+    COL_GROUP_SCORE_MAX = 0,      /* its best expert's choice score (DeepSeek-V2) */
+    COL_GROUP_SCORE_TOP2_SUM = 1, /* the sum of its best two (DeepSeek-V3, GLM-4.5) */
+};
+
+/* One MoE layer's router, set up once and passed to every step. Shapes: D dim, E n_experts,
+ * G n_groups (experts e of group e / (E / G)), A top_k. */
+typedef struct col_moe_router {
+    int64_t n_experts;        /* E */
+    int64_t dim;              /* D */
+    int64_t top_k;            /* A, 1 .. groups_kept * E / G */
+    int64_t n_groups;         /* G, divides E; 1: no group limit */
+    int64_t groups_kept;      /* groups whose experts may be chosen, 1 .. G */
+    int32_t type;             /* type of weight */
+    int32_t scoring;          /* enum col_router_scoring */
+    int32_t group_score;      /* enum col_group_score (used when groups_kept < G) */
+    int32_t normalize;        /* 1: the A weights renormalised to sum 1 */
+    float scaling;            /* the weights times this (routed_scaling_factor), finite */
+    const void *weight;       /* (E, row_bytes(type, D)) */
+    const float *choice_bias; /* (E) added to the scores for choosing only, or NULL */
+} col_moe_router;
+
+/* sizeof(col_moe_router), for bindings that mirror the struct. */
+COL_API size_t col_moe_router_size(void);
+
+/* Routing of a MoE layer step for every token: logits = x @ weight^T (as col_matmul), then
+ * per token
+ *     s      = softmax(logits) or sigmoid(logits)                 (E)
+ *     c      = s + choice_bias (or s)                             (E)
+ *     if groups_kept < G: keep the groups_kept best groups by group_score of c; the experts
+ *            of the other groups cannot be chosen
+ *     experts[t] = the top_k allowed experts by c, best first
+ *     weights[t] = s[experts[t]], / (their sum + 1e-20) if normalize, * scaling
+ * Every choice prefers the larger value and, on equal values, the lower index. col_moe_route
+ * is this with softmax scoring, no bias, one group and scaling 1.
+ *   x:       (n_tok, D) float32
+ *   experts: (n_tok, top_k) int32 out;  weights: (n_tok, top_k) float32 out
+ * COL_EINVAL: bad sizes, type, enum values or NULL pointers; outputs untouched.
+ * COL_ENOMEM: scratch; outputs untouched. */
+COL_API int col_moe_router_route(col_pool *pool, const col_moe_router *router, const float *x, int64_t n_tok,
+                                 int32_t *experts, float *weights);
 
 /* ---------------------------------------------------------------------------------------
  * CRC-32C (Castagnoli, reflected polynomial 0x82F63B78)

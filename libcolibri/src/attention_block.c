@@ -11,7 +11,7 @@
  * Phases, with a barrier between each two:
  *   0. h[t] = rms_norm(x[t]) * norm, quantized for the q/k/v type          tokens split
  *   1. qkv[t] = h[t] @ [wq; wk; wv]^T + [bq; bk; bv]                       R rows split
- *   2. q/k norms, clamp, RoPE; k and v stored in the cache at n_past + t     tokens split
+ *   2. q/k norms, clamp, RoPE (partial); k, v stored in the cache at n_past + t  tokens split
  *   3. a[t, head] = attention over keys 0 .. n_past + t (window)            (t, head) dealt
  *   4. a[t] quantized for wo's type (integer kernels only)                  tokens split
  *   5. x[t] += a[t] @ wo^T + bo                                             D rows split
@@ -27,7 +27,7 @@ typedef struct {
     col_matrix mq, mk, mv, mo;
     int64_t n_tok, n_past, Q, KV, R;
     float *x;                 /* (T, D) */
-    const float *cos, *sin;   /* (T, Hd) */
+    const float *cos, *sin;   /* (T, Hr) Hr = rotary_dim or Hd */
     float *keys, *vals;       /* (>= S, K, Hd) */
     float *h;                 /* (T, D) normed input */
     uint8_t *hq;              /* (T, hq_bytes) h quantized, integer q/k/v only */
@@ -77,8 +77,9 @@ static void finish_qkv(const block_job *j, int64_t t) {
         col_rms_norm(q, l->q_norm, H, Hd, l->eps, q);
         col_rms_norm(kt, l->k_norm, K, Hd, l->eps, kt);
     }
-    col_rope(q, 1, H, Hd, j->cos + t * Hd, j->sin + t * Hd);
-    col_rope(kt, 1, K, Hd, j->cos + t * Hd, j->sin + t * Hd);
+    const int64_t Hr = l->rotary_dim > 0 ? l->rotary_dim : Hd; /* rotated dims of each head */
+    col_rope_heads(q, H, Hd, Hr, j->cos + t * Hr, j->sin + t * Hr);
+    col_rope_heads(kt, K, Hd, Hr, j->cos + t * Hr, j->sin + t * Hr);
     memcpy(j->keys + (j->n_past + t) * j->KV, kt, (size_t)j->KV * sizeof(float));
     memcpy(j->vals + (j->n_past + t) * j->KV, vt, (size_t)j->KV * sizeof(float));
 }
@@ -142,6 +143,7 @@ static int layer_valid(const col_attention_layer *l) {
     if (l->dim <= 0 || l->n_heads <= 0 || l->n_kv_heads <= 0 || l->head_dim <= 0 || l->head_dim % 2 != 0 ||
         l->n_heads % l->n_kv_heads != 0)
         return 0;
+    if (l->rotary_dim < 0 || l->rotary_dim % 2 != 0 || l->rotary_dim > l->head_dim) return 0;
     if (l->qk_norm < COL_QK_NORM_NONE || l->qk_norm > COL_QK_NORM_HEAD) return 0;
     if (l->qk_norm != COL_QK_NORM_NONE && (!l->q_norm || !l->k_norm)) return 0;
     if (!l->norm || !l->wq || !l->wk || !l->wv || !l->wo) return 0;

@@ -206,47 +206,4 @@ int col_moe_experts(col_pool *pool, int type, int64_t n_experts, const void *con
     return COL_OK;
 }
 
-/* ---- routing ------------------------------------------------------------------------------ */
-
-/* Token t's top_k of the softmax over its logits (E), best first, lower index on ties. */
-static void route_token(float *p, int64_t n_experts, int64_t top_k, int normalize, int32_t *experts,
-                        float *weights) {
-    float mx = p[0];
-    for (int64_t e = 1; e < n_experts; e++) mx = p[e] > mx ? p[e] : mx;
-    float sum = 0.0f;
-    for (int64_t e = 0; e < n_experts; e++) {
-        p[e] = expf(p[e] - mx);
-        sum += p[e];
-    }
-    for (int64_t e = 0; e < n_experts; e++) p[e] /= sum;
-    const float taken = -1.0f; /* below every probability */
-    float kept = 0.0f;
-    for (int64_t a = 0; a < top_k; a++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < n_experts; e++)
-            if (p[e] != taken && (best < 0 || p[e] > p[best])) best = e;
-        experts[a] = (int32_t)best;
-        weights[a] = p[best];
-        kept += p[best];
-        p[best] = taken;
-    }
-    if (normalize)
-        for (int64_t a = 0; a < top_k; a++) weights[a] /= kept;
-}
-
-int col_moe_route(col_pool *pool, int type, const void *router, int64_t n_experts, int64_t dim,
-                  const float *x, int64_t n_tok, int64_t top_k, int normalize, int32_t *experts,
-                  float *weights) {
-    if (n_experts <= 0 || dim < 0 || n_tok < 0 || top_k < 1 || top_k > n_experts) return COL_EINVAL;
-    if (col_type_row_bytes(type, dim) < 0) return COL_EINVAL;
-    if (n_tok == 0) return COL_OK;
-    if (!router || !x || !experts || !weights) return COL_EINVAL;
-    float *logits = col_alloc((size_t)(n_tok * n_experts) * sizeof(float)); /* (T, E) */
-    if (!logits) return COL_ENOMEM;
-    const int status = col_matmul(pool, type, router, n_experts, dim, x, n_tok, logits);
-    if (status == COL_OK)
-        for (int64_t t = 0; t < n_tok; t++)
-            route_token(logits + t * n_experts, n_experts, top_k, normalize, experts + t * top_k, weights + t * top_k);
-    col_free(logits);
-    return status;
-}
+/* Routing (col_moe_route) lives in route.c. */

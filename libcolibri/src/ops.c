@@ -33,24 +33,34 @@ int col_silu_mul(const float *g, const float *u, float *h, int64_t n) {
     return COL_OK;
 }
 
-int col_rope(float *x, int64_t n_tok, int64_t n_heads, int64_t head_dim, const float *cos,
-             const float *sin) {
-    if (n_tok < 0 || n_heads < 0 || head_dim < 0 || head_dim % 2 != 0) return COL_EINVAL;
-    if (n_tok == 0 || n_heads == 0 || head_dim == 0) return COL_OK;
-    if (!x || !cos || !sin) return COL_EINVAL;
-    const int64_t half = head_dim / 2;
-    for (int64_t t = 0; t < n_tok; t++) {
-        const float *c = cos + t * head_dim, *s = sin + t * head_dim; /* (Hd) */
-        for (int64_t h = 0; h < n_heads; h++) {
-            float *v = x + (t * n_heads + h) * head_dim; /* (Hd) */
-            for (int64_t i = 0; i < half; i++) {
-                const float a = v[i], b = v[i + half];
-                v[i] = a * c[i] - b * s[i];
-                v[i + half] = b * c[i + half] + a * s[i + half];
-            }
+void col_rope_heads(float *x, int64_t n_heads, int64_t head_dim, int64_t rotary_dim, const float *c, const float *s) {
+    const int64_t half = rotary_dim / 2;
+    for (int64_t h = 0; h < n_heads; h++) {
+        float *v = x + h * head_dim; /* (Hd): rotary_dim rotated, the rest passed through */
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * c[i] - b * s[i];
+            v[i + half] = b * c[i + half] + a * s[i + half];
         }
     }
+}
+
+int col_rope_partial(float *x, int64_t n_tok, int64_t n_heads, int64_t head_dim, int64_t rotary_dim,
+                     const float *cos, const float *sin) {
+    if (n_tok < 0 || n_heads < 0 || head_dim < 0 || rotary_dim < 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim)
+        return COL_EINVAL;
+    if (n_tok == 0 || n_heads == 0 || rotary_dim == 0) return COL_OK;
+    if (!x || !cos || !sin) return COL_EINVAL;
+    for (int64_t t = 0; t < n_tok; t++)
+        col_rope_heads(x + t * n_heads * head_dim, n_heads, head_dim, rotary_dim, cos + t * rotary_dim,
+                       sin + t * rotary_dim);
     return COL_OK;
+}
+
+int col_rope(float *x, int64_t n_tok, int64_t n_heads, int64_t head_dim, const float *cos,
+             const float *sin) {
+    if (head_dim < 0 || head_dim % 2 != 0) return COL_EINVAL;
+    return col_rope_partial(x, n_tok, n_heads, head_dim, head_dim, cos, sin);
 }
 
 typedef struct {

@@ -49,6 +49,7 @@ class ConversionReport:
     experts_bytes: int = 0
     num_expert_records: int = 0
     fallbacks: list[str] = field(default_factory=list)  # tensors stored wider than asked
+    quantization: dict[str, str] = field(default_factory=dict)  # type per class as written (MXFP4 experts kept)
 
 
 def tensor_class(pack_name: str) -> str:
@@ -97,7 +98,7 @@ class Converter:
         self.checkpoint = self._open_checkpoint()
         self.dense_names = self.arch.dense_tensor_names(self.config)
         self.quant = self._experts_as_published(quant)
-        self.report = ConversionReport(out, self.arch.name)
+        self.report = ConversionReport(out, self.arch.name, quantization=self.quant.to_json())
 
     def _experts_as_published(self, quant: QuantSpec) -> QuantSpec:
         """Experts published as MXFP4 stay mxfp4 (their bytes are copied: lossless, and

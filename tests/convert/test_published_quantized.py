@@ -135,3 +135,114 @@ def test_mismatched_mxfp4_pairs_and_raw_bytes_are_named(tmp_path):
     write_safetensors(tmp_path / "model.safetensors", {"y_blocks": ("U8", blocks)})
     with pytest.raises(CheckpointError, match="raw bytes"):
         Checkpoint(tmp_path).read_f32("y_blocks")
+
+
+# ---------------------------------------------------------------------------------------
+# A whole model: FP8 attention, MXFP4 experts
+# ---------------------------------------------------------------------------------------
+
+SPEC_OVERRIDES = {"num_hidden_layers": 2}
+FP8_BLOCK = (48, 40)  # small blocks, so the 64-wide tiny matrices have partial edge blocks
+
+
+def _published_quantized(packs, tmp_path):
+    """(quantized checkpoint dir, same model with the decoded weights in f32) from a tiny
+    qwen3_moe: every expert matrix replaced by random MXFP4 codes, every attention matrix
+    by random FP8 codes with block scales."""
+    from safetensors.numpy import load_file, save_file
+
+    from tests.tiny_checkpoints import CheckpointSpec
+
+    source = packs.checkpoint(CheckpointSpec("qwen3_moe", SPEC_OVERRIDES, seed=3))
+    state = load_file(source / "model.safetensors")
+    quantized, decoded = {}, {}
+    for i, (name, array) in enumerate(sorted(state.items())):
+        if ".mlp.experts." in name:
+            rows, cols = array.shape
+            blocks, scales = random_mxfp4((1, rows, cols // 32), 100 + i)
+            base = name  # e.g. model.layers.0.mlp.experts.3.gate_proj.weight
+            quantized[base + "_blocks"], quantized[base + "_scales"] = ("U8", blocks[0]), ("U8", scales[0])
+            decoded[name] = oracle_mxfp4(blocks, scales)[0]
+        elif ".self_attn." in name and name.endswith("proj.weight"):
+            codes = random_e4m3(array.shape, 100 + i)
+            grid = (-(-array.shape[0] // FP8_BLOCK[0]), -(-array.shape[1] // FP8_BLOCK[1]))
+            scale = np.random.default_rng(i).uniform(2e-4, 1e-3, grid).astype(np.float32)  # e4m3 reaches 448
+            quantized[name], quantized[name + "_scale_inv"] = ("F8_E4M3", codes), ("F32", scale)
+            decoded[name] = oracle_fp8(codes, scale, FP8_BLOCK)
+        else:
+            quantized[name], decoded[name] = ("F32", array), array
+    out, ref = tmp_path / "published", tmp_path / "decoded"
+    for directory in (out, ref):
+        directory.mkdir()
+        for f in source.iterdir():
+            if f.name != "model.safetensors":
+                (directory / f.name).write_bytes(f.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(FP8_BLOCK)}
+    (out / "config.json").write_text(json.dumps(config))
+    write_safetensors(out / "model.safetensors", quantized)
+    save_file({k: np.ascontiguousarray(v) for k, v in decoded.items()}, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    return out, ref, decoded
+
+
+def test_fp8_attention_and_mxfp4_experts_convert_and_match_transformers(packs, tmp_path):
+    from colibrid.convert.converter import convert
+    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.engine import load
+    from colibrid.engine.experts import PreadExpertSource
+    from colibrid.pack import Pack
+    from tests.tiny_checkpoints import load_reference, reference_greedy, reference_logits
+
+    published, decoded_dir, decoded = _published_quantized(packs, tmp_path)
+    out = tmp_path / "pack"
+    convert(published, out, parse_quant("dense=f32,embeddings=f32"), progress=False)  # experts: as published
+    pack = Pack.open(out)
+    assert pack.manifest.quantization["experts"] == "mxfp4"
+    # dense: the FP8 values exactly; experts: the published codes, decoding to the oracle's values
+    np.testing.assert_array_equal(pack.dense("layers.1.attn.q").data, decoded["model.layers.1.self_attn.q_proj.weight"])
+
+    source = PreadExpertSource(pack)
+    expert = source.get(1, 5)
+    for part, hf in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+        t = getattr(expert, part)
+        assert t.type is native.TensorType.MXFP4
+        np.testing.assert_array_equal(native.dequantize(t.type, t.data, *t.shape), decoded[f"model.layers.1.mlp.experts.5.{hf}.weight"])
+    source.close()
+
+    reference = load_reference(decoded_dir)
+    ids = np.random.default_rng(1).integers(0, reference.config.vocab_size, 32).tolist()
+    expected = reference_logits(reference, ids)
+    before = native.kernels()
+    try:
+        native.set_kernels("portable")  # float activations: the same model as transformers'
+        engine = load(out)
+        actual = engine.forward(ids)
+        assert np.abs(actual - expected).max() <= 1e-4 * np.abs(expected).max()
+        assert engine.greedy(ids, 32) == reference_greedy(reference, ids, 32)
+        # (the SIMD levels quantize activations to int8: measured against this level, within
+        # that bound, by tests/test_native_kernels.py; on a random model a perturbation that
+        # flips one routing choice changes that position's logits entirely)
+    finally:
+        native.set_kernels(before)
+
+
+def test_explicit_experts_type_reencodes_mxfp4_experts(packs, tmp_path):
+    from colibrid.convert.converter import convert
+    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.pack import Pack
+
+    published, _, _ = _published_quantized(packs, tmp_path)
+    convert(published, tmp_path / "q8", parse_quant("experts=q8_0"), progress=False)
+    assert Pack.open(tmp_path / "q8").manifest.quantization["experts"] == "q8_0"
+
+
+def test_unknown_quantization_methods_are_refused(packs, tmp_path):
+    from colibrid.convert.converter import ConversionError, convert
+    from colibrid.convert.quant_spec import parse_quant
+
+    published, _, _ = _published_quantized(packs, tmp_path)
+    config = json.loads((published / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (published / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match="quant_method 'gptq' is not supported"):
+        convert(published, tmp_path / "out", parse_quant(None), progress=False)

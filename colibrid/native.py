@@ -219,6 +219,7 @@ class TensorType(enum.IntEnum):
     BF16 = 2
     Q8_0 = 3
     Q4_G64 = 4
+    MXFP4 = 5
 
     @property
     def name_in_pack(self) -> str:
@@ -227,7 +228,7 @@ class TensorType(enum.IntEnum):
 
     @classmethod
     def from_name(cls, name: str) -> "TensorType":
-        """The type called ``name`` in a pack ("f32", "f16", "bf16", "q8_0", "q4_g64")."""
+        """The type called ``name`` in a pack ("f32", "f16", "bf16", "q8_0", "q4_g64", "mxfp4")."""
         for member in cls:
             if member.name_in_pack == name:
                 return member
@@ -236,7 +237,7 @@ class TensorType(enum.IntEnum):
 
     @property
     def block_elems(self) -> int:
-        """Values per quantization block (1 for f32/f16/bf16, 32 for q8_0, 64 for q4_g64)."""
+        """Values per quantization block (1 for f32/f16/bf16, 32 for q8_0 and mxfp4, 64 for q4_g64)."""
         return int(_lib().col_type_block_elems(int(self)))
 
     def row_bytes(self, n_cols: int) -> int:
@@ -476,7 +477,8 @@ def _pool_handle(pool: ThreadPool | None) -> int:
 def quantize(type_: TensorType | int | str, src: np.ndarray) -> np.ndarray:
     """Encodes float32 ``src`` (R, C) as ``type_``; returns uint8 (R, row_bytes(C)).
 
-    Raises ValueRangeError for NaN/inf (or |x| > ~65504) in a q8_0 / q4_g64 block."""
+    Raises ValueRangeError for NaN/inf in a q8_0 / q4_g64 / mxfp4 block (or |x| > ~65504 in a
+    q8_0 / q4_g64 one)."""
     t = _as_type(type_)
     src = _f32_matrix(src, "src")
     rows, cols = src.shape

@@ -1,7 +1,7 @@
 """libcolibri kernels against plain numpy references.
 
 Each test states one property of colibri.h: conversions are bit-exact where the format is
-defined bit by bit (f16, bf16, q8_0), bounded where the encoder has freedom (q4_g64), matmul
+defined bit by bit (f16, bf16, q8_0, mxfp4 decoding), bounded where the encoder has freedom (q4_g64), matmul
 equals x @ dequantize(w).T, and bad arguments raise typed errors instead of crashing.
 """
 
@@ -96,7 +96,7 @@ def rel_rms(err: np.ndarray, x: np.ndarray) -> float:
 
 
 def test_type_table():
-    expected = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_g64": (64, 36)}
+    expected = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_g64": (64, 36), "mxfp4": (32, 17)}
     for t in ALL_TYPES:
         block, block_bytes = expected[t.name_in_pack]
         assert TensorType.from_name(t.name_in_pack) is t
@@ -104,6 +104,7 @@ def test_type_table():
         assert t.row_bytes(128) == 128 // block * block_bytes
         assert t.row_bytes(0) == 0
     assert TensorType.Q4_G64.row_bytes(64) * 8 / 64 == 4.5  # bits per weight
+    assert TensorType.MXFP4.row_bytes(64) * 8 / 64 == 4.25
     assert native.version() == "0.1.0"
 
 
@@ -286,16 +287,95 @@ def test_q4_g64_beats_minmax_and_is_deterministic():
     assert ours < 0.95 * minmax
 
 
+# ---------------------------------------------------------------------------------------
+# mxfp4
+# ---------------------------------------------------------------------------------------
+
+E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
+
+
+def mxfp4_block(e: int, codes) -> np.ndarray:
+    """One 17-byte block: exponent byte e, element j's code in the low nibble of byte 1 + j
+    and element j + 16's in its high nibble."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    return np.concatenate([[e], codes[:16] | (codes[16:] << 4)]).astype(np.uint8)
+
+
+def test_mxfp4_decodes_every_code_at_every_exponent_exactly():
+    """value = e2m1(code) * 2^(e - 127) bit for bit, signed zeros included, for all 256
+    exponent bytes (255 decodes as 2^128, as ldexp does: 6 * 2^128 overflows to inf)."""
+    codes = np.arange(32) % 16
+    blocks = np.stack([mxfp4_block(e, codes) for e in range(256)])
+    got = native.dequantize(TensorType.MXFP4, blocks, 256, 32)
+    with np.errstate(over="ignore"):
+        want = np.stack([np.ldexp(E2M1[codes], np.int32(e - 127)).astype(np.float32) for e in range(256)])
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.isinf(got[255, 7]) and got[255, 1] == np.float32(2.0**127)
+
+
+def test_mxfp4_nibble_layout_encode():
+    """Values that are e2m1 values times one power of two encode exactly, element j in the
+    low nibble of byte j, element j + 16 in the high one."""
+    codes = (np.arange(32) * 7) % 16
+    codes[codes == 8] = 0  # -0 encodes as +0
+    codes[3] = 7  # a 6 (largest) so the OCP exponent is the exact one
+    x = (E2M1[codes] * np.float32(2.0**-3)).reshape(1, 32)
+    block = native.quantize(TensorType.MXFP4, x).ravel()
+    np.testing.assert_array_equal(block, mxfp4_block(127 - 3, codes))
+    np.testing.assert_array_equal(native.dequantize(TensorType.MXFP4, block, 1, 32), x)
+
+
+def test_mxfp4_rounds_to_the_nearest_code_ties_to_even():
+    # with max 6 the OCP exponent is 2^0: midpoints tie to the code with an even mantissa bit
+    x = np.array([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, 0.3, -5.1] + [0] * 20, np.float32)
+    back = native.dequantize(TensorType.MXFP4, native.quantize(TensorType.MXFP4, x.reshape(1, 32)), 1, 32).ravel()
+    np.testing.assert_array_equal(back[:12], [6, 0, 1, 1, 2, 2, 4, 4, 0, -2, 0.5, -6])
+
+
+def test_mxfp4_picks_the_exponent_with_the_lower_error():
+    # max 7.9: the OCP exponent (2^0) clips it to 6 (error 1.9); 2^1 holds it as 8 (error 0.1)
+    clipped = np.array([7.9] + [0.0] * 31, np.float32).reshape(1, 32)
+    packed = native.quantize(TensorType.MXFP4, clipped)
+    assert packed[0, 0] == 128 and native.dequantize(TensorType.MXFP4, packed, 1, 32)[0, 0] == 8.0
+    # max 6.1 with small values: 2^0 keeps 0.5-steps for the rest, clipping 6.1 costs only 0.1
+    fine = np.array([6.1] + [0.5, 1.5, -0.5] * 10 + [0.0], np.float32).reshape(1, 32)
+    packed = native.quantize(TensorType.MXFP4, fine)
+    assert packed[0, 0] == 127
+    # a zero block and a tiny one (exponent clamped at the smallest scale)
+    for x in (np.zeros((1, 32), np.float32), np.full((1, 32), 1e-42, np.float32)):
+        packed = native.quantize(TensorType.MXFP4, x)
+        assert packed[0, 0] == 0
+        assert np.abs(native.dequantize(TensorType.MXFP4, packed, 1, 32) - x).max() <= 2.0**-128
+
+
+def test_mxfp4_error_is_at_most_the_plain_ocp_rule():
+    x = gaussian(64, 1024, 16) * np.exp2(rng(17).uniform(-20, 20, (64, 1))).astype(np.float32)
+    packed = native.quantize(TensorType.MXFP4, x)
+    assert np.array_equal(packed, native.quantize(TensorType.MXFP4, x))  # deterministic
+    back = native.dequantize(TensorType.MXFP4, packed, *x.shape)
+    # the OCP rule alone: exponent floor(log2(max)) - 2, nearest e2m1 value, saturating at 6
+    blocks = x.reshape(-1, 32).astype(np.float64)
+    scale = np.exp2(np.floor(np.log2(np.abs(blocks).max(axis=1))) - 2)[:, None]
+    grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    nearest = grid[np.abs(np.abs(blocks / scale)[..., None] - grid).argmin(axis=-1)]
+    ocp = np.sign(blocks) * nearest * scale
+    ours = ((back.reshape(-1, 32) - blocks) ** 2).sum(axis=1)
+    theirs = ((ocp - blocks) ** 2).sum(axis=1)
+    assert (ours <= theirs * (1 + 1e-6)).all()
+    print(f"\nmxfp4 MSE {ours.sum() / theirs.sum():.3f}x the plain OCP rule's")
+
+
 def test_quantization_error_report():
     """Relative RMS error on gaussian data (printed with -s, documented in docs/format.md)."""
     x = gaussian(256, 4096, 15)
     report = {}
-    for t in (TensorType.F16, TensorType.BF16, TensorType.Q8_0, TensorType.Q4_G64):
+    for t in (TensorType.F16, TensorType.BF16, TensorType.Q8_0, TensorType.Q4_G64, TensorType.MXFP4):
         back = native.dequantize(t, native.quantize(t, x), *x.shape)
         report[t.name_in_pack] = rel_rms(back - x, x)
     print("\nrelative RMS error on N(0,1) data, 256x4096: " + ", ".join(f"{k} {v:.5f}" for k, v in report.items()))
     assert report["q8_0"] < 0.01
     assert report["q4_g64"] < 0.12
+    assert report["mxfp4"] < 0.13
 
 
 # ---------------------------------------------------------------------------------------
@@ -490,7 +570,7 @@ def test_c_entry_points_reject_bad_arguments():
     assert lib.col_matmul(None, int(TensorType.F32), None, 4, 64, None, 1, None) == 1
     assert lib.col_get_rows(7, out.ctypes.data, 64, None, 1, f32_out.ctypes.data) == 1
     assert lib.col_type_row_bytes(int(TensorType.Q4_G64), 65) == -1
-    assert lib.col_type_block_elems(5) == -1
+    assert lib.col_type_block_elems(6) == -1
     assert lib.col_status_string(1) == b"invalid argument"
     assert lib.col_status_string(-7) == b"unknown status"
     with pytest.raises(native.InvalidArgumentError):
@@ -530,7 +610,7 @@ def test_wrappers_reject_bad_arguments():
 
 
 def test_unrepresentable_values_raise_range_error():
-    for t in (TensorType.Q8_0, TensorType.Q4_G64):
+    for t in (TensorType.Q8_0, TensorType.Q4_G64, TensorType.MXFP4):
         for bad in (np.nan, np.inf, -np.inf):
             x = gaussian(1, 128, 27)
             x[0, 70] = bad

@@ -3,8 +3,8 @@ fused expert call, RMSNorm, RoPE and attention.
 
 Tolerances, stated once:
   - portable level: float32 activations, error <= 1e-5 x (|x| @ |w|^T) (as in test_native);
-  - SIMD levels with q8_0 / q4_g64 weights quantize each block of activations to int8
-    (blocks of 32 for q8_0, 64 for q4_g64: the weight's block), so each activation is off by
+  - SIMD levels with q8_0 / q4_g64 / mxfp4 weights quantize each block of activations to int8
+    (blocks of 32 for q8_0 and mxfp4, 64 for q4_g64: the weight's block), so each activation is off by
     at most max|x_block| / 254; the product is then off by at most
     sum_j |w_j| * max|x_block(j)| / 254, plus float rounding (1e-5 x scale);
   - SIMD levels among themselves share that quantization and sum exactly in integers: they
@@ -22,7 +22,7 @@ from colibrid import native
 from colibrid.native import TensorType
 
 SIMD_LEVELS = [level for level in native.supported_kernels() if level != "portable"]
-QUANT_TYPES = [TensorType.Q8_0, TensorType.Q4_G64]
+QUANT_TYPES = [TensorType.Q8_0, TensorType.Q4_G64, TensorType.MXFP4]
 
 # (n_out, n_in in blocks of 64, n_tok): row counts not multiples of the 16-row tile nor of
 # the thread split, odd numbers of 32-blocks (n_in = 64k is 2k blocks of 32; 32*odd below)
@@ -59,7 +59,7 @@ def activation_error_bound(w_deq: np.ndarray, x: np.ndarray, block: int) -> np.n
 
 def _inputs(type_, shape, seed):
     n_out, n_in_64, n_tok = shape
-    n_in = 64 * n_in_64 if type_ is TensorType.Q4_G64 else 32 * (2 * n_in_64 + 1)  # q8_0: odd block count
+    n_in = 64 * n_in_64 if type_ is TensorType.Q4_G64 else 32 * (2 * n_in_64 + 1)  # q8_0, mxfp4: odd block count
     w = gaussian((n_out, n_in), seed, 0.1)
     x = gaussian((n_tok, n_in), seed + 1)
     packed = native.quantize(type_, w)
@@ -225,7 +225,7 @@ def _moe_reference(type_, experts, dim, ffn, x, expert_of, weight):
     return out
 
 
-@pytest.mark.parametrize("type_", [TensorType.F32, TensorType.BF16, TensorType.Q8_0, TensorType.Q4_G64], ids=lambda t: t.name_in_pack)
+@pytest.mark.parametrize("type_", [TensorType.F32, TensorType.BF16, *QUANT_TYPES], ids=lambda t: t.name_in_pack)
 @pytest.mark.parametrize("n_tok", [1, 5])
 def test_fused_experts_match_the_per_expert_reference(type_, n_tok, kernel_level, pools):
     n_experts, dim, ffn, top_k = 5, 192, 128, 3

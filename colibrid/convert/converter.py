@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from colibrid import __version__, native
+from colibrid.convert import fp8
 from colibrid.convert.progress import Progress
 from colibrid.convert.quant_spec import QuantSpec
-from colibrid.convert.safetensors import Checkpoint, CheckpointError
+from colibrid.convert.safetensors import Checkpoint, CheckpointError, TensorRef
 from colibrid.models import Architecture, UnsupportedArchitecture, UnsupportedConfig, architecture_for
 from colibrid.models.config import ModelConfig
 from colibrid.pack.manifest import EXPERT_PARTS
@@ -48,6 +49,7 @@ class ConversionReport:
     experts_bytes: int = 0
     num_expert_records: int = 0
     fallbacks: list[str] = field(default_factory=list)  # tensors stored wider than asked
+    quantization: dict[str, str] = field(default_factory=dict)  # type per class as written (MXFP4 experts kept)
 
 
 def tensor_class(pack_name: str) -> str:
@@ -95,7 +97,20 @@ class Converter:
             raise ConversionError(f"{src / 'config.json'}: cannot read the model configuration ({exc!r})") from None
         self.checkpoint = self._open_checkpoint()
         self.dense_names = self.arch.dense_tensor_names(self.config)
-        self.report = ConversionReport(out, self.arch.name)
+        self.quant = self._experts_as_published(quant)
+        self.report = ConversionReport(out, self.arch.name, quantization=self.quant.to_json())
+
+    def _experts_as_published(self, quant: QuantSpec) -> QuantSpec:
+        """Experts published as MXFP4 stay mxfp4 (their bytes are copied: lossless, and
+        re-quantizing 4.25-bit weights to another 4-bit type would only lose accuracy)
+        unless --quant names an experts type, which then re-encodes their exact values."""
+        if "experts" in quant.explicit or not self.config.moe_layer_ids:
+            return quant
+        first = self.arch.expert_tensor_names(self.config.moe_layer_ids[0], 0).gate
+        if not self.checkpoint.is_mxfp4(first):
+            return quant
+        log.info("experts are MXFP4 in the checkpoint: copied as mxfp4 (--quant experts=TYPE re-encodes them)")
+        return quant.with_type("experts", native.TensorType.MXFP4)
 
     def _read_config(self) -> dict:
         path = self.src / "config.json"
@@ -110,7 +125,11 @@ class Converter:
 
     def _open_checkpoint(self) -> Checkpoint:
         try:
-            return Checkpoint(self.src)
+            block = fp8.block_size(self.hf_config)
+        except ValueError as exc:
+            raise ConversionError(f"{self.src / 'config.json'}: {exc}") from None
+        try:
+            return Checkpoint(self.src, fp8_block=block)
         except CheckpointError as exc:
             raise ConversionError(str(exc)) from None
 
@@ -130,14 +149,17 @@ class Converter:
             if not (self.src / name).is_file():
                 raise ConversionError(f"{self.src / name} is missing: Colibri needs the fast tokenizer file (tokenizer.json)")
 
-    def _check_shape(self, hf_name: str, expected: tuple[int, ...]) -> None:
-        info = self.checkpoint.tensors.get(hf_name)
-        if info is None:
+    def _check_shape(self, hf_name: str | TensorRef, expected: tuple[int, ...]) -> None:
+        if not self.checkpoint.has(hf_name):
             raise ConversionError(f"{self.arch.name} checkpoint {self.src} lacks tensor {hf_name}")
-        if info.shape != expected:
-            raise ConversionError(f"tensor {hf_name} has shape {list(info.shape)}, expected {list(expected)} from config.json")
+        try:
+            shape = self.checkpoint.shape_of(hf_name)
+        except CheckpointError as exc:
+            raise ConversionError(str(exc)) from None
+        if shape != expected:
+            raise ConversionError(f"tensor {hf_name} has shape {list(shape)}, expected {list(expected)} from config.json")
 
-    def _source_names(self) -> list[str]:
+    def _source_names(self) -> list[str | TensorRef]:
         """Every checkpoint tensor the pack is made of (a tied head's copy is not)."""
         names = list(self.dense_names.values())
         for layer in self.config.moe_layer_ids:
@@ -146,9 +168,8 @@ class Converter:
                 names.extend(getattr(expert_names, part) for part in EXPERT_PARTS)
         return names
 
-    def _source_bytes(self, name: str) -> int:
-        info = self.checkpoint.info(name)
-        return info.end - info.begin
+    def _source_bytes(self, name: str | TensorRef) -> int:
+        return self.checkpoint.source_bytes(name)
 
     # --- encoding ---
 
@@ -212,9 +233,13 @@ class Converter:
                 parts = {}
                 for part in EXPERT_PARTS:
                     hf_name = getattr(names, part)
-                    array = self.checkpoint.read_f32(hf_name)
-                    type_, data = self._encode(f"layers.{layer}.experts.{expert}.{part}", array, self.quant.experts)
-                    parts[part] = (type_, array.shape, data)
+                    if self.quant.experts is native.TensorType.MXFP4 and self.checkpoint.is_mxfp4(hf_name):
+                        # published MXFP4: the same codes and exponents, only rearranged
+                        parts[part] = (native.TensorType.MXFP4, self.checkpoint.shape_of(hf_name), self.checkpoint.read_mxfp4(hf_name))
+                    else:
+                        array = self.checkpoint.read_f32(hf_name)
+                        type_, data = self._encode(f"layers.{layer}.experts.{expert}.{part}", array, self.quant.experts)
+                        parts[part] = (type_, array.shape, data)
                     progress.advance(self._source_bytes(hf_name), f"layer {layer} expert {expert}")
                 writer.add_expert(layer, expert, parts)
 

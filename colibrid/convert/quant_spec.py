@@ -10,12 +10,12 @@ tiny, and quantizing a router would let precision change which experts are chose
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from colibrid.native import TensorType
 
 TENSOR_CLASSES = ("experts", "dense", "embeddings")
-TYPE_NAMES = ("f32", "f16", "bf16", "q8_0", "q4_g64")
+TYPE_NAMES = ("f32", "f16", "bf16", "q8_0", "q4_g64", "mxfp4")
 
 # Experts dominate both the bytes streamed per token and the file size, so they get
 # the 4-bit type; attention and embeddings are read every token but are a small share
@@ -28,9 +28,15 @@ class QuantSpec:
     experts: TensorType
     dense: TensorType
     embeddings: TensorType
+    # classes whose type the user named: the converter keeps published MXFP4 experts as
+    # mxfp4 only when "experts" is not among them
+    explicit: frozenset[str] = field(default=frozenset(), compare=False)
 
     def for_class(self, tensor_class: str) -> TensorType:
         return getattr(self, tensor_class)
+
+    def with_type(self, tensor_class: str, type_: TensorType) -> "QuantSpec":
+        return replace(self, **{tensor_class: type_})
 
     def to_json(self) -> dict[str, str]:
         return {c: self.for_class(c).name_in_pack for c in TENSOR_CLASSES}
@@ -39,6 +45,7 @@ class QuantSpec:
 def parse_quant(text: str | None) -> QuantSpec:
     """``q8_0`` sets every class; ``experts=q4_g64,dense=q8_0`` overrides some of the defaults."""
     chosen = dict(DEFAULT_QUANT)
+    explicit: set[str] = set()
     if text:
         for item in text.split(","):
             item = item.strip()
@@ -48,9 +55,11 @@ def parse_quant(text: str | None) -> QuantSpec:
                 if cls not in TENSOR_CLASSES:
                     raise ValueError(f"--quant: unknown tensor class {cls!r}; classes: {', '.join(TENSOR_CLASSES)}")
                 chosen[cls] = type_name
+                explicit.add(cls)
             else:
                 chosen = dict.fromkeys(TENSOR_CLASSES, item)
+                explicit.update(TENSOR_CLASSES)
     for cls, type_name in chosen.items():
         if type_name not in TYPE_NAMES:
             raise ValueError(f"--quant: unknown type {type_name!r} for {cls}; types: {', '.join(TYPE_NAMES)}")
-    return QuantSpec(**{cls: TensorType.from_name(name) for cls, name in chosen.items()})
+    return QuantSpec(**{cls: TensorType.from_name(name) for cls, name in chosen.items()}, explicit=frozenset(explicit))

@@ -4,6 +4,13 @@ Reads one tensor at a time straight from the mapped file, so converting a model 
 needs the whole checkpoint in RAM. Handles single files and sharded checkpoints with
 ``model.safetensors.index.json``. Every inconsistency is a :class:`CheckpointError`
 naming the file (and tensor) involved.
+
+Tensors published quantized read as their exact float32 values: F8_E4M3 weights with a
+``<name>_scale_inv`` sibling get their block scales applied (convert/fp8.py), and a pair of
+U8 tensors ``<name>_blocks`` / ``<name>_scales`` is one MXFP4 tensor ``<name>`` (dtype
+"MXFP4", convert/mxfp4.py) that can also be read as the pack's mxfp4 rows, losslessly.
+A :class:`TensorRef` addresses part of a tensor (one expert of a fused (E, R, C) tensor,
+every other row), so a fused checkpoint tensor is never read whole.
 """
 
 from __future__ import annotations
@@ -15,11 +22,17 @@ from pathlib import Path
 
 import numpy as np
 
+from colibrid import native
+from colibrid.convert import fp8, mxfp4
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
 
-_DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}
+_DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2), "F8_E4M3": (np.uint8, 1),
+           "U8": (np.uint8, 1)}
+MXFP4 = "MXFP4"  # the dtype of a <name>_blocks / <name>_scales pair, read as one tensor
+_BYTES_PER_VALUE = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "U8": 1, MXFP4: mxfp4.BLOCK_BYTES / mxfp4.GROUP}
 
 
 class CheckpointError(Exception):
@@ -29,10 +42,34 @@ class CheckpointError(Exception):
 @dataclass(frozen=True)
 class TensorInfo:
     file: Path
-    dtype: str  # safetensors dtype name: F32, F16, BF16
-    shape: tuple[int, ...]
-    begin: int  # absolute byte offset in the file
+    dtype: str  # safetensors dtype name: F32, F16, BF16, F8_E4M3, U8; or MXFP4 for a blocks/scales pair
+    shape: tuple[int, ...]  # MXFP4: the values' shape (..., R, C), C = 32 x groups
+    begin: int  # absolute byte offset in the file (MXFP4: of the blocks)
     end: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Part of a checkpoint tensor: ``index`` selects along its leading axes (expert e of a
+    fused (E, R, C) tensor: ``(e,)``), then ``rows`` slices the row axis (the second to last:
+    ``slice(0, None, 2)`` for the even rows of an interleaved gate/up)."""
+
+    name: str
+    index: tuple[int, ...] = ()
+    rows: slice | None = None
+
+    @classmethod
+    def of(cls, ref: "str | TensorRef") -> "TensorRef":
+        return ref if isinstance(ref, TensorRef) else cls(ref)
+
+    def __str__(self) -> str:
+        parts = [str(i) for i in self.index] + ([f"{self.rows.start or ''}:{self.rows.stop or ''}:{self.rows.step or ''}"] if self.rows else [])
+        return f"{self.name}[{', '.join(parts)}]" if parts else self.name
+
+    def select(self, array: np.ndarray) -> np.ndarray:
+        """This part of ``array`` (the whole tensor, or a same-leading-shape companion) as a view."""
+        part = array[self.index] if self.index else array
+        return part[..., self.rows, :] if self.rows is not None else part
 
 
 def _read_header(path: Path) -> dict[str, TensorInfo]:
@@ -77,11 +114,16 @@ def _tensor_info(path: Path, name: str, meta, data_start: int, size: int) -> Ten
 
 
 class Checkpoint:
-    """All tensors of a checkpoint directory, addressable by name."""
+    """All tensors of a checkpoint directory, addressable by name (or :class:`TensorRef`).
 
-    def __init__(self, directory: Path) -> None:
+    ``fp8_block`` is the (rows, cols) block of F8_E4M3 weights' ``_scale_inv`` tensors
+    (``quantization_config.weight_block_size``; see convert/fp8.py)."""
+
+    def __init__(self, directory: Path, fp8_block: tuple[int, int] = fp8.DEFAULT_BLOCK) -> None:
         self.directory = directory
+        self.fp8_block = fp8_block
         self.tensors: dict[str, TensorInfo] = {}
+        self._mxfp4_parts: dict[str, tuple[TensorInfo, TensorInfo]] = {}  # name -> (blocks, scales)
         self._maps: dict[Path, np.memmap] = {}
         index = directory / INDEX_FILE
         if index.is_file():
@@ -90,6 +132,23 @@ class Checkpoint:
             self.tensors = _read_header(directory / SINGLE_FILE)
         else:
             raise CheckpointError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)")
+        self._pair_mxfp4()
+
+    def _pair_mxfp4(self) -> None:
+        """Every ``X_blocks`` / ``X_scales`` pair of U8 tensors becomes the MXFP4 tensor X."""
+        for blocks_name, blocks in list(self.tensors.items()):
+            if not blocks_name.endswith("_blocks") or blocks.dtype != "U8":
+                continue
+            name = blocks_name[: -len("_blocks")]
+            scales = self.tensors.get(name + "_scales")
+            if scales is None or scales.dtype != "U8":
+                continue
+            if blocks.shape[:-1] != scales.shape or blocks.shape[-1:] != (mxfp4.GROUP // 2,) or not scales.shape:
+                raise CheckpointError(f"{blocks.file}: MXFP4 tensor {name}: {blocks_name} {list(blocks.shape)} does not match "
+                                      f"{name}_scales {list(scales.shape)} (expected scales' shape + [{mxfp4.GROUP // 2}])")
+            shape = scales.shape[:-1] + (scales.shape[-1] * mxfp4.GROUP,)
+            self.tensors[name] = TensorInfo(blocks.file, MXFP4, shape, blocks.begin, blocks.end)
+            self._mxfp4_parts[name] = (blocks, scales)
 
     def _load_sharded(self, index: Path) -> None:
         try:
@@ -119,15 +178,78 @@ class Checkpoint:
         except KeyError:
             raise CheckpointError(f"checkpoint {self.directory} lacks tensor {name}") from None
 
-    def read_f32(self, name: str) -> np.ndarray:
-        """The tensor as a new float32 array (bf16 and f16 widened exactly)."""
-        info = self.info(name)
-        mapped = self._map(info.file)
-        np_dtype = _DTYPES[info.dtype][0]
-        raw = mapped[info.begin : info.end].view(np_dtype).reshape(info.shape)
+    def shape_of(self, ref: "str | TensorRef") -> tuple[int, ...]:
+        """The shape of a tensor or of the part a TensorRef names (CheckpointError if absent)."""
+        ref = TensorRef.of(ref)
+        shape = self.info(ref.name).shape
+        if len(ref.index) > max(len(shape) - 2, 0) or any(not 0 <= i < n for i, n in zip(ref.index, shape)):
+            raise CheckpointError(f"{ref}: index out of range for tensor {ref.name} of shape {list(shape)}")
+        shape = shape[len(ref.index):]
+        if ref.rows is not None:
+            shape = shape[:-2] + (len(range(*ref.rows.indices(shape[-2]))), shape[-1])
+        return shape
+
+    def has(self, ref: "str | TensorRef") -> bool:
+        return TensorRef.of(ref).name in self.tensors
+
+    def source_bytes(self, ref: "str | TensorRef") -> int:
+        """Bytes of the checkpoint that hold this tensor (or part): for progress reports."""
+        ref = TensorRef.of(ref)
+        return int(np.prod(self.shape_of(ref), dtype=np.int64) * _BYTES_PER_VALUE[self.info(ref.name).dtype])
+
+    def is_mxfp4(self, ref: "str | TensorRef") -> bool:
+        info = self.tensors.get(TensorRef.of(ref).name)
+        return info is not None and info.dtype == MXFP4
+
+    def read_f32(self, ref: "str | TensorRef") -> np.ndarray:
+        """The tensor (or part) as a new float32 array, exactly: bf16 and f16 widened, F8_E4M3
+        decoded and multiplied by its block scales, MXFP4 decoded."""
+        ref = TensorRef.of(ref)
+        info = self.info(ref.name)
+        self.shape_of(ref)  # checks the index
+        if info.dtype == MXFP4:
+            packed = self.read_mxfp4(ref)
+            shape = self.shape_of(ref)
+            rows = int(np.prod(shape[:-1], dtype=np.int64))
+            return native.dequantize(native.TensorType.MXFP4, packed, rows, shape[-1]).reshape(shape)
+        if info.dtype == "U8":
+            raise CheckpointError(f"{info.file}: tensor {ref.name} holds raw bytes (U8), not values")
+        raw = self._raw(info)
+        if info.dtype == "F8_E4M3":
+            return self._read_fp8(ref, info, raw)
+        part = ref.select(raw)
         if info.dtype == "BF16":
-            return (raw.astype(np.uint32) << 16).view(np.float32)
-        return raw.astype(np.float32)
+            return (part.astype(np.uint32) << 16).view(np.float32)
+        return part.astype(np.float32)
+
+    def _read_fp8(self, ref: TensorRef, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
+        values = fp8.decode_e4m3(raw[ref.index] if ref.index else raw)  # (..., R, C): blocks span rows
+        scale_name = ref.name + "_scale_inv"
+        if scale_name in self.tensors:
+            scale = self.read_f32(TensorRef(scale_name, ref.index))
+            try:
+                fp8.apply_block_scales(values, scale, self.fp8_block)
+            except ValueError as exc:
+                raise CheckpointError(f"{info.file}: FP8 tensor {ref.name}: {exc}") from None
+        return np.ascontiguousarray(values[..., ref.rows, :]) if ref.rows is not None else values
+
+    def read_mxfp4(self, ref: "str | TensorRef") -> np.ndarray:
+        """An MXFP4 tensor (or part) (..., R, C) as the pack's mxfp4 rows (..., R, C / 32 * 17)
+        uint8: the published bytes, rearranged (convert/mxfp4.py)."""
+        ref = TensorRef.of(ref)
+        self.shape_of(ref)
+        if ref.name not in self._mxfp4_parts:
+            raise CheckpointError(f"checkpoint {self.directory}: tensor {ref.name} is not MXFP4 (no {ref.name}_blocks / _scales)")
+        blocks, scales = self._mxfp4_parts[ref.name]
+        block_view = self._raw(blocks)  # (..., R, G, 16)
+        block_part = block_view[ref.index] if ref.index else block_view
+        if ref.rows is not None:
+            block_part = block_part[..., ref.rows, :, :]
+        return mxfp4.pack_rows(block_part, ref.select(self._raw(scales)))
+
+    def _raw(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's stored elements, a read-only view of the mapped file."""
+        return self._map(info.file)[info.begin : info.end].view(_DTYPES[info.dtype][0]).reshape(info.shape)
 
     def _map(self, path: Path) -> np.memmap:
         if path not in self._maps:

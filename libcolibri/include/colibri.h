@@ -77,6 +77,19 @@ COL_API const char *col_version(void);
  *                    The quantizer refines (d, m) by least squares from the min/max start and
  *                    keeps the lowest squared error among candidates whose every element is
  *                    within d/2 of its input (no element is clipped by more than half a step).
+ *   COL_TYPE_MXFP4   blocks of 32 values, 17 bytes (4.25 bits/value), the OCP MX FP4 type as
+ *                    gpt-oss publishes it (and byte-identical to ggml's MXFP4 block):
+ *                      uint8_t e;       e8m0 shared exponent: scale = 2^(e - 127)
+ *                      uint8_t qs[16];  e2m1 codes; value j (0..15) in the LOW nibble of
+ *                                       qs[j], value j + 16 in the HIGH nibble of qs[j]
+ *                    value = e2m1(code) * 2^(e - 127), e2m1 codes 0..15 meaning
+ *                    0, 0.5, 1, 1.5, 2, 3, 4, 6, -0, -0.5, -1, -1.5, -2, -3, -4, -6.
+ *                    Decoding is exact in float32 for every byte (e = 255, NaN in the OCP
+ *                    spec, decodes as 2^128 like ldexp: +-0 stays +-0, the rest overflows to
+ *                    +-inf). The quantizer (not needed for published MXFP4 weights, which are
+ *                    copied) tries the OCP exponent floor(log2(max|x|)) - 2 and the one above
+ *                    it, rounds each value to the nearest code (ties to an even code,
+ *                    saturating at +-6) and keeps the exponent with the lower squared error.
  * ------------------------------------------------------------------------------------ */
 typedef enum {
     COL_TYPE_F32    = 0,
@@ -84,11 +97,12 @@ typedef enum {
     COL_TYPE_BF16   = 2,
     COL_TYPE_Q8_0   = 3,
     COL_TYPE_Q4_G64 = 4,
+    COL_TYPE_MXFP4  = 5,
 } col_type;
 
-#define COL_TYPE_COUNT 5
+#define COL_TYPE_COUNT 6
 
-/* Values per block: 1, 1, 1, 32, 64 for the types above; -1 for an unknown type. */
+/* Values per block: 1, 1, 1, 32, 64, 32 for the types above; -1 for an unknown type. */
 COL_API int64_t col_type_block_elems(int type);
 
 /* Bytes of one row of n_cols values. -1 if the type is unknown, n_cols is negative, or
@@ -103,8 +117,8 @@ COL_API int64_t col_type_row_bytes(int type, int64_t n_cols);
  *   src: (rows, cols) float32
  *   dst: (rows, row_bytes(type, cols)) bytes, any alignment
  * COL_EINVAL: bad type / sizes / NULL; dst untouched.
- * COL_ERANGE: (q8_0, q4_g64 only) a block holds a NaN or inf, or a value too large for an
- *   f16 scale (|x| above ~65504); dst is partially written. */
+ * COL_ERANGE: (q8_0, q4_g64, mxfp4 only) a block holds a NaN or inf, or (q8_0, q4_g64) a
+ *   value too large for an f16 scale (|x| above ~65504); dst is partially written. */
 COL_API int col_quantize(int type, const float *src, int64_t rows, int64_t cols, void *dst);
 
 /* Converts `type` back to float32.
@@ -137,9 +151,11 @@ COL_API int col_get_rows(int type, const void *w, int64_t cols, const int32_t *i
  *   COL_KERNELS_AVX512       AVX-512 F/BW/DQ/VL (512-bit integer dot products).
  *   COL_KERNELS_AVX512_VNNI  AVX-512 as above plus VNNI (vpdpbusd).
  *   COL_KERNELS_NEON         aarch64 Advanced SIMD.
- * On every SIMD level, products with q8_0 / q4_g64 weights first quantize the activations
- * to int8 in blocks of the weight's block size (32 for q8_0, 64 for q4_g64; scale =
- * max|x_block| / 127, kept in float32) and multiply in integers; each activation then
+ * On every SIMD level, products with q8_0 / q4_g64 / mxfp4 weights first quantize the
+ * activations to int8 in blocks of the weight's block size (32 for q8_0 and mxfp4, 64 for
+ * q4_g64; scale = max|x_block| / 127, kept in float32) and multiply in integers (mxfp4 codes
+ * become the int8 values 2 x e2m1, -12..12, by table lookup; the scale 2^(e - 128) is applied
+ * per block in float); each activation then
  * carries an error of at most half its block's step, max|x_block| / 254. f32 / f16 / bf16
  * weights always use float32 activations. A token's result never depends on the other
  * tokens of the call (nor on the pool's thread count): decode equals prefill bit for bit.
@@ -218,9 +234,9 @@ COL_API int col_pool_worker_cpu(const col_pool *pool, int i);
  *   x: (n_tok, n_in) float32
  *   y: (n_tok, n_out) float32, must not overlap x or w
  * n_out and n_tok are arbitrary; n_in must be a multiple of the type's block.
- * Portable level: accumulates in float32, each block (32 values for f32/f16/bf16/q8_0, 64
- * for q4_g64) summed on its own, then added to the row total. SIMD levels: see
- * "Kernel selection" (int8 activations for q8_0 / q4_g64).
+ * Portable level: accumulates in float32, each block (32 values for f32/f16/bf16/q8_0/mxfp4,
+ * 64 for q4_g64) summed on its own, then added to the row total. SIMD levels: see
+ * "Kernel selection" (int8 activations for q8_0 / q4_g64 / mxfp4).
  * COL_EINVAL: bad type / sizes / NULL; y untouched. COL_ENOMEM: scratch allocation failed;
  * y untouched. */
 COL_API int col_matmul(col_pool *pool, int type, const void *w, int64_t n_out, int64_t n_in,

@@ -44,6 +44,28 @@ static_assert(sizeof(col_block_q4_g64) == 36, "q4_g64 block must be 36 bytes");
 static_assert(offsetof(col_block_q4_g64, m) == 2, "q4_g64 offset follows the scale");
 static_assert(offsetof(col_block_q4_g64, qs) == 4, "q4_g64 quants follow the offset");
 
+#define COL_QK_MXFP4 32
+
+typedef struct {
+    uint8_t e;                      /* e8m0 shared exponent, scale 2^(e - 127) */
+    uint8_t qs[COL_QK_MXFP4 / 2];   /* (16) e2m1 codes: element j low nibble, element j+16 high */
+} col_block_mxfp4;
+static_assert(sizeof(col_block_mxfp4) == 17, "mxfp4 block must be 17 bytes (4.25 bits per value)");
+static_assert(offsetof(col_block_mxfp4, qs) == 1, "mxfp4 codes follow the exponent");
+
+/* Twice the e2m1 value of each code (0..15): integers -12..12, so a code is an int8 weight
+ * and a block's value is col_e2m1_x2[code] * 2^(e - 128) (quant_mxfp4.c). */
+extern const int8_t col_e2m1_x2[16];
+
+/* 2^(e - 128) as float32, exact for every byte (2^-128 is a float subnormal): half the e8m0
+ * scale, the factor that goes with the doubled codes of col_e2m1_x2. */
+static inline float col_e8m0_half_to_f32(uint8_t e) {
+    const uint32_t bits = e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00200000u << e;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 /* ---------------------------------------------------------------------------------------
  * Unaligned little-endian loads and stores
  * ------------------------------------------------------------------------------------ */
@@ -150,6 +172,10 @@ float col_vec_dot_q8_0(const uint8_t *w, const float *x, int64_t n);
 int col_quantize_row_q4_g64(const float *x, uint8_t *dst, int64_t n);
 void col_dequantize_row_q4_g64(const uint8_t *src, float *y, int64_t n);
 float col_vec_dot_q4_g64(const uint8_t *w, const float *x, int64_t n);
+
+int col_quantize_row_mxfp4(const float *x, uint8_t *dst, int64_t n);
+void col_dequantize_row_mxfp4(const uint8_t *src, float *y, int64_t n);
+float col_vec_dot_mxfp4(const uint8_t *w, const float *x, int64_t n);
 
 /* ---------------------------------------------------------------------------------------
  * Activations quantized for the integer kernels (SIMD levels only)

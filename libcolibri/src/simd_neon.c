@@ -1,5 +1,5 @@
 /*
- * simd_neon.c — q8_0 / q4_g64 dot products with int8 activations for aarch64 Advanced SIMD.
+ * simd_neon.c — q8_0 / q4_g64 / mxfp4 dot products with int8 activations for aarch64 Advanced SIMD.
  *
  * Written to be obviously correct rather than fast: widening int8 multiplies (vmull_s8)
  * accumulated pairwise into int32 (vpadalq_s16), one block at a time, scaled in float. Every
@@ -56,8 +56,26 @@ static float dot_q4_g64_neon(const uint8_t *w, const col_xq_row *x, int64_t nb) 
     return total;
 }
 
+/* mxfp4: the codes become int8 weights (2 x e2m1, -12..12) by table lookup (tbl), low
+ * nibbles elements 0..15, high nibbles 16..31; the block's factor 2^(e - 128) in float. */
+static float dot_mxfp4_neon(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    const int8x16_t table = vld1q_s8(col_e2m1_x2);
+    const uint8x16_t low4 = vdupq_n_u8(0x0f);
+    float total = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * 17;
+        const uint8x16_t q = vld1q_u8(blk + 1);
+        int8_t wq[32]; /* (32) the block's weights in element order */
+        vst1q_s8(wq, vqtbl1q_s8(table, vandq_u8(q, low4)));
+        vst1q_s8(wq + 16, vqtbl1q_s8(table, vshrq_n_u8(q, 4)));
+        total += col_e8m0_half_to_f32(blk[0]) * x->d[b] * (float)dot32_s8(wq, x->qs + b * 32);
+    }
+    return total;
+}
+
 static const col_kernel_set neon_kernels = {
-    COL_KERNELS_NEON, {[COL_TYPE_Q8_0] = dot_q8_0_neon, [COL_TYPE_Q4_G64] = dot_q4_g64_neon},
+    COL_KERNELS_NEON,
+    {[COL_TYPE_Q8_0] = dot_q8_0_neon, [COL_TYPE_Q4_G64] = dot_q4_g64_neon, [COL_TYPE_MXFP4] = dot_mxfp4_neon},
     col_dot_f32_portable, col_axpy_f32_portable, {NULL}, col_silu_mul_portable, col_quantize_block_portable,
     col_rms_norm_row_portable};
 

@@ -1,5 +1,5 @@
 /*
- * simd_x86.c — integer dot products of q8_0 / q4_g64 weight rows with int8 activations
+ * simd_x86.c — integer dot products of q8_0 / q4_g64 / mxfp4 weight rows with int8 activations
  * (col_xq_row, see col_internal.h) for AVX2, AVX-512 and AVX-512 VNNI.
  *
  * Each function is compiled for its own ISA with __attribute__((target)), so the library as
@@ -434,6 +434,154 @@ TARGET_VNNI static void dot4_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, 
     }
 }
 
+/* ---- mxfp4 --------------------------------------------------------------------------------
+ * A block's 16 code bytes become its 32 int8 weights (2 x e2m1, -12..12) in element order by
+ * one byte shuffle: the low nibbles index elements 0..15, the high nibbles 16..31, into a
+ * 16-entry table held in every 128-bit lane. The exponent byte gives the block's float factor
+ * 2^(e - 128) (col_e8m0_half_to_f32), applied with the activation's scale. Activations come
+ * in blocks of 32 (col_quantize_x), as for q8_0; so do the sums: a pair of blocks per step,
+ * the odd block last. */
+
+/* The 32 int8 weights of the block at blk. */
+TARGET_AVX2 static inline __m256i mxfp4_weights_avx2(const uint8_t *blk, __m256i table, __m128i low4) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 1));
+    const __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+    return _mm256_shuffle_epi8(table, _mm256_set_m128i(hi, lo));
+}
+
+/* |w| and x with w's sign (|w| <= 12: vpmaddubsw cannot saturate), summed into 8 int32 lanes
+ * and converted. */
+TARGET_AVX2 static inline __m256 mxfp4_block_avx2(__m256i wq, const int8_t *xqs) {
+    const __m256i xq = _mm256_load_si256((const __m256i *)xqs);
+    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+
+TARGET_AVX2 static float dot_mxfp4_avx2(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)col_e2m1_x2));
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *blk = w + b * 17;
+        prefetch_stream(blk, 1);
+        const __m256 p0 = mxfp4_block_avx2(mxfp4_weights_avx2(blk, table, low4), x->qs + b * 32);
+        const __m256 p1 = mxfp4_block_avx2(mxfp4_weights_avx2(blk + 17, table, low4), x->qs + b * 32 + 32);
+        acc0 = _mm256_fmadd_ps(p0, _mm256_set1_ps(col_e8m0_half_to_f32(blk[0]) * x->d[b]), acc0);
+        acc1 = _mm256_fmadd_ps(p1, _mm256_set1_ps(col_e8m0_half_to_f32(blk[17]) * x->d[b + 1]), acc1);
+    }
+    if (b < nb) {
+        const uint8_t *blk = w + b * 17;
+        const __m256 p = mxfp4_block_avx2(mxfp4_weights_avx2(blk, table, low4), x->qs + b * 32);
+        acc0 = _mm256_fmadd_ps(p, _mm256_set1_ps(col_e8m0_half_to_f32(blk[0]) * x->d[b]), acc0);
+    }
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
+
+/* Blocks b, b + 1 (at blk, blk + 17) side by side: the 64 code nibbles as table indexes in
+ * element order, [lo0 hi0 | lo1 hi1]. */
+TARGET_AVX512 static inline __m512i mxfp4_pair_indexes(const uint8_t *blk) {
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m128i q0 = _mm_loadu_si128((const __m128i *)(blk + 1)), q1 = _mm_loadu_si128((const __m128i *)(blk + 18));
+    const __m256i i0 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q0, 4), low4), _mm_and_si128(q0, low4));
+    const __m256i i1 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q1, 4), low4), _mm_and_si128(q1, low4));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(i0), i1, 1);
+}
+
+/* The last (odd) block, 256-bit, scaled: shared by both AVX-512 variants. */
+TARGET_AVX512 static inline float mxfp4_tail_avx512(const uint8_t *blk, const int8_t *xqs, float dx) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)col_e2m1_x2));
+    const __m128i q = _mm_loadu_si128((const __m128i *)(blk + 1));
+    const __m128i low4 = _mm_set1_epi8(0x0f);
+    const __m256i wq = _mm256_shuffle_epi8(table, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), low4),
+                                                                   _mm_and_si128(q, low4)));
+    const __m256i xq = _mm256_load_si256((const __m256i *)xqs);
+    const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
+    const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1))),
+                                   _mm256_set1_ps(col_e8m0_half_to_f32(blk[0]) * dx));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+TARGET_AVX512 static float dot_mxfp4_avx512(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)col_e2m1_x2));
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *blk = w + b * 17;
+        prefetch_stream(blk, 1);
+        const __m512i wq = _mm512_shuffle_epi8(table, mxfp4_pair_indexes(blk));
+        const __m512i xq = _mm512_load_si512((const void *)(x->qs + b * 32));
+        const __mmask64 neg = _mm512_movepi8_mask(wq);
+        const __m512i sx = _mm512_mask_sub_epi8(xq, neg, zero, xq);
+        const __m512 p = _mm512_cvtepi32_ps(dot_u8s8_avx512(_mm512_abs_epi8(wq), sx));
+        const __m512 s = _mm512_mul_ps(_mm512_load_ps(x->dv + b * 8),
+                                       SCALE_PAIR(col_e8m0_half_to_f32(blk[0]), col_e8m0_half_to_f32(blk[17])));
+        acc = _mm512_fmadd_ps(p, s, acc);
+    }
+    float total = _mm512_reduce_add_ps(acc);
+    if (b < nb) total += mxfp4_tail_avx512(w + b * 17, x->qs + b * 32, x->d[b]);
+    return total;
+}
+
+/* VNNI: the table holds w + 128 (0x80 ^ w: 116..140, unsigned), so vpdpbusd multiplies it
+ * with the signed activations directly; the sum starts at the activation row's bias lane,
+ * -128 * sum(x), which cancels the 128s (as for q8_0). One token's pair step: */
+#define MX_PAIR(t, acc)                                                                                       \
+    acc = _mm512_fmadd_ps(                                                                                    \
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(                                                 \
+                          _mm512_load_si512((const void *)(x[t].bias + b * 8)), u,                            \
+                          _mm512_load_si512((const void *)(x[t].qs + b * 32)))),                              \
+                      _mm512_load_ps(x[t].dv + b * 8)),                                                       \
+        sw, acc)
+
+TARGET_VNNI static inline __m512i mxfp4_table_u8_vnni(void) {
+    return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)col_e2m1_x2)),
+                            _mm512_set1_epi8((char)0x80));
+}
+
+/* dot and dot4 below run the same arithmetic per token in the same order (pairs into one
+ * accumulator, reduce, then the odd block), so a token's result is the same alone or in a
+ * group of four: decode equals prefill bit for bit. */
+TARGET_VNNI static float dot_mxfp4_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    const __m512i table = mxfp4_table_u8_vnni();
+    __m512 a0 = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *blk = w + b * 17;
+        prefetch_stream(blk, 1);
+        const __m512i u = _mm512_shuffle_epi8(table, mxfp4_pair_indexes(blk));
+        const __m512 sw = SCALE_PAIR(col_e8m0_half_to_f32(blk[0]), col_e8m0_half_to_f32(blk[17]));
+        MX_PAIR(0, a0);
+    }
+    float total = _mm512_reduce_add_ps(a0);
+    if (b < nb) total += mxfp4_tail_avx512(w + b * 17, x[0].qs + b * 32, x[0].d[b]);
+    return total;
+}
+
+TARGET_VNNI static void dot4_mxfp4_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb, float *out) {
+    const __m512i table = mxfp4_table_u8_vnni();
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *blk = w + b * 17;
+        const __m512i u = _mm512_shuffle_epi8(table, mxfp4_pair_indexes(blk));
+        const __m512 sw = SCALE_PAIR(col_e8m0_half_to_f32(blk[0]), col_e8m0_half_to_f32(blk[17]));
+        MX_PAIR(0, a0);
+        MX_PAIR(1, a1);
+        MX_PAIR(2, a2);
+        MX_PAIR(3, a3);
+    }
+    const __m512 acc[4] = {a0, a1, a2, a3};
+    for (int t = 0; t < 4; t++) {
+        out[t] = _mm512_reduce_add_ps(acc[t]);
+        if (b < nb) out[t] += mxfp4_tail_avx512(w + b * 17, x[t].qs + b * 32, x[t].d[b]);
+    }
+}
+
 /* ---- float helpers for attention -------------------------------------------------------- */
 
 TARGET_AVX2 static float dot_f32_avx2(const float *a, const float *b, int64_t n) {
@@ -565,16 +713,19 @@ TARGET_AVX512 static void rms_norm_row_avx512(const float *x, const float *weigh
 /* ---- kernel sets ------------------------------------------------------------------------ */
 
 static const col_kernel_set avx2_kernels = {
-    COL_KERNELS_AVX2, {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2},
+    COL_KERNELS_AVX2, {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2, [COL_TYPE_MXFP4] = dot_mxfp4_avx2},
     dot_f32_avx2, axpy_f32_avx2, {NULL}, col_silu_mul_portable, col_quantize_block_portable,
     col_rms_norm_row_portable};
 static const col_kernel_set avx512_kernels = {
-    COL_KERNELS_AVX512, {[COL_TYPE_Q8_0] = dot_q8_0_avx512, [COL_TYPE_Q4_G64] = dot_q4_g64_avx512},
+    COL_KERNELS_AVX512,
+    {[COL_TYPE_Q8_0] = dot_q8_0_avx512, [COL_TYPE_Q4_G64] = dot_q4_g64_avx512, [COL_TYPE_MXFP4] = dot_mxfp4_avx512},
     dot_f32_avx512, axpy_f32_avx512, {NULL}, silu_mul_avx512, quantize_block_avx512, rms_norm_row_avx512};
 static const col_kernel_set vnni_kernels = {
-    COL_KERNELS_AVX512_VNNI, {[COL_TYPE_Q8_0] = dot_q8_0_vnni, [COL_TYPE_Q4_G64] = dot_q4_g64_vnni},
+    COL_KERNELS_AVX512_VNNI,
+    {[COL_TYPE_Q8_0] = dot_q8_0_vnni, [COL_TYPE_Q4_G64] = dot_q4_g64_vnni, [COL_TYPE_MXFP4] = dot_mxfp4_vnni},
     dot_f32_avx512, axpy_f32_avx512,
-    {[COL_TYPE_Q8_0] = dot4_q8_0_vnni, [COL_TYPE_Q4_G64] = dot4_q4_g64_vnni}, silu_mul_avx512,
+    {[COL_TYPE_Q8_0] = dot4_q8_0_vnni, [COL_TYPE_Q4_G64] = dot4_q4_g64_vnni, [COL_TYPE_MXFP4] = dot4_mxfp4_vnni},
+    silu_mul_avx512,
     quantize_block_avx512, rms_norm_row_avx512};
 
 static int has_avx2(void) {

@@ -15,6 +15,8 @@ static const col_type_traits type_traits[COL_TYPE_COUNT] = {
     [COL_TYPE_Q4_G64] = {"q4_g64", COL_QK4_G64, sizeof(col_block_q4_g64),
                          col_quantize_row_q4_g64, col_dequantize_row_q4_g64,
                          col_vec_dot_q4_g64},
+    [COL_TYPE_MXFP4] = {"mxfp4", COL_QK_MXFP4, sizeof(col_block_mxfp4), col_quantize_row_mxfp4,
+                        col_dequantize_row_mxfp4, col_vec_dot_mxfp4},
 };
 
 const col_type_traits *col_get_type_traits(int type) {

@@ -11,10 +11,10 @@
  * It prints one line per failed check and a PASS / FAIL summary; exit status 1 on failure.
  *
  * Tolerances (the reasoning of tests/test_native_kernels.py, which checks the x86 levels):
- *   - the portable level multiplies q8_0 / q4_g64 weights with float32 activations; NEON,
- *     like every SIMD level, first quantizes each block of activations to int8 (blocks of 32
- *     for q8_0, 64 for q4_g64: scale max|x_block| / 127), so each activation is off by at
- *     most max|x_block| / 254 and the product by at most
+ *   - the portable level multiplies q8_0 / q4_g64 / mxfp4 weights with float32 activations;
+ *     NEON, like every SIMD level, first quantizes each block of activations to int8 (blocks
+ *     of 32 for q8_0 and mxfp4, 64 for q4_g64: scale max|x_block| / 127), so each activation
+ *     is off by at most max|x_block| / 254 and the product by at most
  *         bound[t, o] = sum_b max|x[t, block b]| / 254 * sum_{j in b} |w[o, j]|,
  *     plus float rounding: NEON must equal portable within 1.001 * bound + 1e-5 * scale,
  *     scale[t, o] = sum_j |x[t, j]| * |w[o, j]|;
@@ -145,14 +145,17 @@ typedef struct {
     int64_t n_out, n_in_64, n_tok;
 } shape;
 
-/* Row counts that are multiples of neither the 16-row tile nor the thread split; q8_0 rows
- * get an odd number of 32-blocks (n_in = 32 * (2 * n_in_64 + 1)). */
+/* Row counts that are multiples of neither the 16-row tile nor the thread split; q8_0 and
+ * mxfp4 rows get an odd number of 32-blocks (n_in = 32 * (2 * n_in_64 + 1)). */
 static const shape SHAPES[] = {{1, 1, 1},  {7, 3, 1},   {37, 5, 2}, {100, 2, 3},
                                {257, 7, 5}, {33, 16, 1}, {129, 32, 4}};
 
-static const char *type_name(int type) { return type == COL_TYPE_Q8_0 ? "q8_0" : "q4_g64"; }
+static const char *type_name(int type) {
+    return type == COL_TYPE_Q8_0 ? "q8_0" : type == COL_TYPE_Q4_G64 ? "q4_g64" : "mxfp4";
+}
 
-static int block_of(int type) { return type == COL_TYPE_Q8_0 ? 32 : 64; }
+/* The activation block: the weight's block (32 for q8_0 and mxfp4, 64 for q4_g64). */
+static int block_of(int type) { return type == COL_TYPE_Q4_G64 ? 64 : 32; }
 
 static void check_matmul(int type, const shape *s, col_pool *const *pools) {
     const int64_t n_in = type == COL_TYPE_Q4_G64 ? 64 * s->n_in_64 : 32 * (2 * s->n_in_64 + 1);
@@ -323,8 +326,8 @@ int main(void) {
         params.n_threads = p + 1;
         must(col_pool_create(&params, &pools[p]), "col_pool_create");
     }
-    static const int types[] = {COL_TYPE_Q8_0, COL_TYPE_Q4_G64};
-    for (int i = 0; i < 2; i++) {
+    static const int types[] = {COL_TYPE_Q8_0, COL_TYPE_Q4_G64, COL_TYPE_MXFP4};
+    for (int i = 0; i < 3; i++) {
         rng_state = 100 + (uint64_t)i;
         for (size_t s = 0; s < sizeof SHAPES / sizeof SHAPES[0]; s++) check_matmul(types[i], &SHAPES[s], pools);
         check_rounding(types[i]);
@@ -333,7 +336,7 @@ int main(void) {
     }
     for (int p = 0; p < N_POOLS; p++) col_pool_destroy(pools[p]);
 
-    printf("neon_check: %s (%d of %d checks failed; q8_0 and q4_g64 matmul on %zu shapes, "
+    printf("neon_check: %s (%d of %d checks failed; q8_0, q4_g64 and mxfp4 matmul on %zu shapes, "
            "rounding, fused experts; neon vs portable)\n",
            n_failed ? "FAIL" : "PASS", n_failed, n_checks, sizeof SHAPES / sizeof SHAPES[0]);
     return n_failed ? 1 : 0;

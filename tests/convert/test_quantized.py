@@ -54,6 +54,17 @@ def test_q4_g64_is_measured(packs, spec):
     assert top1 >= 0.7
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.arch)
+def test_mxfp4_is_measured(packs, spec):
+    """mxfp4 for every class (the converter's OCP quantizer; published MXFP4 experts are
+    copied instead): a 4.25-bit type, measured like q4_g64."""
+    top1, kl = _compare(packs, spec, "mxfp4")
+    print(f"\n{spec.arch} mxfp4: top-1 agreement {top1:.4f}, mean KL {kl:.5f} nats")
+    q8_top1, q8_kl = _compare(packs, spec, "q8_0")
+    assert kl > q8_kl
+    assert top1 >= 0.7
+
+
 def test_mixed_quant_classes(packs):
     """Per-class --quant: experts, dense and embeddings each get their own type."""
     from colibrid.pack import Pack

@@ -26,13 +26,17 @@ def write_file_atomically(path: Path, data: bytes) -> None:
     partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
     fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(partial, path)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)  # a failed write leaves the old file, and nothing else
+        raise
     fsync_path(path.parent)
 
 

@@ -313,6 +313,7 @@ class Server:
             "quantization": self.model["quantization"], "sampling_defaults": self.model["sampling_defaults"],
             "memory": {"rss_bytes": psutil.Process().memory_info().rss,
                        "dense_bytes": self.engine.pack.manifest.dense_size},
+            "pack_notes": list(self.engine.pack.notes),  # e.g. an old pack without dense checksums
             "cache": cache,
             "uptime_s": time.monotonic() - self.started_s,
             "requests_served": self.scheduler.requests_served,

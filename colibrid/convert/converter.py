@@ -22,6 +22,7 @@ from colibrid.convert.quant_spec import QuantSpec
 from colibrid.convert.safetensors import Checkpoint, CheckpointError, TensorRef
 from colibrid.models import Architecture, UnsupportedArchitecture, UnsupportedConfig, architecture_for
 from colibrid.models.config import ModelConfig
+from colibrid.pack.layout import expected_dense_shape, expected_expert_shapes, requested_type
 from colibrid.pack.manifest import EXPERT_PARTS
 from colibrid.pack.writer import PackWriter
 
@@ -34,7 +35,6 @@ OPTIONAL_TOKENIZER_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-ALWAYS_F32 = ("router", "shared_gate")  # pack-name suffixes kept in f32 whatever --quant says
 
 
 class ConversionError(Exception):
@@ -50,37 +50,6 @@ class ConversionReport:
     num_expert_records: int = 0
     fallbacks: list[str] = field(default_factory=list)  # tensors stored wider than asked
     quantization: dict[str, str] = field(default_factory=dict)  # type per class as written (MXFP4 experts kept)
-
-
-def tensor_class(pack_name: str) -> str:
-    if pack_name in ("embed", "lm_head"):
-        return "embeddings"
-    return "dense"
-
-
-def expected_dense_shape(name: str, c: ModelConfig) -> tuple[int, ...]:
-    """The shape every pack tensor must have, from the normalised config."""
-    D, V, Hd = c.hidden_size, c.vocab_size, c.head_dim
-    q_out, kv_out = c.num_heads * Hd, c.num_kv_heads * Hd
-    leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
-    ffn = c.shared_expert_ffn if leaf.startswith("shared.") else c.dense_ffn
-    shapes = {
-        "embed": (V, D), "lm_head": (V, D), "final_norm": (D,),
-        "attn_norm": (D,), "ffn_norm": (D,),
-        "attn.q": (q_out, D), "attn.k": (kv_out, D), "attn.v": (kv_out, D), "attn.o": (D, q_out),
-        "attn.q_bias": (q_out,), "attn.k_bias": (kv_out,), "attn.v_bias": (kv_out,), "attn.o_bias": (D,),
-        "attn.q_norm": (q_out,) if c.qk_norm == "full" else (Hd,),
-        "attn.k_norm": (kv_out,) if c.qk_norm == "full" else (Hd,),
-        "router": (c.num_experts, D), "router_choice_bias": (c.num_experts,), "shared_gate": (1, D),
-        "shared.gate": (ffn, D), "shared.up": (ffn, D), "shared.down": (D, ffn),
-        "mlp.gate": (ffn, D), "mlp.up": (ffn, D), "mlp.down": (D, ffn),
-    }
-    return shapes[leaf]
-
-
-def expected_expert_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
-    D, F = c.hidden_size, c.expert_ffn
-    return {"gate": (F, D), "up": (F, D), "down": (D, F)}
 
 
 class Converter:
@@ -220,8 +189,7 @@ class Converter:
     def _write_dense(self, writer: PackWriter, progress: Progress) -> None:
         for pack_name, hf_name in self.dense_names.items():
             array = self.checkpoint.read_f32(hf_name)
-            leaf = pack_name.rsplit(".", 1)[-1]
-            wanted = native.TensorType.F32 if leaf in ALWAYS_F32 else self.quant.for_class(tensor_class(pack_name))
+            wanted = requested_type(pack_name, array.ndim, self.quant.to_json())
             type_, data = self._encode(pack_name, array, wanted)
             writer.add_dense(pack_name, type_, array.shape, data)
             progress.advance(self._source_bytes(hf_name), pack_name)

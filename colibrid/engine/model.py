@@ -17,8 +17,8 @@ from colibrid.pack.tensor import PackedTensor
 
 
 def _dense(pack: Pack, name: str) -> PackedTensor:
-    """A dense tensor as a plain ndarray view of the mapped file: still no copy, but without
-    np.memmap's per-operation subclass bookkeeping on the hot path."""
+    """A dense tensor as a plain ndarray view of the pack's in-memory copy of dense.bin
+    (read-only, no copy, no ndarray subclass on the hot path)."""
     t = pack.dense(name)
     return PackedTensor(t.type, t.shape, np.asarray(t.data))
 

@@ -2,25 +2,45 @@
 
 Written last by the converter, so a pack without a manifest is incomplete by
 definition. Readers reject versions they do not know.
+
+A manifest is read as hostile input: every number must be a JSON integer (not a float,
+a bool or a string) within bounds, every entry must have exactly its documented keys,
+and the file itself is bounded in size. The checks against the model and the files are
+in ``colibrid.pack.validate``.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from colibrid.models.config import ModelConfig
+from colibrid.native import TensorType
+from colibrid.pack.durable import write_file_atomically
+from colibrid.pack.layout import TENSOR_CLASSES
 
 FORMAT_NAME = "colibri-pack"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: every dense tensor entry carries its crc32c
+READABLE_VERSIONS = (1, 2)  # version 1 packs load without dense checksums, with a warning
 MANIFEST_FILE = "manifest.json"
 DENSE_FILE = "dense.bin"
 EXPERTS_FILE = "experts.bin"
 EXPERT_PARTS = ("gate", "up", "down")  # order of the projections inside an expert record
 EXPERT_PART_ALIGN_BYTES = 64  # each projection starts on a cache-line boundary in its record
 INDEX_COLUMNS = ("layer", "expert", "offset", "length", "crc32c")
+
+# A manifest of the largest MoE models (~60 layers x ~400 experts) is a few MB: far more is
+# not a manifest, and must not cost the daemon its memory at start.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_FILE_BYTES = 1 << 50  # offsets and sizes: 1 PiB, far beyond any model, far below overflow
+MAX_DIM = 1 << 31  # one tensor dimension
+MAX_CRC32C = 0xFFFFFFFF
+TYPE_NAMES = tuple(t.name_in_pack for t in TensorType)
+TENSOR_KEYS = {"type", "shape", "offset", "nbytes", "crc32c"}
 
 
 class PackError(Exception):
@@ -33,13 +53,37 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int  # bytes from the start of its file (dense) or record (expert part)
     nbytes: int
+    crc32c: int | None = None  # CRC-32C of the nbytes bytes (dense tensors, format version 2)
 
     def to_json(self) -> dict[str, Any]:
-        return {"type": self.type, "shape": list(self.shape), "offset": self.offset, "nbytes": self.nbytes}
+        data = {"type": self.type, "shape": list(self.shape), "offset": self.offset, "nbytes": self.nbytes}
+        if self.crc32c is not None:
+            data["crc32c"] = self.crc32c
+        return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "TensorEntry":
-        return cls(data["type"], tuple(data["shape"]), int(data["offset"]), int(data["nbytes"]))
+    def from_json(cls, data: Any, where: str, needs_crc: bool) -> "TensorEntry":
+        """Parse one entry; ``where`` names it in errors ("dense tensor 'embed' in dense.bin")."""
+        _require_object(data, where)
+        unknown = set(data) - TENSOR_KEYS
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {sorted(unknown)}")
+        type_name = _require(data, "type", where)
+        if type_name not in TYPE_NAMES:
+            raise ValueError(f"{where}: unknown type {type_name!r:.40} (types: {', '.join(TYPE_NAMES)})")
+        shape = _require(data, "shape", where)
+        if not isinstance(shape, list) or not 1 <= len(shape) <= 2:
+            raise ValueError(f"{where}: shape must be a list of 1 or 2 dimensions, got {shape!r:.60}")
+        dims = tuple(_integer(d, f"{where}: shape dimension", 1, MAX_DIM) for d in shape)
+        crc = data.get("crc32c")
+        if crc is None and needs_crc:
+            raise ValueError(f"{where} has no crc32c (every dense tensor has one since format version 2)")
+        return cls(
+            type_name, dims,
+            _integer(_require(data, "offset", where), f"{where}: offset"),
+            _integer(_require(data, "nbytes", where), f"{where}: nbytes"),
+            None if crc is None else _integer(crc, f"{where}: crc32c", 0, MAX_CRC32C),
+        )
 
 
 @dataclass(frozen=True)
@@ -49,6 +93,20 @@ class ExpertRecord:
     offset: int  # bytes from the start of experts.bin; a multiple of the alignment
     length: int  # bytes, padding included; a multiple of the alignment
     crc32c: int  # CRC-32C of all `length` bytes
+
+    @classmethod
+    def from_row(cls, row: Any, number: int) -> "ExpertRecord":
+        where = f"{EXPERTS_FILE} index row {number}"
+        if not isinstance(row, list) or len(row) != len(INDEX_COLUMNS):
+            raise ValueError(f"{where} must be a list [{', '.join(INDEX_COLUMNS)}], got {row!r:.60}")
+        layer, expert, offset, length, crc = row
+        return cls(
+            _integer(layer, f"{where}: layer", 0, MAX_DIM),
+            _integer(expert, f"{where}: expert", 0, MAX_DIM),
+            _integer(offset, f"{where}: offset"),
+            _integer(length, f"{where}: length"),
+            _integer(crc, f"{where}: crc32c", 0, MAX_CRC32C),
+        )
 
 
 @dataclass
@@ -64,10 +122,15 @@ class Manifest:
     tokenizer_files: list[str] = field(default_factory=list)
     source: dict[str, Any] = field(default_factory=dict)
     producer: str = ""
+    format_version: int = FORMAT_VERSION  # the version read; a written manifest is always the current one
 
     @property
     def record_bytes(self) -> int:
         return max((r.length for r in self.expert_records), default=0)
+
+    @property
+    def has_dense_checksums(self) -> bool:
+        return all(entry.crc32c is not None for entry in self.dense_tensors.values())
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,45 +158,144 @@ class Manifest:
         }
 
     def write(self, directory: Path) -> None:
-        path = directory / MANIFEST_FILE
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        """Write (or replace) manifest.json durably: it appears whole or not at all."""
+        text = json.dumps(self.to_json(), indent=1) + "\n"
+        write_file_atomically(directory / MANIFEST_FILE, text.encode())
 
     @classmethod
     def read(cls, directory: Path) -> "Manifest":
         path = directory / MANIFEST_FILE
-        if not path.is_file():
-            raise PackError(f"{directory} is not a Colibri pack (no {MANIFEST_FILE}); convert a checkpoint with colibri-convert")
+        text = _read_manifest_text(path, directory)
         try:
-            data = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            data = json.loads(text, object_pairs_hook=_object_without_duplicates, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting recurses
             raise PackError(f"{path}: unreadable manifest: {exc}") from None
-        if data.get("format") != FORMAT_NAME:
-            raise PackError(f"{path}: not a Colibri manifest (format={data.get('format')!r})")
-        if data.get("format_version") != FORMAT_VERSION:
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise PackError(f"{path}: not a Colibri manifest (format={found!r:.40})")
+        version = data.get("format_version")
+        if type(version) is not int or version not in READABLE_VERSIONS:
             raise PackError(
-                f"{path}: pack format version {data.get('format_version')} is not supported "
-                f"(this Colibri reads version {FORMAT_VERSION}); re-convert the checkpoint"
+                f"{path}: pack format version {version!r:.20} is not supported "
+                f"(this Colibri reads versions {', '.join(map(str, READABLE_VERSIONS))}); re-convert the checkpoint"
             )
         try:
-            return cls._from_json(data)
+            return cls._from_json(data, version)
         except (KeyError, TypeError, ValueError) as exc:
-            raise PackError(f"{path}: malformed manifest: {exc!r}") from None
+            raise PackError(f"{path}: malformed manifest: {exc}") from None
 
     @classmethod
-    def _from_json(cls, data: dict[str, Any]) -> "Manifest":
-        experts = data["experts"]
-        if tuple(experts["index_columns"]) != INDEX_COLUMNS:
-            raise ValueError(f"index_columns must be {list(INDEX_COLUMNS)}")
+    def _from_json(cls, data: dict[str, Any], version: int) -> "Manifest":
+        dense = _require_object(_require(data, "dense", "manifest"), "dense")
+        experts = _require_object(_require(data, "experts", "manifest"), "experts")
+        if _require(experts, "index_columns", "experts") != list(INDEX_COLUMNS):
+            raise ValueError(f"experts.index_columns must be {list(INDEX_COLUMNS)}")
+        tensors = _require_object(_require(dense, "tensors", "dense"), "dense.tensors")
+        parts = _require_object(_require(experts, "parts", "experts"), "experts.parts")
+        index = _require(experts, "index", "experts")
+        if not isinstance(index, list):
+            raise ValueError("experts.index must be a list of rows")
+        model = _require_object(_require(data, "model", "manifest"), "model")
         return cls(
-            model=ModelConfig.from_json(data["model"]),
-            quantization=dict(data["quantization"]),
-            alignment=int(data["alignment"]),
-            dense_tensors={n: TensorEntry.from_json(t) for n, t in data["dense"]["tensors"].items()},
-            dense_size=int(data["dense"]["size"]),
-            expert_parts={n: TensorEntry.from_json(t) for n, t in experts["parts"].items()},
-            expert_records=[ExpertRecord(*map(int, row)) for row in experts["index"]],
-            experts_size=int(experts["size"]),
-            tokenizer_files=list(data.get("tokenizer_files", [])),
-            source=dict(data.get("source", {})),
-            producer=data.get("producer", ""),
+            model=ModelConfig.from_json(model),
+            quantization=_quantization(_require(data, "quantization", "manifest")),
+            alignment=_integer(_require(data, "alignment", "manifest"), "alignment", 1, MAX_FILE_BYTES),
+            dense_tensors={
+                name: TensorEntry.from_json(t, f"dense tensor {name!r:.80} in {DENSE_FILE}", needs_crc=version >= 2)
+                for name, t in tensors.items()
+            },
+            dense_size=_integer(_require(dense, "size", "dense"), f"dense.size ({DENSE_FILE})"),
+            expert_parts={
+                name: TensorEntry.from_json(t, f"expert part {name!r:.40} in {EXPERTS_FILE}", needs_crc=False)
+                for name, t in parts.items()
+            },
+            expert_records=[ExpertRecord.from_row(row, i) for i, row in enumerate(index)],
+            experts_size=_integer(_require(experts, "size", "experts"), f"experts.size ({EXPERTS_FILE})"),
+            tokenizer_files=_file_names(data.get("tokenizer_files", [])),
+            source=_require_object(data.get("source", {}), "source"),
+            producer=str(data.get("producer", "")),
+            format_version=version,
         )
+
+
+def _read_manifest_text(path: Path, directory: Path) -> str:
+    """The manifest's text: a regular file (not followed through a symlink), bounded in size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise PackError(
+            f"{directory} is not a Colibri pack (no {MANIFEST_FILE}); convert a checkpoint with colibri-convert"
+        ) from None
+    except OSError as exc:
+        raise PackError(f"{path}: cannot open the manifest: {exc.strerror}") from None
+    with open(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise PackError(f"{path} is not a regular file")
+        if info.st_size > MAX_MANIFEST_BYTES:
+            raise PackError(f"{path} has {info.st_size} bytes; a manifest has at most {MAX_MANIFEST_BYTES}")
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise PackError(f"{path} grew past {MAX_MANIFEST_BYTES} bytes while being read")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PackError(f"{path}: unreadable manifest: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+# --- strict readers for JSON values ---
+
+
+def _object_without_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object hook: a key given twice is ambiguous (which one did the writer mean?)."""
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"key {key!r:.80} appears twice in one object")
+        result[key] = value
+    return result
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a manifest may hold")
+
+
+def _require_object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _require(data: dict[str, Any], key: str, where: str) -> Any:
+    if key not in data:
+        raise ValueError(f"{where} lacks {key!r}")
+    return data[key]
+
+
+def _integer(value: Any, what: str, low: int = 0, high: int = MAX_FILE_BYTES) -> int:
+    """A JSON integer in [low, high]. Floats (4096.0), bools and strings are refused rather
+    than converted: a writer that produced them is not the writer this format describes."""
+    if type(value) is not int:
+        raise ValueError(f"{what} must be an integer, got {value!r:.40}")
+    if not low <= value <= high:
+        raise ValueError(f"{what} is {value}, outside [{low}, {high}]")
+    return value
+
+
+def _quantization(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or set(value) != set(TENSOR_CLASSES):
+        raise ValueError(f"quantization must map exactly {list(TENSOR_CLASSES)} to a type, got {value!r:.80}")
+    for cls, type_name in value.items():
+        if type_name not in TYPE_NAMES:
+            raise ValueError(f"quantization of {cls}: unknown type {type_name!r:.40}")
+    return dict(value)
+
+
+def _file_names(value: Any) -> list[str]:
+    """tokenizer_files: plain names inside the pack, never a path that leads out of it."""
+    if not isinstance(value, list):
+        raise ValueError("tokenizer_files must be a list of file names")
+    for name in value:
+        if not isinstance(name, str) or not name or "/" in name or "\0" in name or name.startswith("."):
+            raise ValueError(f"tokenizer_files: {name!r:.80} is not a plain file name")
+    return list(value)

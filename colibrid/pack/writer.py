@@ -1,5 +1,9 @@
 """Write a pack into a temporary directory beside its destination and rename it into
-place only when complete, so an interrupted conversion never leaves a loadable pack."""
+place only when complete, so an interrupted conversion never leaves a loadable pack.
+
+Durability (docs/format.md): every file is fsync'ed, then the manifest is written last
+(under a temporary name, fsync'ed, renamed), then the directory is fsync'ed; only then is
+the pack renamed into place, and each rename is followed by an fsync of the parent."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from colibrid import native
+from colibrid.pack.durable import fsync_path, rename_durably
 from colibrid.pack.manifest import (
     DENSE_FILE,
     EXPERT_PART_ALIGN_BYTES,
@@ -20,34 +25,13 @@ from colibrid.pack.manifest import (
     Manifest,
     TensorEntry,
 )
+from colibrid.pack.recovery import old_dir, partial_dir, recover_interrupted_swap, remove_stale_leftovers
 
 log = logging.getLogger(__name__)
-
-PARTIAL_MARK = ".partial-"  # temporary directories are named .{OUT}.partial-{pid}
 
 
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_stale_partials(out: Path) -> None:
-    """Delete temporary directories left by conversions to ``out`` that were killed."""
-    prefix = f".{out.name}{PARTIAL_MARK}"
-    for candidate in out.parent.glob(prefix + "*"):
-        pid_text = candidate.name[len(prefix) :]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)) and candidate.is_dir():
-            log.info("removing %s left by an interrupted conversion", candidate)
-            shutil.rmtree(candidate, ignore_errors=True)
 
 
 class PackWriter:
@@ -63,7 +47,7 @@ class PackWriter:
         self.out = out
         self.alignment = alignment
         self.force = force
-        self.tmp = out.parent / f".{out.name}{PARTIAL_MARK}{os.getpid()}"
+        self.tmp = partial_dir(out, os.getpid())
         self.dense_entries: dict[str, TensorEntry] = {}
         self.expert_parts: dict[str, TensorEntry] | None = None
         self.expert_records: list[ExpertRecord] = []
@@ -71,7 +55,8 @@ class PackWriter:
         self._experts = None
 
     def __enter__(self) -> "PackWriter":
-        remove_stale_partials(self.out)
+        recover_interrupted_swap(self.out)  # a pack a killed --force run left beside OUT goes back first
+        remove_stale_leftovers(self.out)
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         self._dense = open(self.tmp / DENSE_FILE, "wb")
@@ -90,7 +75,8 @@ class PackWriter:
         offset = _round_up(self._dense.tell(), self.alignment)
         self._dense.seek(offset)
         self._dense.write(memoryview(np.ascontiguousarray(data)).cast("B"))
-        self.dense_entries[name] = TensorEntry(type_.name_in_pack, tuple(shape), offset, int(data.nbytes))
+        crc = native.crc32c(np.ascontiguousarray(data))
+        self.dense_entries[name] = TensorEntry(type_.name_in_pack, tuple(shape), offset, int(data.nbytes), crc)
 
     def add_expert(self, layer: int, expert: int, parts: dict[str, tuple[native.TensorType, tuple[int, int], np.ndarray]]) -> None:
         """Append one expert record: gate, up, down contiguous, padded to the alignment."""
@@ -119,6 +105,7 @@ class PackWriter:
 
     def add_file(self, src: Path, name: str) -> None:
         shutil.copyfile(src, self.tmp / name)
+        fsync_path(self.tmp / name)
 
     def commit(self, manifest_fields: dict) -> Manifest:
         """Flush everything, write the manifest last and rename the pack into place."""
@@ -138,22 +125,20 @@ class PackWriter:
             experts_size=experts_size,
             **manifest_fields,
         )
-        manifest.write(self.tmp)
+        manifest.write(self.tmp)  # last, and durably: its presence marks the pack complete
+        fsync_path(self.tmp)
         self._publish()
         return manifest
 
     def _publish(self) -> None:
+        """Rename the finished pack into place. Replacing one takes two renames; a run killed
+        between them is repaired by recover_interrupted_swap (next run, or Pack.open)."""
         old = None
-        if self.out.exists():
+        if os.path.lexists(self.out):
             if not self.force:
                 raise FileExistsError(f"{self.out} exists; pass --force to replace it")
-            old = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
-            os.rename(self.out, old)
-        os.rename(self.tmp, self.out)
+            old = old_dir(self.out, os.getpid())
+            rename_durably(self.out, old)
+        rename_durably(self.tmp, self.out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        dir_fd = os.open(self.out.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)

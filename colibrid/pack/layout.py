@@ -1,0 +1,76 @@
+"""What a pack of a given model must contain: the name, shape and element type of every
+tensor, derived from the normalised model configuration and the requested quantization.
+
+The converter writes by these rules and the reader checks a manifest against them, so a
+manifest can only describe the tensors the model needs, in the types the converter would
+have chosen (docs/format.md, "Tensor names in dense" and "Element types").
+"""
+
+from __future__ import annotations
+
+from colibrid.models.base import Architecture
+from colibrid.models.config import ModelConfig
+from colibrid.native import TensorType
+
+TENSOR_CLASSES = ("experts", "dense", "embeddings")
+ALWAYS_F32 = ("router", "shared_gate")  # pack-name leaves kept in f32 whatever --quant says
+
+
+def tensor_class(pack_name: str) -> str:
+    """The --quant class of a dense tensor: "embeddings" for embed/lm_head, else "dense"."""
+    if pack_name in ("embed", "lm_head"):
+        return "embeddings"
+    return "dense"
+
+
+def requested_type(pack_name: str, ndim: int, quantization: dict[str, str]) -> TensorType:
+    """The type asked for a dense tensor: f32 for 1-D tensors, routers and the shared-expert
+    gate, else its class's type from the quantization."""
+    if ndim == 1 or pack_name.rsplit(".", 1)[-1] in ALWAYS_F32:
+        return TensorType.F32
+    return TensorType.from_name(quantization[tensor_class(pack_name)])
+
+
+def stored_type(wanted: TensorType, shape: tuple[int, ...]) -> TensorType:
+    """The type a tensor asked to be ``wanted`` is stored in: a block type cannot hold rows
+    that are not a whole number of blocks, so such a tensor falls back to f32."""
+    if len(shape) == 2 and shape[1] % wanted.block_elems:
+        return TensorType.F32
+    return wanted
+
+
+def dense_tensor_names(config: ModelConfig) -> list[str]:
+    """Every dense tensor a pack of this model has, in the order the converter writes them.
+    Pack names depend on the config's features only, never on the source architecture."""
+    return list(Architecture().dense_tensor_names(config))
+
+
+def expected_dense_shape(name: str, c: ModelConfig) -> tuple[int, ...]:
+    """The shape every pack tensor must have, from the normalised config."""
+    D, V, Hd = c.hidden_size, c.vocab_size, c.head_dim
+    q_out, kv_out = c.num_heads * Hd, c.num_kv_heads * Hd
+    leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    ffn = c.shared_expert_ffn if leaf.startswith("shared.") else c.dense_ffn
+    shapes = {
+        "embed": (V, D), "lm_head": (V, D), "final_norm": (D,),
+        "attn_norm": (D,), "ffn_norm": (D,),
+        "attn.q": (q_out, D), "attn.k": (kv_out, D), "attn.v": (kv_out, D), "attn.o": (D, q_out),
+        "attn.q_bias": (q_out,), "attn.k_bias": (kv_out,), "attn.v_bias": (kv_out,), "attn.o_bias": (D,),
+        "attn.q_norm": (q_out,) if c.qk_norm == "full" else (Hd,),
+        "attn.k_norm": (kv_out,) if c.qk_norm == "full" else (Hd,),
+        "router": (c.num_experts, D), "router_choice_bias": (c.num_experts,), "shared_gate": (1, D),
+        "shared.gate": (ffn, D), "shared.up": (ffn, D), "shared.down": (D, ffn),
+        "mlp.gate": (ffn, D), "mlp.up": (ffn, D), "mlp.down": (D, ffn),
+    }
+    return shapes[leaf]
+
+
+def expected_expert_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    D, F = c.hidden_size, c.expert_ffn
+    return {"gate": (F, D), "up": (F, D), "down": (D, F)}
+
+
+def tensor_nbytes(type_: TensorType, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor: rows x row_bytes(cols); a 1-D tensor is one row."""
+    rows, cols = (1, shape[0]) if len(shape) == 1 else shape
+    return rows * type_.row_bytes(cols)

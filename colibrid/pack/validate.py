@@ -1,0 +1,215 @@
+"""Check a parsed manifest against the model it describes: every tensor the model needs and
+no other, each with the shape and element type the converter would have written, aligned,
+inside its file and overlapping no other; the expert index one record per expert, in order,
+without gaps. Every error names the tensor (or the expert) and the file.
+
+Only the manifest is read here; Pack.open compares the sizes with the files on disk, and
+the checksums with their bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from colibrid.models.config import ModelConfig
+from colibrid.native import TensorType
+from colibrid.pack.layout import (
+    dense_tensor_names,
+    expected_dense_shape,
+    expected_expert_shapes,
+    requested_type,
+    stored_type,
+    tensor_nbytes,
+)
+from colibrid.pack.manifest import (
+    DENSE_FILE,
+    EXPERT_PART_ALIGN_BYTES,
+    EXPERT_PARTS,
+    EXPERTS_FILE,
+    MAX_DIM,
+    Manifest,
+    TensorEntry,
+)
+
+MIN_ALIGNMENT = 4096
+MAX_ALIGNMENT = 1 << 30
+MAX_LAYERS = 1 << 16
+MAX_EXPERTS = 1 << 16
+
+# ModelConfig fields by kind; every dimension is an integer >= 1 (or >= 0 where 0 means "none").
+POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                       "max_position_embeddings", "num_experts", "num_experts_per_tok", "expert_ffn")
+COUNT_FIELDS = ("dense_ffn", "shared_expert_ffn")
+BOOL_FIELDS = ("tie_word_embeddings", "qkv_bias", "o_bias", "norm_topk_prob", "shared_expert_gated")
+
+
+def check_manifest(m: Manifest) -> None:
+    """Raise ValueError naming the first thing in ``m`` that a correct pack cannot hold."""
+    check_model_config(m.model)
+    if not MIN_ALIGNMENT <= m.alignment <= MAX_ALIGNMENT or m.alignment & (m.alignment - 1):
+        raise ValueError(f"alignment {m.alignment} is not a power of two in [{MIN_ALIGNMENT}, {MAX_ALIGNMENT}]")
+    _check_dense_tensors(m)
+    _check_expert_parts(m)
+    _check_expert_index(m)
+
+
+# --- the model configuration ---
+
+
+def check_model_config(c: ModelConfig) -> None:
+    """Numbers the engine sizes buffers and loops by: integers where integers are meant, in range."""
+    for name in POSITIVE_INT_FIELDS:
+        _config_int(c, name, 1)
+    for name in COUNT_FIELDS:
+        _config_int(c, name, 0)
+    for name in BOOL_FIELDS:
+        if type(getattr(c, name)) is not bool:
+            raise ValueError(f"model.{name} must be true or false, got {getattr(c, name)!r:.40}")
+    if c.num_layers > MAX_LAYERS or c.num_experts > MAX_EXPERTS:
+        raise ValueError(f"model has {c.num_layers} layers of {c.num_experts} experts; "
+                         f"at most {MAX_LAYERS} and {MAX_EXPERTS}")
+    if c.num_experts_per_tok > c.num_experts:
+        raise ValueError(f"model.num_experts_per_tok {c.num_experts_per_tok} exceeds num_experts {c.num_experts}")
+    if c.num_heads % c.num_kv_heads:
+        raise ValueError(f"model.num_heads {c.num_heads} is not a multiple of num_kv_heads {c.num_kv_heads}")
+    if not all(type(flag) is bool for flag in c.moe_layers):
+        raise ValueError("model.moe_layers must hold true or false per layer")
+    if not all(w is None or (type(w) is int and 1 <= w <= MAX_DIM) for w in c.sliding_window):
+        raise ValueError("model.sliding_window must hold null or a window of >= 1 tokens per layer")
+    for name, needed in (("dense_ffn", not all(c.moe_layers)), ("shared_expert_ffn", c.shared_expert_gated)):
+        if needed and getattr(c, name) == 0:
+            raise ValueError(f"model.{name} is 0 but the model needs it")
+    _positive_float(c.rms_norm_eps, "model.rms_norm_eps")
+    if c.clip_qkv is not None:
+        _positive_float(c.clip_qkv, "model.clip_qkv")
+    _check_rope(c)
+    token_ids = ([] if c.bos_token_id is None else [c.bos_token_id]) + list(c.eos_token_ids)
+    if not all(type(t) is int and 0 <= t < c.vocab_size for t in token_ids):
+        raise ValueError(f"model.bos_token_id / eos_token_ids must be token ids below vocab_size {c.vocab_size}")
+
+
+def _check_rope(c: ModelConfig) -> None:
+    rope = c.rope
+    _positive_float(rope.theta, "model.rope.theta")
+    _positive_float(rope.factor, "model.rope.factor")
+    _finite_float(rope.beta_fast, "model.rope.beta_fast")
+    _finite_float(rope.beta_slow, "model.rope.beta_slow")
+    if rope.attention_factor is not None:
+        _finite_float(rope.attention_factor, "model.rope.attention_factor")
+    original = rope.original_max_position_embeddings
+    if original is not None and not (type(original) is int and 1 <= original <= MAX_DIM):
+        raise ValueError(f"model.rope.original_max_position_embeddings must be an integer >= 1, got {original!r:.40}")
+    if type(rope.truncate) is not bool:
+        raise ValueError("model.rope.truncate must be true or false")
+
+
+def _config_int(c: ModelConfig, name: str, low: int) -> None:
+    value = getattr(c, name)
+    if type(value) is not int or not low <= value <= MAX_DIM:
+        raise ValueError(f"model.{name} must be an integer in [{low}, {MAX_DIM}], got {value!r:.40}")
+
+
+def _finite_float(value: Any, what: str) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r:.40}")
+    return value
+
+
+def _positive_float(value: Any, what: str) -> None:
+    if _finite_float(value, what) <= 0:
+        raise ValueError(f"{what} must be > 0, got {value!r:.40}")
+
+
+# --- dense tensors ---
+
+
+def _check_dense_tensors(m: Manifest) -> None:
+    needed = dense_tensor_names(m.model)
+    missing = [name for name in needed if name not in m.dense_tensors]
+    if missing:
+        raise ValueError(f"tensor {missing[0]!r} of {DENSE_FILE} is missing from the manifest "
+                         f"({len(missing)} missing in all)")
+    unknown = sorted(set(m.dense_tensors) - set(needed))
+    if unknown:
+        raise ValueError(f"tensor {unknown[0]!r:.80} in {DENSE_FILE} is not one this model has")
+    spans = []
+    for name, entry in m.dense_tensors.items():
+        where = f"dense tensor {name!r} in {DENSE_FILE}"
+        shape = expected_dense_shape(name, m.model)
+        _check_entry(entry, where, shape, stored_type(requested_type(name, len(shape), m.quantization), shape))
+        if entry.offset % m.alignment:
+            raise ValueError(f"{where}: offset {entry.offset} is not a multiple of the alignment {m.alignment}")
+        if entry.offset + entry.nbytes > m.dense_size:
+            raise ValueError(f"{where}: bytes {entry.offset}..{entry.offset + entry.nbytes} lie past the end of "
+                             f"{DENSE_FILE} ({m.dense_size} bytes)")
+        spans.append((entry.offset, entry.offset + entry.nbytes, where))
+    _check_no_overlap(spans)
+
+
+def _check_entry(entry: TensorEntry, where: str, shape: tuple[int, ...], type_: TensorType) -> None:
+    """Shape, type and byte count exactly as the converter writes them for this model."""
+    if entry.shape != shape:
+        raise ValueError(f"{where}: shape {list(entry.shape)}, the model needs {list(shape)}")
+    if entry.type != type_.name_in_pack:
+        # Also catches a type swapped for one of the same size (f16 <-> bf16), which the byte
+        # count alone cannot: the type of every tensor follows from the recorded quantization.
+        raise ValueError(f"{where}: type {entry.type}, but this pack's quantization stores it as {type_.name_in_pack}")
+    nbytes = tensor_nbytes(type_, shape)
+    if entry.nbytes != nbytes:
+        raise ValueError(f"{where}: nbytes {entry.nbytes}, but {type_.name_in_pack} {list(shape)} is {nbytes} bytes")
+
+
+def _check_no_overlap(spans: list[tuple[int, int, str]]) -> None:
+    spans = sorted(spans)
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{second} overlaps {first} (bytes from {start} to {end})")
+
+
+# --- experts ---
+
+
+def _check_expert_parts(m: Manifest) -> None:
+    if not m.expert_parts and not m.model.moe_layer_ids:
+        return  # no routed experts at all: nothing to lay out
+    if tuple(m.expert_parts) != EXPERT_PARTS:
+        raise ValueError(f"experts.parts must be {list(EXPERT_PARTS)} in that order, got {list(m.expert_parts)[:5]}")
+    shapes = expected_expert_shapes(m.model)
+    experts_type = TensorType.from_name(m.quantization["experts"])
+    spans = []
+    for name, entry in m.expert_parts.items():
+        where = f"expert part {name!r} in {EXPERTS_FILE}"
+        _check_entry(entry, where, shapes[name], stored_type(experts_type, shapes[name]))
+        if entry.offset % EXPERT_PART_ALIGN_BYTES:
+            raise ValueError(f"{where}: offset {entry.offset} in the record is not a multiple of {EXPERT_PART_ALIGN_BYTES}")
+        spans.append((entry.offset, entry.offset + entry.nbytes, where))
+    _check_no_overlap(spans)
+
+
+def _check_expert_index(m: Manifest) -> None:
+    """One record per (MoE layer, expert), sorted, each starting where the previous one ends."""
+    c = m.model
+    expected = len(c.moe_layer_ids) * c.num_experts
+    if len(m.expert_records) != expected:
+        raise ValueError(f"the {EXPERTS_FILE} index has {len(m.expert_records)} records, the model needs {expected} "
+                         f"({len(c.moe_layer_ids)} MoE layers x {c.num_experts} experts)")
+    parts_end = max((e.offset + e.nbytes for e in m.expert_parts.values()), default=0)
+    wanted = ((layer, expert) for layer in c.moe_layer_ids for expert in range(c.num_experts))
+    cursor = 0
+    for number, (record, (layer, expert)) in enumerate(zip(m.expert_records, wanted)):
+        where = f"expert {expert} of layer {layer} in {EXPERTS_FILE} (index row {number})"
+        if (record.layer, record.expert) != (layer, expert):
+            raise ValueError(f"{EXPERTS_FILE} index row {number} is expert {record.expert} of layer {record.layer}; "
+                             f"rows are sorted by layer, then expert, so it must be expert {expert} of layer {layer}")
+        if record.offset != cursor:
+            raise ValueError(f"{where}: offset {record.offset}, expected {cursor} (records follow each other without gaps)")
+        if record.length % m.alignment or record.length < parts_end:
+            raise ValueError(f"{where}: length {record.length} is not a multiple of the alignment {m.alignment} "
+                             f"holding the {parts_end} bytes of its parts")
+        if record.offset + record.length > m.experts_size:
+            raise ValueError(f"{where}: bytes {record.offset}..{record.offset + record.length} lie past the end of "
+                             f"{EXPERTS_FILE} ({m.experts_size} bytes)")
+        cursor += record.length
+    if cursor != m.experts_size:
+        raise ValueError(f"the records of {EXPERTS_FILE} end at byte {cursor}, experts.size says {m.experts_size}")

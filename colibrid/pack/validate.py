@@ -41,7 +41,8 @@ MAX_EXPERTS = 1 << 16
 POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                        "max_position_embeddings", "num_experts", "num_experts_per_tok", "expert_ffn")
 COUNT_FIELDS = ("dense_ffn", "shared_expert_ffn")
-BOOL_FIELDS = ("tie_word_embeddings", "qkv_bias", "o_bias", "norm_topk_prob", "shared_expert_gated")
+BOOL_FIELDS = ("tie_word_embeddings", "qkv_bias", "o_bias", "norm_topk_prob", "shared_expert_gated",
+               "router_choice_bias")
 
 
 def check_manifest(m: Manifest) -> None:
@@ -80,6 +81,9 @@ def check_model_config(c: ModelConfig) -> None:
     for name, needed in (("dense_ffn", not all(c.moe_layers)), ("shared_expert_ffn", c.shared_expert_gated)):
         if needed and getattr(c, name) == 0:
             raise ValueError(f"model.{name} is 0 but the model needs it")
+    _check_router(c)
+    if type(c.rotary_dim) is not int or not 0 <= c.rotary_dim <= c.head_dim:
+        raise ValueError(f"model.rotary_dim must be an integer in [0, head_dim {c.head_dim}], got {c.rotary_dim!r:.40}")
     _positive_float(c.rms_norm_eps, "model.rms_norm_eps")
     if c.clip_qkv is not None:
         _positive_float(c.clip_qkv, "model.clip_qkv")
@@ -87,6 +91,22 @@ def check_model_config(c: ModelConfig) -> None:
     token_ids = ([] if c.bos_token_id is None else [c.bos_token_id]) + list(c.eos_token_ids)
     if not all(type(t) is int and 0 <= t < c.vocab_size for t in token_ids):
         raise ValueError(f"model.bos_token_id / eos_token_ids must be token ids below vocab_size {c.vocab_size}")
+
+
+def _check_router(c: ModelConfig) -> None:
+    """The group limit must leave every token enough experts to choose from: libcolibri would
+    refuse the routing call at every step, so a pack that asks for it fails here, at open."""
+    for name in ("router_groups", "router_groups_kept"):
+        _config_int(c, name, 1)
+    groups, kept = c.router_groups, c.router_groups_kept
+    if c.num_experts % groups or kept > groups:
+        raise ValueError(f"model.router_groups {groups} (keeping {kept}) does not divide {c.num_experts} experts")
+    if c.num_experts_per_tok > kept * (c.num_experts // groups):
+        raise ValueError(f"model.num_experts_per_tok {c.num_experts_per_tok} exceeds the "
+                         f"{kept * (c.num_experts // groups)} experts of the {kept} groups kept")
+    if c.router_group_score == "top2_sum" and groups > 1 and c.num_experts // groups < 2:
+        raise ValueError("model.router_group_score top2_sum needs at least 2 experts per group")
+    _positive_float(c.routed_scaling_factor, "model.routed_scaling_factor")
 
 
 def _check_rope(c: ModelConfig) -> None:

@@ -115,6 +115,11 @@ _SIGNATURES = {
     "col_moe_experts": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_int64, ctypes.c_void_p]),
+    "col_expert_ffn_size": (ctypes.c_size_t, []),
+    # (pool, ffn_kind, type, n_experts, gate, up, down, D, F, x, n_tok, expert_of, weight, n_slots, out): as col_moe_experts
+    "col_moe_experts_ffn": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
     # (x (R, N) f32, weight (N) f32, rows, n, eps, y (R, N) f32)
     "col_rms_norm": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]),
     # (x (T, H, Hd) f32 in place, n_tok, n_heads, head_dim, cos (T, Hd), sin (T, Hd))
@@ -384,7 +389,7 @@ class _PoolParams(ctypes.Structure):
 
 def _check_struct_sizes(lib: ctypes.CDLL) -> None:
     for struct, size_fn in ((_PoolParams, lib.col_pool_params_size), (AttentionLayer, lib.col_attention_layer_size),
-                            (MoeRouter, lib.col_moe_router_size)):
+                            (MoeRouter, lib.col_moe_router_size), (ExpertFfn, lib.col_expert_ffn_size)):
         if ctypes.sizeof(struct) != size_fn():
             raise LibraryNotFoundError(
                 f"{struct.__name__} is {ctypes.sizeof(struct)} bytes, libcolibri says {size_fn()}: the build is stale"
@@ -549,13 +554,15 @@ def matmul(type_: TensorType | int | str, data, n_out: int, n_in: int, x: np.nda
 
 
 class ExpertBuffers:
-    """One routed expert's three matrices for col_moe_experts: checked once (type, sizes,
+    """One routed expert's three matrices for col_moe_experts (and, for experts with biases,
+    their float32 bias vectors: gate and up (F), down (D)): checked once (type, sizes,
     contiguity) and reduced to addresses, so a layer step that reuses the same expert views
     (resident experts, cache slots) pays no per-call checks. Keeps the buffers alive."""
 
-    __slots__ = ("type", "dim", "ffn", "gate", "up", "down", "_keep")
+    __slots__ = ("type", "dim", "ffn", "gate", "up", "down", "gate_bias", "up_bias", "down_bias", "_keep")
 
-    def __init__(self, type_: TensorType | int | str, gate, up, down, dim: int, ffn: int) -> None:
+    def __init__(self, type_: TensorType | int | str, gate, up, down, dim: int, ffn: int,
+                 biases: "tuple[np.ndarray, np.ndarray, np.ndarray] | None" = None) -> None:
         t = _as_type(type_)
         self.type, self.dim, self.ffn = t, _as_count(dim, "dim"), _as_count(ffn, "ffn")
         keep = []
@@ -567,11 +574,28 @@ class ExpertBuffers:
                                            f"needs {rows * t.row_bytes(cols)}")
             keep.append(raw)
             setattr(self, field, _ptr(raw))
+        self.gate_bias = self.up_bias = self.down_bias = None
+        if biases is not None:
+            for field, vector, n in zip(("gate_bias", "up_bias", "down_bias"), biases, (self.ffn, self.ffn, self.dim)):
+                keep.append(_f32_vector(vector, f"expert {field}", n))
+                setattr(self, field, _ptr(vector))
         self._keep = keep
 
 
+EXPERT_ACTIVATION_CODES = {"swiglu": 0, "clamped_swiglu": 1}  # enum col_expert_activation
+
+
+class ExpertFfn(ctypes.Structure):
+    """Mirror of col_expert_ffn (colibri.h); its size is checked against C at load."""
+
+    _fields_ = [("activation", ctypes.c_int32), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
+                ("reserved", ctypes.c_int32), ("gate_bias", ctypes.c_void_p), ("up_bias", ctypes.c_void_p),
+                ("down_bias", ctypes.c_void_p)]
+
+
 def moe_experts(type_: TensorType | int | str, gates, ups, downs, dim: int, ffn: int, x: np.ndarray,
-                expert_of: np.ndarray, weight: np.ndarray, out: np.ndarray, pool: "ThreadPool | None" = None) -> None:
+                expert_of: np.ndarray, weight: np.ndarray, out: np.ndarray, pool: "ThreadPool | None" = None,
+                biases=None, activation: str = "swiglu", alpha: float = 1.0, limit: float = 0.0) -> None:
     """One fused MoE layer step, accumulated into ``out`` (T, D) float32 in place:
     for every (t, a) with e = expert_of[t, a] >= 0,
     out[t] += weight[t, a] * down_e(silu(gate_e x[t]) * up_e x[t]).
@@ -582,15 +606,18 @@ def moe_experts(type_: TensorType | int | str, gates, ups, downs, dim: int, ffn:
     increasing index. The buffers are only read during the call."""
     if len(ups) != len(gates) or len(downs) != len(gates):
         raise InvalidArgumentError(f"gates, ups and downs must have the same length, got {len(gates)}, {len(ups)}, {len(downs)}")
-    experts = [ExpertBuffers(type_, g, u, d, dim, ffn) for g, u, d in zip(gates, ups, downs)]
-    moe_experts_of(experts, x, expert_of, weight, out, pool, type_=type_, dim=dim, ffn=ffn)
+    biases = biases if biases is not None else [None] * len(gates)
+    experts = [ExpertBuffers(type_, g, u, d, dim, ffn, b) for g, u, d, b in zip(gates, ups, downs, biases)]
+    moe_experts_of(experts, x, expert_of, weight, out, pool, type_=type_, dim=dim, ffn=ffn, activation=activation,
+                   alpha=alpha, limit=limit)
 
 
 def moe_experts_of(experts: "list[ExpertBuffers]", x: np.ndarray, expert_of: np.ndarray, weight: np.ndarray,
                    out: np.ndarray, pool: "ThreadPool | None" = None, type_=None, dim: int | None = None,
-                   ffn: int | None = None) -> None:
+                   ffn: int | None = None, activation: str = "swiglu", alpha: float = 1.0, limit: float = 0.0) -> None:
     """moe_experts over prepared ExpertBuffers (all of one type and shape; ``type_``, ``dim``
-    and ``ffn`` are needed only when ``experts`` is empty)."""
+    and ``ffn`` are needed only when ``experts`` is empty). ``activation`` "clamped_swiglu"
+    (with ``alpha`` and ``limit``) and experts carrying biases run col_moe_experts_ffn."""
     if experts:
         first = experts[0]
         t, dim, ffn = first.type, first.dim, first.ffn
@@ -613,10 +640,36 @@ def moe_experts_of(experts: "list[ExpertBuffers]", x: np.ndarray, expert_of: np.
     ptrs[:3 * n_experts] = [e.gate for e in experts] + [e.up for e in experts] + [e.down for e in experts]
     base = ctypes.addressof(ptrs)
     size = ctypes.sizeof(ctypes.c_void_p) * n_experts
-    status = _lib().col_moe_experts(_pool_handle(pool), int(t), n_experts, base, base + size, base + 2 * size, dim, ffn, _ptr(x),
-                                    n_tok, _ptr(expert_of), _ptr(weight), expert_of.shape[1], _ptr(out))
+    kind = _expert_ffn(experts, activation, alpha, limit)
+    if kind is None:
+        status = _lib().col_moe_experts(_pool_handle(pool), int(t), n_experts, base, base + size, base + 2 * size, dim, ffn,
+                                        _ptr(x), n_tok, _ptr(expert_of), _ptr(weight), expert_of.shape[1], _ptr(out))
+    else:
+        status = _lib().col_moe_experts_ffn(_pool_handle(pool), ctypes.addressof(kind[0]), int(t), n_experts, base,
+                                            base + size, base + 2 * size, dim, ffn, _ptr(x), n_tok, _ptr(expert_of),
+                                            _ptr(weight), expert_of.shape[1], _ptr(out))
     if status:
         check(status, f"moe_experts {t.name_in_pack}")
+
+
+def _expert_ffn(experts: "list[ExpertBuffers]", activation: str, alpha: float, limit: float):
+    """(col_expert_ffn, the bias pointer arrays it points into), or None for plain SwiGLU
+    experts without biases (col_moe_experts)."""
+    if activation not in EXPERT_ACTIVATION_CODES:
+        raise InvalidArgumentError(f"activation must be one of {', '.join(EXPERT_ACTIVATION_CODES)}, got {activation!r}")
+    with_bias = [e.gate_bias is not None for e in experts]
+    if any(with_bias) and not all(with_bias):
+        raise InvalidArgumentError("either every expert of a call has biases or none has")
+    if activation == "swiglu" and not any(with_bias):
+        return None
+    kind = ExpertFfn(activation=EXPERT_ACTIVATION_CODES[activation], alpha=float(alpha), limit=float(limit))
+    arrays = []
+    if any(with_bias):
+        for field in ("gate_bias", "up_bias", "down_bias"):
+            array = (ctypes.c_void_p * len(experts))(*[getattr(e, field) for e in experts])
+            arrays.append(array)
+            setattr(kind, field, ctypes.addressof(array))
+    return kind, arrays
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -703,7 +756,7 @@ class AttentionLayer(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("clip_qkv", ctypes.c_float),
         ("qk_norm", ctypes.c_int32), ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32),
         *((name, ctypes.c_void_p) for name in ("norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")),
-        ("rotary_dim", ctypes.c_int64),
+        ("rotary_dim", ctypes.c_int64), ("sinks", ctypes.c_void_p),
     ]
 
 
@@ -718,11 +771,12 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
                     eps: float, scale: float, window: int | None = None, clip_qkv: float | None = None,
                     qk_norm: str = "none", q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
                     bq: np.ndarray | None = None, bk: np.ndarray | None = None, bv: np.ndarray | None = None,
-                    bo: np.ndarray | None = None, rotary_dim: int = 0) -> AttentionLayer:
+                    bo: np.ndarray | None = None, rotary_dim: int = 0, sinks: np.ndarray | None = None) -> AttentionLayer:
     """One layer's attention for attention_block(): ``wq`` (H*Hd, D), ``wk``/``wv`` (K*Hd, D)
     encoded as ``qkv_type``, ``wo`` (D, H*Hd) as ``o_type`` (contiguous buffers, read in place);
     ``norm`` (D) the input RMSNorm; biases and q/k norm weights float32 or None; ``rotary_dim``
-    the leading dims of each head RoPE rotates (0: all)."""
+    the leading dims of each head RoPE rotates (0: all); ``sinks`` (H) float32 per-head sink
+    logits or None."""
     dim, n_heads, n_kv_heads, head_dim = (_as_count(v, n) for v, n in (
         (dim, "dim"), (n_heads, "n_heads"), (n_kv_heads, "n_kv_heads"), (head_dim, "head_dim")))
     if min(dim, n_heads, n_kv_heads, head_dim) == 0 or n_heads % n_kv_heads or head_dim % 2:
@@ -747,7 +801,7 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
         keep.append(raw)
         setattr(layer, field, _ptr(raw))
     norm_width = {"none": None, "full": (Q, KV), "head": (head_dim, head_dim)}[qk_norm]
-    vectors = [("bq", bq, Q), ("bk", bk, KV), ("bv", bv, KV), ("bo", bo, dim)]
+    vectors = [("bq", bq, Q), ("bk", bk, KV), ("bv", bv, KV), ("bo", bo, dim), ("sinks", sinks, n_heads)]
     if norm_width is not None:
         if q_norm is None or k_norm is None:
             raise InvalidArgumentError(f"qk_norm {qk_norm!r} needs q_norm and k_norm")
@@ -819,7 +873,7 @@ def moe_route(type_: TensorType | int | str, data, n_experts: int, dim: int, x: 
     return experts, weights
 
 
-ROUTER_SCORING_CODES = {"softmax": 0, "sigmoid": 1}  # enum col_router_scoring
+ROUTER_SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}  # enum col_router_scoring
 GROUP_SCORE_CODES = {"max": 0, "top2_sum": 1}  # enum col_group_score
 
 
@@ -832,15 +886,17 @@ class MoeRouter(ctypes.Structure):
         ("n_groups", ctypes.c_int64), ("groups_kept", ctypes.c_int64),
         ("type", ctypes.c_int32), ("scoring", ctypes.c_int32), ("group_score", ctypes.c_int32),
         ("normalize", ctypes.c_int32), ("scaling", ctypes.c_float),
-        ("weight", ctypes.c_void_p), ("choice_bias", ctypes.c_void_p),
+        ("weight", ctypes.c_void_p), ("choice_bias", ctypes.c_void_p), ("logit_bias", ctypes.c_void_p),
     ]
 
 
 def moe_router(type_: TensorType | int | str, data, n_experts: int, dim: int, top_k: int, *, normalize: bool,
                scoring: str = "softmax", choice_bias: np.ndarray | None = None, n_groups: int = 1,
-               groups_kept: int = 1, group_score: str = "max", scaling: float = 1.0) -> MoeRouter:
+               groups_kept: int = 1, group_score: str = "max", scaling: float = 1.0,
+               logit_bias: np.ndarray | None = None) -> MoeRouter:
     """A MoE layer's router for moe_router_route() (see col_moe_router_route): ``data`` the
-    router (E, D) encoded as ``type_``, read in place; ``choice_bias`` float32 (E) or None."""
+    router (E, D) encoded as ``type_``, read in place; ``choice_bias`` and ``logit_bias``
+    float32 (E) or None."""
     t = _as_type(type_)
     n_experts, dim, top_k = _as_count(n_experts, "n_experts"), _as_count(dim, "dim"), _as_count(top_k, "top_k")
     n_groups, groups_kept = _as_count(n_groups, "n_groups"), _as_count(groups_kept, "groups_kept")
@@ -866,6 +922,9 @@ def moe_router(type_: TensorType | int | str, data, n_experts: int, dim: int, to
     if choice_bias is not None:
         keep.append(_f32_vector(choice_bias, "choice_bias", n_experts))
         router.choice_bias = _ptr(choice_bias)
+    if logit_bias is not None:
+        keep.append(_f32_vector(logit_bias, "logit_bias", n_experts))
+        router.logit_bias = _ptr(logit_bias)
     router._keep = keep  # the buffers the pointers point into
     return router
 

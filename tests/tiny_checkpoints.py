@@ -34,6 +34,7 @@ ARCH_CLASSES = {
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
 
 # Sizes keep every matrix row a multiple of 64 so every quantized type applies.
@@ -47,6 +48,8 @@ EXPERTS = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128),
     "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128,
                      first_k_dense_replace=1),
+    # sinks on every layer, sliding and full layers alternating, a window shorter than the test prompts
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, head_dim=16, sliding_window=4),
 }
 
 

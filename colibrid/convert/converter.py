@@ -22,8 +22,7 @@ from colibrid.convert.quant_spec import QuantSpec
 from colibrid.convert.safetensors import Checkpoint, CheckpointError, TensorRef
 from colibrid.models import Architecture, UnsupportedArchitecture, UnsupportedConfig, architecture_for
 from colibrid.models.config import ModelConfig
-from colibrid.pack.layout import expected_dense_shape, expected_expert_shapes, requested_type
-from colibrid.pack.manifest import EXPERT_PARTS
+from colibrid.pack.layout import expected_dense_shape, expected_expert_shapes, expert_part_names, requested_type
 from colibrid.pack.writer import PackWriter
 
 log = logging.getLogger(__name__)
@@ -112,7 +111,7 @@ class Converter:
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
                 names = self.arch.expert_tensor_names(layer, expert)
-                for part in EXPERT_PARTS:
+                for part in expert_part_names(self.config):
                     self._check_shape(getattr(names, part), expert_shapes[part])
         for name in REQUIRED_TOKENIZER_FILES:
             if not (self.src / name).is_file():
@@ -134,7 +133,7 @@ class Converter:
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
                 expert_names = self.arch.expert_tensor_names(layer, expert)
-                names.extend(getattr(expert_names, part) for part in EXPERT_PARTS)
+                names.extend(getattr(expert_names, part) for part in expert_part_names(self.config))
         return names
 
     def _source_bytes(self, name: str | TensorRef) -> int:
@@ -199,7 +198,7 @@ class Converter:
             for expert in range(self.config.num_experts):
                 names = self.arch.expert_tensor_names(layer, expert)
                 parts = {}
-                for part in EXPERT_PARTS:
+                for part in expert_part_names(self.config):
                     hf_name = getattr(names, part)
                     if self.quant.experts is native.TensorType.MXFP4 and self.checkpoint.is_mxfp4(hf_name):
                         # published MXFP4: the same codes and exponents, only rearranged

@@ -52,11 +52,19 @@ class TensorInfo:
 class TensorRef:
     """Part of a checkpoint tensor: ``index`` selects along its leading axes (expert e of a
     fused (E, R, C) tensor: ``(e,)``), then ``rows`` slices the row axis (the second to last:
-    ``slice(0, None, 2)`` for the even rows of an interleaved gate/up)."""
+    ``slice(0, None, 2)`` for the even rows of an interleaved gate/up; of a 1-D part, a bias
+    with one value per row, its elements).
+
+    ``transposed``: a value tensor (F32/BF16/F16/F8) stores the part as (..., C, R), the way
+    transformers keeps gpt-oss's fused experts (used as x @ W); it is read as its (..., R, C)
+    transpose, rows sliced after. An MXFP4 tensor always holds its groups of 32 along the
+    input dim, i.e. already (..., R, C) (gpt-oss's published ``*_blocks``), so the flag does
+    not apply to it."""
 
     name: str
     index: tuple[int, ...] = ()
     rows: slice | None = None
+    transposed: bool = False
 
     @classmethod
     def of(cls, ref: "str | TensorRef") -> "TensorRef":
@@ -64,12 +72,23 @@ class TensorRef:
 
     def __str__(self) -> str:
         parts = [str(i) for i in self.index] + ([f"{self.rows.start or ''}:{self.rows.stop or ''}:{self.rows.step or ''}"] if self.rows else [])
-        return f"{self.name}[{', '.join(parts)}]" if parts else self.name
+        named = f"{self.name}[{', '.join(parts)}]" if parts else self.name
+        return named + (".T" if self.transposed else "")
 
-    def select(self, array: np.ndarray) -> np.ndarray:
-        """This part of ``array`` (the whole tensor, or a same-leading-shape companion) as a view."""
+    def select(self, array: np.ndarray, transpose: bool = True) -> np.ndarray:
+        """This part of ``array`` (the whole tensor, or a same-leading-shape companion) as a
+        view; ``transpose`` False ignores ``transposed`` (MXFP4 parts)."""
         part = array[self.index] if self.index else array
-        return part[..., self.rows, :] if self.rows is not None else part
+        if self.transposed and transpose and part.ndim >= 2:
+            part = part.swapaxes(-1, -2)
+        return _slice_rows(part, self.rows)
+
+
+def _slice_rows(part: np.ndarray, rows: slice | None) -> np.ndarray:
+    """``rows`` of the row axis (the second to last; of a 1-D part, its elements)."""
+    if rows is None:
+        return part
+    return part[rows] if part.ndim == 1 else part[..., rows, :]
 
 
 def _read_header(path: Path) -> dict[str, TensorInfo]:
@@ -182,10 +201,14 @@ class Checkpoint:
         """The shape of a tensor or of the part a TensorRef names (CheckpointError if absent)."""
         ref = TensorRef.of(ref)
         shape = self.info(ref.name).shape
-        if len(ref.index) > max(len(shape) - 2, 0) or any(not 0 <= i < n for i, n in zip(ref.index, shape)):
+        if len(ref.index) >= len(shape) or any(not 0 <= i < n for i, n in zip(ref.index, shape)):
             raise CheckpointError(f"{ref}: index out of range for tensor {ref.name} of shape {list(shape)}")
         shape = shape[len(ref.index):]
-        if ref.rows is not None:
+        if ref.transposed and len(shape) >= 2 and self.info(ref.name).dtype != MXFP4:
+            shape = shape[:-2] + (shape[-1], shape[-2])
+        if ref.rows is not None and len(shape) == 1:
+            shape = (len(range(*ref.rows.indices(shape[0]))),)
+        elif ref.rows is not None:
             shape = shape[:-2] + (len(range(*ref.rows.indices(shape[-2]))), shape[-1])
         return shape
 
@@ -223,7 +246,7 @@ class Checkpoint:
         return part.astype(np.float32)
 
     def _read_fp8(self, ref: TensorRef, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
-        values = fp8.decode_e4m3(raw[ref.index] if ref.index else raw)  # (..., R, C): blocks span rows
+        values = fp8.decode_e4m3(raw[ref.index] if ref.index else raw)  # (..., R, C) as stored: blocks span rows
         scale_name = ref.name + "_scale_inv"
         if scale_name in self.tensors:
             scale = self.read_f32(TensorRef(scale_name, ref.index))
@@ -231,7 +254,9 @@ class Checkpoint:
                 fp8.apply_block_scales(values, scale, self.fp8_block)
             except ValueError as exc:
                 raise CheckpointError(f"{info.file}: FP8 tensor {ref.name}: {exc}") from None
-        return np.ascontiguousarray(values[..., ref.rows, :]) if ref.rows is not None else values
+        if ref.transposed and values.ndim >= 2:
+            values = values.swapaxes(-1, -2)
+        return np.ascontiguousarray(_slice_rows(values, ref.rows))
 
     def read_mxfp4(self, ref: "str | TensorRef") -> np.ndarray:
         """An MXFP4 tensor (or part) (..., R, C) as the pack's mxfp4 rows (..., R, C / 32 * 17)
@@ -245,7 +270,7 @@ class Checkpoint:
         block_part = block_view[ref.index] if ref.index else block_view
         if ref.rows is not None:
             block_part = block_part[..., ref.rows, :, :]
-        return mxfp4.pack_rows(block_part, ref.select(self._raw(scales)))
+        return mxfp4.pack_rows(block_part, ref.select(self._raw(scales), transpose=False))
 
     def _raw(self, info: TensorInfo) -> np.ndarray:
         """The tensor's stored elements, a read-only view of the mapped file."""

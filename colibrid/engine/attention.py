@@ -1,6 +1,6 @@
 """Grouped-query causal self-attention with RoPE (optionally partial: the leading dims of
-each head only), optional q/k RMSNorm, qkv clipping and sliding windows; keys and values go
-through the sequence's KV cache."""
+each head only), optional q/k RMSNorm, qkv clipping, sliding windows and per-head sink
+logits; keys and values go through the sequence's KV cache."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class Attention:
             w["q"].data, w["k"].data, w["v"].data, w["o"].type, w["o"].data, eps=c.rms_norm_eps,
             scale=float(self.scale), window=self.window, clip_qkv=c.clip_qkv, qk_norm=c.qk_norm,
             q_norm=bias("q_norm"), k_norm=bias("k_norm"), bq=bias("q_bias"), bk=bias("k_bias"), bv=bias("v_bias"),
-            bo=bias("o_bias"), rotary_dim=c.rotary_dim)
+            bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"))
 
     def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
         """x + attention(rms_norm(x)) for tokens at ``positions`` = kv.length, kv.length + 1 ...;
@@ -59,6 +59,9 @@ class Attention:
 
     def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
         c, w = self.c, self.w
+        if c.attention_sinks:
+            raise NotImplementedError(f"layer {self.layer}: attention sinks are computed by the fused attention step only, "
+                                      "which needs q, k and v of one type (as the converter writes them)")
         T, H, K, Hd = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
         q = linear(x, w["q"], w.get("q_bias"))  # (T, H*Hd)
         k = linear(x, w["k"], w.get("k_bias"))  # (T, K*Hd)

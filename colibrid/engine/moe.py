@@ -1,8 +1,9 @@
 """The Mixture-of-Experts block, written once for every architecture:
-router -> scores (softmax, or sigmoid with a choice-only bias) -> optional group limit ->
-top-k -> optional renormalisation and scaling, then each selected expert runs once over
-all the tokens routed to it (batch-union), plus an optional shared expert with an
-optional sigmoid gate."""
+router (optionally with a logit bias) -> scores (softmax, or sigmoid with a choice-only bias)
+-> optional group limit -> top-k (or top-k logits, then a softmax over them) -> optional
+renormalisation and scaling, then each selected expert runs once over all the tokens routed
+to it (batch-union), with optional biases and the config's activation, plus an optional
+shared expert with an optional sigmoid gate."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from colibrid import native
 from colibrid.engine.experts import ExpertSource
-from colibrid.engine.layers import linear, swiglu_mlp
+from colibrid.engine.layers import linear, silu, swiglu_mlp
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
@@ -34,12 +35,14 @@ class Router:
     def __init__(self, config: ModelConfig, weights: dict[str, PackedTensor]) -> None:
         router = weights["router"]  # (E, D)
         bias = weights["router_choice_bias"] if config.router_choice_bias else None  # (E)
+        logit_bias = weights["router_bias"] if config.router_bias else None  # (E)
         num_experts, dim = router.shape
         self.native = native.moe_router(
             router.type, router.data, num_experts, dim, config.num_experts_per_tok, normalize=config.norm_topk_prob,
             scoring=config.router_scoring, choice_bias=None if bias is None else bias.data,
             n_groups=config.router_groups, groups_kept=config.router_groups_kept,
-            group_score=config.router_group_score, scaling=config.routed_scaling_factor)
+            group_score=config.router_group_score, scaling=config.routed_scaling_factor,
+            logit_bias=None if logit_bias is None else logit_bias.data)
 
     def __call__(self, x: np.ndarray) -> Routing:
         return Routing(*native.moe_router_route(self.native, x))
@@ -132,12 +135,29 @@ class MoeBlock:
         if None in buffers or len({b.type for b in buffers}) != 1:  # mixed types (not from the converter): one at a time
             for expert, ew in zip(wave, weights):
                 tokens, slots = np.nonzero(routing.experts == expert)
-                y = swiglu_mlp(x[tokens], ew.gate, ew.up, ew.down)  # (n, D)
+                y = _expert_ffn(self.c, x[tokens], ew)  # (n, D)
                 out[tokens] += y * routing.weights[tokens, slots][:, None]
             return
         index_in_wave = np.full(self.c.num_experts, -1, dtype=np.int32)
         index_in_wave[wave] = np.arange(len(wave), dtype=np.int32)
-        native.moe_experts_of(buffers, x, index_in_wave[routing.experts], routing.weights, out)
+        native.moe_experts_of(buffers, x, index_in_wave[routing.experts], routing.weights, out,
+                              activation=self.c.expert_activation, alpha=self.c.swiglu_alpha, limit=self.c.swiglu_limit)
+
+
+def _expert_ffn(c: ModelConfig, x: np.ndarray, ew) -> np.ndarray:
+    """One expert over x (n, D) step by step, as col_moe_experts_ffn computes it (for experts
+    whose parts differ in type, which the converter never writes)."""
+    if c.expert_activation == "swiglu" and ew.gate_bias is None:
+        return swiglu_mlp(x, ew.gate, ew.up, ew.down)
+    g, u = linear(x, ew.gate, ew.gate_bias), linear(x, ew.up, ew.up_bias)  # (n, F)
+    if c.expert_activation == "clamped_swiglu":
+        g = np.minimum(g, np.float32(c.swiglu_limit))
+        u = np.clip(u, -np.float32(c.swiglu_limit), np.float32(c.swiglu_limit))
+        with np.errstate(over="ignore"):
+            h = (u + np.float32(1.0)) * (g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-(g * np.float32(c.swiglu_alpha))))))
+    else:
+        h = silu(g) * u
+    return linear(h.astype(np.float32), ew.down, ew.down_bias)
 
 
 class DenseMlp:

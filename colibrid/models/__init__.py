@@ -6,13 +6,14 @@ from typing import Any
 
 from colibrid.models.base import Architecture, UnsupportedConfig
 from colibrid.models.glm4_moe import Glm4Moe
+from colibrid.models.gpt_oss import GptOss
 from colibrid.models.mixtral import Mixtral
 from colibrid.models.olmoe import Olmoe
 from colibrid.models.qwen2_moe import Qwen2Moe
 from colibrid.models.qwen3_moe import Qwen3Moe
 
 ARCHITECTURES: dict[str, Architecture] = {
-    arch.name: arch for arch in (Olmoe(), Mixtral(), Qwen2Moe(), Qwen3Moe(), Glm4Moe())
+    arch.name: arch for arch in (Olmoe(), Mixtral(), Qwen2Moe(), Qwen3Moe(), Glm4Moe(), GptOss())
 }
 
 

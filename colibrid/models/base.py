@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from colibrid.convert.safetensors import TensorRef
 from colibrid.models.config import ModelConfig, RopeConfig
 
 
@@ -20,11 +21,15 @@ class UnsupportedConfig(ValueError):
 
 @dataclass(frozen=True)
 class ExpertTensorNames:
-    """Checkpoint names of one routed expert's three projections."""
+    """Checkpoint names (or parts of fused tensors) of one routed expert's three projections,
+    and of their biases when the model has them (ModelConfig.expert_bias)."""
 
-    gate: str  # (F, D)
-    up: str  # (F, D)
-    down: str  # (D, F)
+    gate: "str | TensorRef"  # (F, D)
+    up: "str | TensorRef"  # (F, D)
+    down: "str | TensorRef"  # (D, F)
+    gate_bias: "str | TensorRef | None" = None  # (F)
+    up_bias: "str | TensorRef | None" = None  # (F)
+    down_bias: "str | TensorRef | None" = None  # (D)
 
 
 class Architecture:
@@ -34,6 +39,8 @@ class Architecture:
     hf_model_types: tuple[str, ...] = ()
     router_name = "mlp.gate"  # under model.layers.{l}.
     router_choice_bias_name = "e_score_correction_bias"  # under the router, when config.router_choice_bias
+    router_bias_name = "bias"  # under the router, when config.router_bias
+    attention_sinks_name = "self_attn.sinks"  # under model.layers.{l}., when config.attention_sinks
     shared_expert_prefix = "mlp.shared_expert"  # under model.layers.{l}.
     experts_prefix = "mlp.experts"  # under model.layers.{l}.
     expert_projections = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
@@ -72,6 +79,8 @@ class Architecture:
                 names[pk + f"attn.{proj}_bias"] = hf + f"self_attn.{proj}_proj.bias"
         if config.o_bias:
             names[pk + "attn.o_bias"] = hf + "self_attn.o_proj.bias"
+        if config.attention_sinks:
+            names[pk + "attn.sinks"] = hf + self.attention_sinks_name
         if config.qk_norm != "none":
             names[pk + "attn.q_norm"] = hf + "self_attn.q_norm.weight"
             names[pk + "attn.k_norm"] = hf + "self_attn.k_norm.weight"
@@ -79,6 +88,8 @@ class Architecture:
             names[pk + "router"] = hf + self.router_name + ".weight"
             if config.router_choice_bias:
                 names[pk + "router_choice_bias"] = hf + f"{self.router_name}.{self.router_choice_bias_name}"
+            if config.router_bias:
+                names[pk + "router_bias"] = hf + f"{self.router_name}.{self.router_bias_name}"
             if config.shared_expert_ffn:
                 for part in ("gate", "up", "down"):
                     names[pk + f"shared.{part}"] = hf + f"{self.shared_expert_prefix}.{part}_proj.weight"

@@ -18,7 +18,8 @@ from typing import Any
 
 QK_NORM_KINDS = ("none", "full", "head")
 ROPE_TYPES = ("default", "linear", "yarn")
-ROUTER_SCORINGS = ("softmax", "sigmoid")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 GROUP_SCORES = ("max", "top2_sum")
 
 
@@ -64,12 +65,20 @@ class ModelConfig:
     shared_expert_ffn: int = 0  # 0 = no shared expert
     shared_expert_gated: bool = False  # shared expert output scaled by sigmoid(x . w)
     # Routing beyond softmax top-k (DeepSeek-V2/V3, GLM-4.5); the defaults are plain softmax top-k.
-    router_scoring: str = "softmax"  # "softmax" over all E, or "sigmoid" of each logit
+    router_scoring: str = "softmax"  # "softmax" over all E, "sigmoid" of each logit, or "topk_softmax":
+    # the top A logits first, then a softmax over those A (gpt-oss)
     router_choice_bias: bool = False  # a per-expert bias (E) added to the scores for choosing only
     router_groups: int = 1  # experts split into this many groups of E / groups for the group limit
     router_groups_kept: int = 1  # experts are chosen from the best this-many groups only
     router_group_score: str = "max"  # a group's score: its best choice score, or its best two summed
     routed_scaling_factor: float = 1.0  # the A mixing weights are multiplied by this
+    # gpt-oss: attention sinks, a router bias, expert biases and a clamped SwiGLU.
+    attention_sinks: bool = False  # a learned logit per head (H) in each softmax denominator, without a value
+    router_bias: bool = False  # a per-expert bias (E) added to the router logits
+    expert_bias: bool = False  # biases on every routed expert's gate (F), up (F) and down (D) products
+    expert_activation: str = "swiglu"  # "swiglu": silu(g) * u; "clamped_swiglu": see swiglu_limit
+    swiglu_alpha: float = 1.0  # clamped_swiglu: h = (clamp(u, +-limit) + 1) * g' * sigmoid(alpha * g'),
+    swiglu_limit: float = 0.0  # g' = min(g, limit)
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -89,6 +98,8 @@ class ModelConfig:
             raise ValueError(f"{self.num_experts} experts cannot be routed in {groups} groups keeping {kept}")
         if self.rotary_dim < 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim must be even and at most head_dim {self.head_dim}, got {self.rotary_dim}")
+        if self.expert_activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert_activation must be one of {EXPERT_ACTIVATIONS}, got {self.expert_activation!r}")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
 
@@ -121,16 +132,17 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     """(total, active per token) parameter counts, embeddings and head included."""
     D, V = config.hidden_size, config.vocab_size
     attn = D * config.num_heads * config.head_dim * 2 + D * config.num_kv_heads * config.head_dim * 2
+    attn += config.num_heads if config.attention_sinks else 0
     norms = 2 * D
     embed = V * D * (1 if config.tie_word_embeddings else 2) + D
-    expert = 3 * D * config.expert_ffn
+    expert = 3 * D * config.expert_ffn + ((2 * config.expert_ffn + D) if config.expert_bias else 0)
     shared = 3 * D * config.shared_expert_ffn + (D if config.shared_expert_gated else 0)
     total = active = embed
     for is_moe in config.moe_layers:
         total += attn + norms
         active += attn + norms
         if is_moe:
-            router = config.num_experts * (D + (1 if config.router_choice_bias else 0))
+            router = config.num_experts * (D + int(config.router_choice_bias) + int(config.router_bias))
             total += router + shared + config.num_experts * expert
             active += router + shared + config.num_experts_per_tok * expert
         else:

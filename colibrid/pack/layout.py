@@ -13,6 +13,8 @@ from colibrid.models.config import ModelConfig
 from colibrid.native import TensorType
 
 TENSOR_CLASSES = ("experts", "dense", "embeddings")
+EXPERT_PARTS = ("gate", "up", "down")  # order of the projections inside an expert record
+EXPERT_BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")  # after them, f32, when the model has expert biases
 ALWAYS_F32 = ("router", "shared_gate")  # pack-name leaves kept in f32 whatever --quant says
 
 
@@ -58,16 +60,30 @@ def expected_dense_shape(name: str, c: ModelConfig) -> tuple[int, ...]:
         "attn.q_bias": (q_out,), "attn.k_bias": (kv_out,), "attn.v_bias": (kv_out,), "attn.o_bias": (D,),
         "attn.q_norm": (q_out,) if c.qk_norm == "full" else (Hd,),
         "attn.k_norm": (kv_out,) if c.qk_norm == "full" else (Hd,),
-        "router": (c.num_experts, D), "router_choice_bias": (c.num_experts,), "shared_gate": (1, D),
+        "attn.sinks": (c.num_heads,),
+        "router": (c.num_experts, D), "router_choice_bias": (c.num_experts,), "router_bias": (c.num_experts,),
+        "shared_gate": (1, D),
         "shared.gate": (ffn, D), "shared.up": (ffn, D), "shared.down": (D, ffn),
         "mlp.gate": (ffn, D), "mlp.up": (ffn, D), "mlp.down": (D, ffn),
     }
     return shapes[leaf]
 
 
-def expected_expert_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+def expert_part_names(c: ModelConfig) -> tuple[str, ...]:
+    """The parts of every expert record, in record order: the three matrices, then their f32
+    biases when the model has them (docs/format.md, "Expert records")."""
+    return EXPERT_PARTS + (EXPERT_BIAS_PARTS if c.expert_bias else ())
+
+
+def expected_expert_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     D, F = c.hidden_size, c.expert_ffn
-    return {"gate": (F, D), "up": (F, D), "down": (D, F)}
+    shapes = {"gate": (F, D), "up": (F, D), "down": (D, F), "gate_bias": (F,), "up_bias": (F,), "down_bias": (D,)}
+    return {part: shapes[part] for part in expert_part_names(c)}
+
+
+def expert_part_type(experts_type: TensorType, shape: tuple[int, ...]) -> TensorType:
+    """The type an expert part is stored in: biases (1-D) f32, matrices the experts' type."""
+    return TensorType.F32 if len(shape) == 1 else stored_type(experts_type, shape)
 
 
 def tensor_nbytes(type_: TensorType, shape: tuple[int, ...]) -> int:

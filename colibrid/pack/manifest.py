@@ -21,7 +21,7 @@ from typing import Any
 from colibrid.models.config import ModelConfig
 from colibrid.native import TensorType
 from colibrid.pack.durable import write_file_atomically
-from colibrid.pack.layout import TENSOR_CLASSES
+from colibrid.pack.layout import EXPERT_BIAS_PARTS, EXPERT_PARTS, TENSOR_CLASSES  # noqa: F401 (re-exported)
 
 FORMAT_NAME = "colibri-pack"
 FORMAT_VERSION = 2  # 2: every dense tensor entry carries its crc32c
@@ -29,7 +29,6 @@ READABLE_VERSIONS = (1, 2)  # version 1 packs load without dense checksums, with
 MANIFEST_FILE = "manifest.json"
 DENSE_FILE = "dense.bin"
 EXPERTS_FILE = "experts.bin"
-EXPERT_PARTS = ("gate", "up", "down")  # order of the projections inside an expert record
 EXPERT_PART_ALIGN_BYTES = 64  # each projection starts on a cache-line boundary in its record
 INDEX_COLUMNS = ("layer", "expert", "offset", "length", "crc32c")
 

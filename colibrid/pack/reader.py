@@ -15,7 +15,7 @@ import numpy as np
 
 from colibrid import native
 from colibrid.native import TensorType
-from colibrid.pack.manifest import DENSE_FILE, EXPERT_PARTS, EXPERTS_FILE, ExpertRecord, Manifest, PackError
+from colibrid.pack.manifest import DENSE_FILE, EXPERTS_FILE, ExpertRecord, Manifest, PackError
 from colibrid.pack.recovery import recover_interrupted_swap
 from colibrid.pack.tensor import PackedTensor
 from colibrid.pack.validate import check_manifest
@@ -30,6 +30,9 @@ class ExpertWeights:
     gate: PackedTensor  # (F, D)
     up: PackedTensor  # (F, D)
     down: PackedTensor  # (D, F)
+    gate_bias: PackedTensor | None = None  # (F) f32, with ModelConfig.expert_bias
+    up_bias: PackedTensor | None = None  # (F)
+    down_bias: PackedTensor | None = None  # (D)
 
     @cached_property
     def kernel_buffers(self) -> native.ExpertBuffers | None:
@@ -39,7 +42,8 @@ class ExpertWeights:
         if not self.gate.type == self.up.type == self.down.type:
             return None
         ffn, dim = self.gate.shape
-        return native.ExpertBuffers(self.gate.type, self.gate.data, self.up.data, self.down.data, dim, ffn)
+        biases = None if self.gate_bias is None else (self.gate_bias.data, self.up_bias.data, self.down_bias.data)
+        return native.ExpertBuffers(self.gate.type, self.gate.data, self.up.data, self.down.data, dim, ffn, biases)
 
 
 # dense.bin is read in chunks of this size, each dropped from the page cache once copied: the
@@ -109,8 +113,7 @@ class Pack:
     def expert_weights(self, record_bytes: np.ndarray) -> ExpertWeights:
         """View one record's bytes (uint8, at least the record's data) as an expert."""
         parts = {}
-        for name in EXPERT_PARTS:
-            entry = self.manifest.expert_parts[name]
+        for name, entry in self.manifest.expert_parts.items():  # validated: expert_part_names(model)
             raw = record_bytes[entry.offset : entry.offset + entry.nbytes]
             parts[name] = PackedTensor.from_bytes(TensorType.from_name(entry.type), entry.shape, raw)
         return ExpertWeights(**parts)

@@ -18,6 +18,8 @@ from colibrid.pack.layout import (
     dense_tensor_names,
     expected_dense_shape,
     expected_expert_shapes,
+    expert_part_names,
+    expert_part_type,
     requested_type,
     stored_type,
     tensor_nbytes,
@@ -25,7 +27,6 @@ from colibrid.pack.layout import (
 from colibrid.pack.manifest import (
     DENSE_FILE,
     EXPERT_PART_ALIGN_BYTES,
-    EXPERT_PARTS,
     EXPERTS_FILE,
     MAX_DIM,
     Manifest,
@@ -42,7 +43,7 @@ POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "
                        "max_position_embeddings", "num_experts", "num_experts_per_tok", "expert_ffn")
 COUNT_FIELDS = ("dense_ffn", "shared_expert_ffn")
 BOOL_FIELDS = ("tie_word_embeddings", "qkv_bias", "o_bias", "norm_topk_prob", "shared_expert_gated",
-               "router_choice_bias")
+               "router_choice_bias", "attention_sinks", "router_bias", "expert_bias")
 
 
 def check_manifest(m: Manifest) -> None:
@@ -82,6 +83,7 @@ def check_model_config(c: ModelConfig) -> None:
         if needed and getattr(c, name) == 0:
             raise ValueError(f"model.{name} is 0 but the model needs it")
     _check_router(c)
+    _check_expert_activation(c)
     if type(c.rotary_dim) is not int or not 0 <= c.rotary_dim <= c.head_dim:
         raise ValueError(f"model.rotary_dim must be an integer in [0, head_dim {c.head_dim}], got {c.rotary_dim!r:.40}")
     _positive_float(c.rms_norm_eps, "model.rms_norm_eps")
@@ -107,6 +109,13 @@ def _check_router(c: ModelConfig) -> None:
     if c.router_group_score == "top2_sum" and groups > 1 and c.num_experts // groups < 2:
         raise ValueError("model.router_group_score top2_sum needs at least 2 experts per group")
     _positive_float(c.routed_scaling_factor, "model.routed_scaling_factor")
+
+
+def _check_expert_activation(c: ModelConfig) -> None:
+    """gpt-oss's clamped SwiGLU needs a clamp > 0 and a finite gain (libcolibri refuses others)."""
+    if c.expert_activation == "clamped_swiglu":
+        _positive_float(c.swiglu_limit, "model.swiglu_limit")
+        _finite_float(c.swiglu_alpha, "model.swiglu_alpha")
 
 
 def _check_rope(c: ModelConfig) -> None:
@@ -193,14 +202,15 @@ def _check_no_overlap(spans: list[tuple[int, int, str]]) -> None:
 def _check_expert_parts(m: Manifest) -> None:
     if not m.expert_parts and not m.model.moe_layer_ids:
         return  # no routed experts at all: nothing to lay out
-    if tuple(m.expert_parts) != EXPERT_PARTS:
-        raise ValueError(f"experts.parts must be {list(EXPERT_PARTS)} in that order, got {list(m.expert_parts)[:5]}")
+    names = expert_part_names(m.model)
+    if tuple(m.expert_parts) != names:
+        raise ValueError(f"experts.parts must be {list(names)} in that order, got {list(m.expert_parts)[:7]}")
     shapes = expected_expert_shapes(m.model)
     experts_type = TensorType.from_name(m.quantization["experts"])
     spans = []
     for name, entry in m.expert_parts.items():
         where = f"expert part {name!r} in {EXPERTS_FILE}"
-        _check_entry(entry, where, shapes[name], stored_type(experts_type, shapes[name]))
+        _check_entry(entry, where, shapes[name], expert_part_type(experts_type, shapes[name]))
         if entry.offset % EXPERT_PART_ALIGN_BYTES:
             raise ValueError(f"{where}: offset {entry.offset} in the record is not a multiple of {EXPERT_PART_ALIGN_BYTES}")
         spans.append((entry.offset, entry.offset + entry.nbytes, where))

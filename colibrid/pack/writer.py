@@ -19,7 +19,6 @@ from colibrid.pack.durable import fsync_path, rename_durably
 from colibrid.pack.manifest import (
     DENSE_FILE,
     EXPERT_PART_ALIGN_BYTES,
-    EXPERT_PARTS,
     EXPERTS_FILE,
     ExpertRecord,
     Manifest,
@@ -79,11 +78,12 @@ class PackWriter:
         self.dense_entries[name] = TensorEntry(type_.name_in_pack, tuple(shape), offset, int(data.nbytes), crc)
 
     def add_expert(self, layer: int, expert: int, parts: dict[str, tuple[native.TensorType, tuple[int, int], np.ndarray]]) -> None:
-        """Append one expert record: gate, up, down contiguous, padded to the alignment."""
+        """Append one expert record: gate, up, down (then their biases, if any) contiguous, in the
+    order of ``parts``, padded to the alignment."""
         layout = self._record_layout(parts)
         length = _round_up(max(e.offset + e.nbytes for e in layout.values()), self.alignment)
         record = np.zeros(length, dtype=np.uint8)
-        for name in EXPERT_PARTS:
+        for name in parts:
             entry, data = layout[name], parts[name][2]
             record[entry.offset : entry.offset + entry.nbytes] = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         offset = self._experts.tell()  # always aligned: every record is padded
@@ -93,7 +93,7 @@ class PackWriter:
 
     def _record_layout(self, parts) -> dict[str, TensorEntry]:
         layout, cursor = {}, 0
-        for name in EXPERT_PARTS:
+        for name in parts:  # EXPERT_PARTS, then EXPERT_BIAS_PARTS if the model has expert biases
             type_, shape, data = parts[name]
             layout[name] = TensorEntry(type_.name_in_pack, tuple(shape), cursor, int(data.nbytes))
             cursor = _round_up(cursor + int(data.nbytes), EXPERT_PART_ALIGN_BYTES)

@@ -265,6 +265,41 @@ COL_API int col_moe_experts(col_pool *pool, int type, int64_t n_experts, const v
                             int64_t ffn, const float *x, int64_t n_tok, const int32_t *expert_of,
                             const float *weight, int64_t n_slots, float *out);
 
+/* The expert activation (col_expert_ffn.activation). */
+enum col_expert_activation {
+    COL_ACT_SWIGLU         = 0, /* h = silu(g) * u, silu(g) = g / (1 + exp(-g)) */
+    COL_ACT_CLAMPED_SWIGLU = 1, /* gpt-oss: g = min(g, limit), u = clamp(u, -limit, limit),
+                                   h = (u + 1) * (g * sigmoid(alpha * g)) */
+};
+
+/* What an expert's feed-forward computes beyond col_moe_experts' plain SwiGLU: the activation
+ * and per-expert biases of the three products (gpt-oss). */
+typedef struct col_expert_ffn {
+    int32_t activation;            /* enum col_expert_activation */
+    float alpha;                   /* CLAMPED_SWIGLU: the sigmoid's gain (gpt-oss: 1.702) */
+    float limit;                   /* CLAMPED_SWIGLU: the clamp, > 0 (gpt-oss: 7) */
+    int32_t reserved;              /* 0 */
+    const float *const *gate_bias; /* (n_experts) pointers, each (F) float32; or NULL: no biases */
+    const float *const *up_bias;   /* (n_experts) each (F); NULL exactly when gate_bias is */
+    const float *const *down_bias; /* (n_experts) each (D); NULL exactly when gate_bias is */
+} col_expert_ffn;
+
+/* sizeof(col_expert_ffn), for bindings that mirror the struct. */
+COL_API size_t col_expert_ffn_size(void);
+
+/* col_moe_experts with the expert feed-forward `ffn_kind` describes (NULL: plain SwiGLU, no
+ * biases, exactly col_moe_experts):
+ *     g = x[t] @ gate_e^T + gate_bias_e,  u = x[t] @ up_e^T + up_bias_e      (F)
+ *     h = activation(g, u)                                                    (F)
+ *     out[t] += weight[t, a] * (h @ down_e^T + down_bias_e)                   (D)
+ * The activation is computed elementwise in float32 on every level (expf). Arguments and
+ * errors as col_moe_experts; also COL_EINVAL for an unknown activation, a limit that is not
+ * > 0 or finite, a non-finite alpha, or bias pointers missing for some expert. */
+COL_API int col_moe_experts_ffn(col_pool *pool, const col_expert_ffn *ffn_kind, int type, int64_t n_experts,
+                                const void *const *gate, const void *const *up, const void *const *down,
+                                int64_t dim, int64_t ffn, const float *x, int64_t n_tok,
+                                const int32_t *expert_of, const float *weight, int64_t n_slots, float *out);
+
 /* ---------------------------------------------------------------------------------------
  * Small dense steps
  * ------------------------------------------------------------------------------------ */
@@ -348,6 +383,8 @@ typedef struct col_attention_layer {
     const float *q_norm;  /* FULL: (H * Hd), HEAD: (Hd); NULL with COL_QK_NORM_NONE */
     const float *k_norm;  /* FULL: (K * Hd), HEAD: (Hd); NULL with COL_QK_NORM_NONE */
     int64_t rotary_dim;   /* Hr: leading dims of each head RoPE rotates, even, <= Hd; 0: all Hd */
+    const float *sinks;   /* (H) learned per-head sink logits (gpt-oss), or NULL: none. A sink is
+                             one more logit in its head's softmax denominator, with no value */
 } col_attention_layer;
 
 /* sizeof(col_attention_layer), for bindings that mirror the struct. */
@@ -363,6 +400,9 @@ COL_API size_t col_attention_layer_size(void);
  *     q, k = rope(q, cos, sin), rope(k, cos, sin)   (the first Hr dims of each head)
  *     keys[n_past + t], vals[n_past + t] = k[t], v[t]
  *     a = attention(q, keys[0 : n_past + n_tok], vals, positions n_past + t, window, scale)
+ *         with sinks: head h's softmax also holds the logit sinks[h] (unscaled, never masked):
+ *         m = max(max_s scale q.k_s, sinks[h]), p_s = exp(scale q.k_s - m) /
+ *         (sum_s exp(scale q.k_s - m) + exp(sinks[h] - m)), a = sum_s p_s v_s
  *     x += a wo^T + bo
  * each step with the arithmetic of col_rms_norm, col_matmul, col_rope and col_attention, so
  * the result equals that sequence of calls (and numpy's float32 adds and clamps) bit for bit.
@@ -393,6 +433,8 @@ COL_API int col_moe_route(col_pool *pool, int type, const void *router, int64_t 
 enum col_router_scoring {
     COL_ROUTER_SOFTMAX = 0, /* softmax over the n_experts logits */
     COL_ROUTER_SIGMOID = 1, /* sigmoid of each logit on its own (DeepSeek-V3, GLM-4.5) */
+    COL_ROUTER_TOPK_SOFTMAX = 2, /* the top_k logits chosen first, then a softmax over those
+                                    only (gpt-oss): the weights sum to 1 without `normalize` */
 };
 
 /* How a group of experts is scored for the group limit (col_moe_router.group_score). */
@@ -416,14 +458,18 @@ typedef struct col_moe_router {
     float scaling;            /* the weights times this (routed_scaling_factor), finite */
     const void *weight;       /* (E, row_bytes(type, D)) */
     const float *choice_bias; /* (E) added to the scores for choosing only, or NULL */
+    const float *logit_bias;  /* (E) added to the logits before anything else (gpt-oss's
+                                 router bias), or NULL */
 } col_moe_router;
 
 /* sizeof(col_moe_router), for bindings that mirror the struct. */
 COL_API size_t col_moe_router_size(void);
 
-/* Routing of a MoE layer step for every token: logits = x @ weight^T (as col_matmul), then
- * per token
+/* Routing of a MoE layer step for every token: logits = x @ weight^T (as col_matmul)
+ * + logit_bias (if given), then per token
  *     s      = softmax(logits) or sigmoid(logits)                 (E)
+ *              (TOPK_SOFTMAX: s = logits; the weights below are then the softmax of the
+ *              chosen experts' s, before normalize and scaling)
  *     c      = s + choice_bias (or s)                             (E)
  *     if groups_kept < G: keep the groups_kept best groups by group_score of c; the experts
  *            of the other groups cannot be chosen

@@ -12,7 +12,7 @@
  *   0. h[t] = rms_norm(x[t]) * norm, quantized for the q/k/v type          tokens split
  *   1. qkv[t] = h[t] @ [wq; wk; wv]^T + [bq; bk; bv]                       R rows split
  *   2. q/k norms, clamp, RoPE (partial); k, v stored in the cache at n_past + t  tokens split
- *   3. a[t, head] = attention over keys 0 .. n_past + t (window)            (t, head) dealt
+ *   3. a[t, head] = attention over keys 0 .. n_past + t (window, sink)      (t, head) dealt
  *   4. a[t] quantized for wo's type (integer kernels only)                  tokens split
  *   5. x[t] += a[t] @ wo^T + bo                                             D rows split
  * Each phase calls the code of the separate entry points (col_rms_norm, col_matrix_rows as in
@@ -114,7 +114,7 @@ static void block_task(void *arg, int ith, int nth) {
         int64_t lo = 0;
         if (l->window > 0 && pos - l->window + 1 > lo) lo = pos - l->window + 1;
         col_attend_head(j->k, j->qkv + t * j->R + head * Hd, j->keys, j->vals, l->n_kv_heads, head / group, Hd, lo,
-                        pos, l->scale, sc, j->a + item * Hd);
+                        pos, l->scale, l->sinks ? l->sinks + head : NULL, sc, j->a + item * Hd);
     }
     col_barrier_wait(&j->barrier, nth);
 

@@ -316,14 +316,15 @@ void col_matrix_rows(const col_kernel_set *k, const col_matrix *m, int64_t r_beg
                      int64_t y_stride);
 
 /* One query head's attention over keys lo..hi (ops.c): ov (Hd) = softmax(scale * q.k_s) v_s,
- * keys/vals (S, K, Hd) read at kv head kh, sc (>= hi + 1) scratch; zeros if hi < lo. */
+ * keys/vals (S, K, Hd) read at kv head kh, sc (>= hi + 1) scratch; zeros if hi < lo. With a
+ * sink (NULL: none), *sink is one more logit in the softmax denominator, with no value. */
 /* RoPE of one token's n_heads heads (n_heads, head_dim) in place: the first rotary_dim dims of
  * each head rotated (rotate-half within them) by c, s (rotary_dim), the rest untouched. */
 void col_rope_heads(float *x, int64_t n_heads, int64_t head_dim, int64_t rotary_dim, const float *c, const float *s);
 
 void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys, const float *vals,
                      int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, float scale,
-                     float *sc, float *ov);
+                     const float *sink, float *sc, float *ov);
 
 /* ---------------------------------------------------------------------------------------
  * Running work on the pool

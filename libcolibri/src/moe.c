@@ -28,7 +28,8 @@
 typedef struct {
     const col_type_traits *tt;
     const col_kernel_set *k;
-    col_silu_mul_fn silu_mul;       /* the level's, integer path */
+    col_silu_mul_fn silu_mul;       /* the level's (plain SwiGLU) */
+    const col_expert_ffn *kind;     /* NULL: plain SwiGLU, no biases */
     int type;
     int integer;                    /* 1: quantized activations */
     int64_t n_experts, dim, ffn, n_tok;
@@ -51,6 +52,40 @@ typedef struct {
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
+/* gpt-oss's clamped SwiGLU of one element, in transformers' order of operations; a NaN stays NaN. */
+static inline float clamped_swiglu(float g, float u, float alpha, float limit) {
+    g = g > limit ? limit : g;
+    u = u > limit ? limit : (u < -limit ? -limit : u);
+    const float glu = g * (1.0f / (1.0f + expf(-(g * alpha))));
+    return (u + 1.0f) * glu;
+}
+
+/* h[0:n] from the gate and up products g, u of rows r0 .. r0 + n of expert ex: biases added,
+ * then the activation (g and u are scratch). */
+static void activate(const moe_job *j, int64_t ex, int64_t r0, float *g, float *u, float *h, int64_t n) {
+    const col_expert_ffn *kind = j->kind;
+    if (!kind) {
+        j->silu_mul(g, u, h, n);
+        return;
+    }
+    if (kind->gate_bias) {
+        const float *bg = kind->gate_bias[ex] + r0, *bu = kind->up_bias[ex] + r0;
+        for (int64_t i = 0; i < n; i++) {
+            g[i] += bg[i];
+            u[i] += bu[i];
+        }
+    }
+    if (kind->activation == COL_ACT_CLAMPED_SWIGLU)
+        for (int64_t i = 0; i < n; i++) h[i] = clamped_swiglu(g[i], u[i], kind->alpha, kind->limit);
+    else
+        j->silu_mul(g, u, h, n);
+}
+
+/* The down bias of expert ex at output row d, or 0. */
+static inline float down_bias(const moe_job *j, int64_t ex, int64_t d) {
+    return j->kind && j->kind->down_bias ? j->kind->down_bias[ex][d] : 0.0f;
+}
+
 /* h[n, r0:r1] for the assignments n of expert ex (integer path). */
 static void gate_up_xq(const moe_job *j, int64_t ex, int64_t r0, int64_t r1) {
     const int64_t nb_d = j->dim / COL_QK_X, F = j->ffn;
@@ -62,7 +97,7 @@ static void gate_up_xq(const moe_job *j, int64_t ex, int64_t r0, int64_t r1) {
         col_rows_times_xq(j->k, j->type, j->gate[ex], j->rb_dim, r0, r1, xr, cnt, nb_d, g, MOE_ROW_TILE);
         col_rows_times_xq(j->k, j->type, j->up[ex], j->rb_dim, r0, r1, xr, cnt, nb_d, u, MOE_ROW_TILE);
         for (int64_t i = 0; i < cnt; i++)
-            j->silu_mul(g + i * MOE_ROW_TILE, u + i * MOE_ROW_TILE, j->h + (n0 + i) * F + r0, r1 - r0);
+            activate(j, ex, r0, g + i * MOE_ROW_TILE, u + i * MOE_ROW_TILE, j->h + (n0 + i) * F + r0, r1 - r0);
     }
 }
 
@@ -78,7 +113,10 @@ static void down_xq(const moe_job *j, int64_t ex, int64_t d0, int64_t d1) {
         for (int64_t i = 0; i < cnt; i++) {
             float *ot = j->out + (int64_t)j->asg_tok[n0 + i] * D; /* (D) */
             const float wn = j->asg_w[n0 + i];
-            for (int64_t d = d0; d < d1; d++) ot[d] += wn * y[i * MOE_ROW_TILE + d - d0];
+            if (j->kind && j->kind->down_bias)
+                for (int64_t d = d0; d < d1; d++) ot[d] += wn * (y[i * MOE_ROW_TILE + d - d0] + down_bias(j, ex, d));
+            else
+                for (int64_t d = d0; d < d1; d++) ot[d] += wn * y[i * MOE_ROW_TILE + d - d0];
         }
     }
 }
@@ -108,11 +146,20 @@ static void moe_task(void *arg, int ith, int nth) {
             for (int64_t n = j->first[ex]; n < j->first[ex + 1]; n++) {
                 const float *xt = j->x + (int64_t)j->asg_tok[n] * D; /* (D) */
                 float *hn = j->h + n * F;                           /* (F) */
-                for (int64_t r = r0; r < r1; r++) {
-                    const float g = j->tt->vec_dot(j->gate[ex] + r * j->rb_dim, xt, D);
-                    const float u = j->tt->vec_dot(j->up[ex] + r * j->rb_dim, xt, D);
-                    hn[r] = silu(g) * u;
+                if (!j->kind) {
+                    for (int64_t r = r0; r < r1; r++) {
+                        const float g = j->tt->vec_dot(j->gate[ex] + r * j->rb_dim, xt, D);
+                        const float u = j->tt->vec_dot(j->up[ex] + r * j->rb_dim, xt, D);
+                        hn[r] = silu(g) * u;
+                    }
+                    continue;
                 }
+                float g[MOE_ROW_TILE], u[MOE_ROW_TILE];
+                for (int64_t r = r0; r < r1; r++) {
+                    g[r - r0] = j->tt->vec_dot(j->gate[ex] + r * j->rb_dim, xt, D);
+                    u[r - r0] = j->tt->vec_dot(j->up[ex] + r * j->rb_dim, xt, D);
+                }
+                activate(j, ex, r0, g, u, hn + r0, r1 - r0);
             }
         }
         item += r1 - r0;
@@ -138,16 +185,40 @@ static void moe_task(void *arg, int ith, int nth) {
                 float *ot = j->out + (int64_t)j->asg_tok[n] * D; /* (D) */
                 const float wn = j->asg_w[n];
                 const float *hn = j->h + n * F;
-                for (int64_t d = d0; d < d1; d++) ot[d] += wn * j->tt->vec_dot(j->down[ex] + d * j->rb_ffn, hn, F);
+                for (int64_t d = d0; d < d1; d++)
+                    ot[d] += wn * (j->tt->vec_dot(j->down[ex] + d * j->rb_ffn, hn, F) + down_bias(j, ex, d));
             }
         }
     }
+}
+
+size_t col_expert_ffn_size(void) { return sizeof(col_expert_ffn); }
+
+static int ffn_kind_valid(const col_expert_ffn *kind, int64_t n_experts) {
+    if (!kind) return 1;
+    if (kind->activation != COL_ACT_SWIGLU && kind->activation != COL_ACT_CLAMPED_SWIGLU) return 0;
+    if (kind->activation == COL_ACT_CLAMPED_SWIGLU &&
+        (!isfinite(kind->alpha) || !isfinite(kind->limit) || !(kind->limit > 0.0f)))
+        return 0;
+    if (!kind->gate_bias) return !kind->up_bias && !kind->down_bias;
+    if (!kind->up_bias || !kind->down_bias) return 0;
+    for (int64_t ex = 0; ex < n_experts; ex++)
+        if (!kind->gate_bias[ex] || !kind->up_bias[ex] || !kind->down_bias[ex]) return 0;
+    return 1;
 }
 
 int col_moe_experts(col_pool *pool, int type, int64_t n_experts, const void *const *gate,
                     const void *const *up, const void *const *down, int64_t dim, int64_t ffn,
                     const float *x, int64_t n_tok, const int32_t *expert_of, const float *weight,
                     int64_t n_slots, float *out) {
+    return col_moe_experts_ffn(pool, NULL, type, n_experts, gate, up, down, dim, ffn, x, n_tok, expert_of, weight,
+                               n_slots, out);
+}
+
+int col_moe_experts_ffn(col_pool *pool, const col_expert_ffn *ffn_kind, int type, int64_t n_experts,
+                        const void *const *gate, const void *const *up, const void *const *down, int64_t dim,
+                        int64_t ffn, const float *x, int64_t n_tok, const int32_t *expert_of, const float *weight,
+                        int64_t n_slots, float *out) {
     const col_type_traits *tt = col_get_type_traits(type);
     if (!tt || n_experts < 0 || dim < 0 || ffn < 0 || n_tok < 0 || n_slots < 0) return COL_EINVAL;
     const int64_t rb_dim = col_type_row_bytes(type, dim), rb_ffn = col_type_row_bytes(type, ffn);
@@ -155,6 +226,7 @@ int col_moe_experts(col_pool *pool, int type, int64_t n_experts, const void *con
     if (n_tok == 0 || n_slots == 0 || dim == 0) return COL_OK;
     if (!x || !expert_of || !weight || !out) return COL_EINVAL;
     if (n_experts > 0 && (!gate || !up || !down)) return COL_EINVAL;
+    if (!ffn_kind_valid(ffn_kind, n_experts)) return COL_EINVAL;
     for (int64_t ex = 0; ex < n_experts; ex++)
         if (ffn > 0 && (!gate[ex] || !up[ex] || !down[ex])) return COL_EINVAL;
     const int64_t n_pairs = n_tok * n_slots;
@@ -198,7 +270,7 @@ int col_moe_experts(col_pool *pool, int type, int64_t n_experts, const void *con
         asg_w[n] = weight[i];
     }
 
-    moe_job job = {tt, k, k->silu_mul ? k->silu_mul : col_silu_mul_portable, type, integer, n_experts, dim, ffn, n_tok, (const uint8_t *const *)gate,
+    moe_job job = {tt, k, k->silu_mul ? k->silu_mul : col_silu_mul_portable, ffn_kind, type, integer, n_experts, dim, ffn, n_tok, (const uint8_t *const *)gate,
                    (const uint8_t *const *)up, (const uint8_t *const *)down, rb_dim, rb_ffn, x, first,
                    asg_tok, asg_w, xq, xq_d, h, hq, xq_f, out, {0, 0}};
     col_pool_run(pool, moe_task, &job);

@@ -75,7 +75,7 @@ typedef struct {
 
 void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys, const float *vals,
                      int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, float scale,
-                     float *sc, float *ov) {
+                     const float *sink, float *sc, float *ov) {
     const int64_t Hd = head_dim, K = n_kv_heads;
     for (int64_t i = 0; i < Hd; i++) ov[i] = 0.0f;
     if (hi < lo) return;
@@ -84,11 +84,13 @@ void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys
         sc[s] = k->dot_f32(qv, keys + (s * K + kh) * Hd, Hd) * scale;
         if (sc[s] > mx) mx = sc[s];
     }
+    if (sink && *sink > mx) mx = *sink;
     float sum = 0.0f;
     for (int64_t s = lo; s <= hi; s++) {
         sc[s] = expf(sc[s] - mx);
         sum += sc[s];
     }
+    if (sink) sum += expf(*sink - mx); /* the sink's share of the denominator; it has no value */
     const float inv = 1.0f / sum;
     for (int64_t s = lo; s <= hi; s++) k->axpy_f32(ov, sc[s] * inv, vals + (s * K + kh) * Hd, Hd);
 }
@@ -105,7 +107,7 @@ static void attention_task(void *arg, int ith, int nth) {
         int64_t lo = 0, hi = pos < j->n_keys - 1 ? pos : j->n_keys - 1;
         if (j->window > 0 && pos - j->window + 1 > lo) lo = pos - j->window + 1;
         col_attend_head(j->k, j->q + item * Hd, j->keys, j->vals, j->n_kv_heads, h / group, Hd, lo, hi, j->scale,
-                        sc, j->out + item * Hd);
+                        NULL, sc, j->out + item * Hd);
     }
 }
 

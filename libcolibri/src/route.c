@@ -6,8 +6,10 @@
  * Legend: T tokens, D hidden, E experts, G groups (E / G experts each), A = top_k.
  *
  * The families differ only in the steps below, chosen by the col_moe_router fields:
- *   scores   softmax over the E logits (Mixtral, Qwen, OLMoE, DeepSeek-V2), or an
- *            elementwise sigmoid (DeepSeek-V3, GLM-4.5);
+ *   logits   plus a per-expert logit bias (gpt-oss's router bias), if given;
+ *   scores   softmax over the E logits (Mixtral, Qwen, OLMoE, DeepSeek-V2), an elementwise
+ *            sigmoid (DeepSeek-V3, GLM-4.5), or the logits themselves with a softmax over
+ *            the chosen ones only (gpt-oss: top-k first, then softmax);
  *   choice   scores + choice_bias (DeepSeek-V3's e_score_correction_bias), used to choose
  *            only: the weights come from the unbiased scores;
  *   groups   each group scored by its best choice score (DeepSeek-V2) or by the sum of its
@@ -75,9 +77,11 @@ typedef struct {           /* per-token scratch, one per call (tokens run one af
 static void route_token(const col_moe_router *r, float *scores, const route_scratch *s, int32_t *experts,
                         float *weights) {
     const int64_t E = r->n_experts, G = r->n_groups, per_group = E / G;
+    if (r->logit_bias)
+        for (int64_t e = 0; e < E; e++) scores[e] += r->logit_bias[e];
     if (r->scoring == COL_ROUTER_SIGMOID)
         for (int64_t e = 0; e < E; e++) scores[e] = 1.0f / (1.0f + expf(-scores[e]));
-    else
+    else if (r->scoring == COL_ROUTER_SOFTMAX)
         softmax_in_place(scores, E);
     const float *choice = scores;
     if (r->choice_bias) {
@@ -98,6 +102,10 @@ static void route_token(const col_moe_router *r, float *scores, const route_scra
         weights[a] = scores[experts[a]];
         sum += weights[a];
     }
+    if (r->scoring == COL_ROUTER_TOPK_SOFTMAX) { /* experts[0] holds the largest logit */
+        softmax_in_place(weights, r->top_k);
+        sum = 1.0f;
+    }
     if (r->normalize)
         for (int64_t a = 0; a < r->top_k; a++) weights[a] /= sum + 1e-20f;
     for (int64_t a = 0; a < r->top_k; a++) weights[a] *= r->scaling;
@@ -109,7 +117,8 @@ static int router_valid(const col_moe_router *r) {
     const int64_t E = r->n_experts, G = r->n_groups;
     if (E <= 0 || r->dim < 0 || r->top_k < 1 || r->top_k > E || G < 1 || E % G != 0) return 0;
     if (r->groups_kept < 1 || r->groups_kept > G || r->top_k > r->groups_kept * (E / G)) return 0;
-    if (r->scoring != COL_ROUTER_SOFTMAX && r->scoring != COL_ROUTER_SIGMOID) return 0;
+    if (r->scoring != COL_ROUTER_SOFTMAX && r->scoring != COL_ROUTER_SIGMOID && r->scoring != COL_ROUTER_TOPK_SOFTMAX)
+        return 0;
     if (r->group_score != COL_GROUP_SCORE_MAX && r->group_score != COL_GROUP_SCORE_TOP2_SUM) return 0;
     if (r->group_score == COL_GROUP_SCORE_TOP2_SUM && G > 1 && E / G < 2) return 0;
     if (!isfinite(r->scaling) || !r->weight || col_type_row_bytes(r->type, r->dim) < 0) return 0;
@@ -147,7 +156,8 @@ int col_moe_route(col_pool *pool, int type, const void *router, int64_t n_expert
                   float *weights) {
     const col_moe_router r = {.n_experts = n_experts, .dim = dim, .top_k = top_k, .n_groups = 1, .groups_kept = 1,
                               .type = type, .scoring = COL_ROUTER_SOFTMAX, .group_score = COL_GROUP_SCORE_MAX,
-                              .normalize = normalize != 0, .scaling = 1.0f, .weight = router, .choice_bias = NULL};
+                              .normalize = normalize != 0, .scaling = 1.0f, .weight = router, .choice_bias = NULL,
+                              .logit_bias = NULL};
     if (!router) return n_tok == 0 && n_experts > 0 && top_k >= 1 && top_k <= n_experts ? COL_OK : COL_EINVAL;
     return col_moe_router_route(pool, &r, x, n_tok, experts, weights);
 }

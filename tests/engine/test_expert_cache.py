@@ -58,7 +58,10 @@ def _slot_bytes(path) -> int:
 # layer, an ungated shared expert, partial rotary (8 experts, top-2, MoE layers 1 and 2).
 GLM_SPEC = CheckpointSpec("glm4_moe", {"num_hidden_layers": 3, "use_qk_norm": True, "attention_bias": True, "n_group": 4,
                                        "topk_group": 2, "routed_scaling_factor": 2.5})
-FAMILIES = {"qwen2_moe": (SPEC, MOE_LAYERS), "glm4_moe": (GLM_SPEC, [1, 2])}
+# gpt-oss's: biases inside every expert record, a clamped SwiGLU, the top-k-then-softmax router
+# with a bias, attention sinks, a sliding layer (window 4) and a full one (8 experts, top-2).
+GPT_OSS_SPEC = CheckpointSpec("gpt_oss", {"swiglu_limit": 0.15})
+FAMILIES = {"qwen2_moe": (SPEC, MOE_LAYERS), "glm4_moe": (GLM_SPEC, [1, 2]), "gpt_oss": (GPT_OSS_SPEC, [0, 1])}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -236,3 +236,55 @@ def test_a_missing_tensor_is_refused_naming_the_family(packs, tmp_path):
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConversionError, match=r"gpt_oss checkpoint .* lacks tensor model\.layers\.1\.mlp\.experts\.down_proj_bias"):
         convert(ckpt, tmp_path / "out", parse_quant("f32"), progress=False)
+
+
+# --- the pack's manifest: the gpt-oss fields are checked at open -----------------------------
+
+MANIFEST_CORRUPTIONS = [
+    ("expert biases dropped from the model", lambda m: m["model"].update(expert_bias=False),
+     ["experts.parts must be ['gate', 'up', 'down']"]),
+    ("a bias part stored as the experts' type", lambda m: m["experts"]["parts"]["down_bias"].update(type="q8_0"),
+     ["expert part 'down_bias' in experts.bin", "stores it as f32"]),
+    ("a bias part of the wrong shape", lambda m: m["experts"]["parts"]["up_bias"].update(shape=[32]),
+     ["expert part 'up_bias' in experts.bin: shape [32], the model needs [64]"]),
+    ("sinks dropped from the model", lambda m: m["model"].update(attention_sinks=False),
+     ["'layers.0.attn.sinks'", "is not one this model has"]),
+    ("router bias as a number", lambda m: m["model"].update(router_bias=1), ["model.router_bias must be true or false"]),
+    ("a clamp of zero", lambda m: m["model"].update(swiglu_limit=0.0), ["model.swiglu_limit must be > 0"]),
+    ("a sigmoid gain as a string", lambda m: m["model"].update(swiglu_alpha="1.702"),
+     ["model.swiglu_alpha must be a finite number"]),
+    ("an unknown activation", lambda m: m["model"].update(expert_activation="gelu"), ["expert_activation"]),
+    ("an unknown router scoring", lambda m: m["model"].update(router_scoring="top1"), ["router_scoring"]),
+]
+
+
+@pytest.mark.parametrize("mutate, fragments", [c[1:] for c in MANIFEST_CORRUPTIONS], ids=[c[0] for c in MANIFEST_CORRUPTIONS])
+def test_a_corrupt_gpt_oss_manifest_is_refused_naming_what(mutate, fragments, packs, tmp_path):
+    from colibrid.pack import Pack, PackError
+
+    pack = shutil.copytree(packs.pack(SPECS[0], "q8_0"), tmp_path / "pack")
+    path = pack / "manifest.json"
+    manifest = json.loads(path.read_text())
+    mutate(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(PackError) as info:
+        Pack.open(pack)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_the_step_by_step_expert_path_computes_what_the_fused_one_does(packs):
+    """Experts whose parts differ in type (never written by the converter) run one at a time in
+    numpy glue (moe._expert_ffn): the same biases and clamped SwiGLU as col_moe_experts_ffn."""
+    from colibrid import native
+    from colibrid.engine.experts import PreadExpertSource
+    from colibrid.engine.moe import _expert_ffn
+    from colibrid.pack import Pack
+
+    pack = Pack.open(packs.pack(SPECS[1], "f32"))
+    config, expert = pack.manifest.model, PreadExpertSource(pack).get(1, 2)
+    x = np.random.default_rng(5).standard_normal((3, config.hidden_size)).astype(np.float32)
+    fused = np.zeros_like(x)
+    native.moe_experts_of([expert.kernel_buffers], x, np.zeros((3, 1), np.int32), np.ones((3, 1), np.float32), fused,
+                          activation=config.expert_activation, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+    np.testing.assert_allclose(_expert_ffn(config, x, expert), fused, rtol=1e-5, atol=1e-6)

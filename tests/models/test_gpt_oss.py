@@ -119,27 +119,40 @@ def _published_mxfp4(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.nda
             np.ascontiguousarray(scales.reshape(*lead, R, C // 32)), decoded.reshape(values.shape))
 
 
+# As OpenAI publishes gpt-oss: bf16 attention, router, norms and embeddings, sharded with an index.
+PUBLISHED_SPEC = CheckpointSpec("gpt_oss", {"num_hidden_layers": 3}, dtype="bfloat16", max_shard_size="150KB")
+
+
 @pytest.fixture(scope="module")
 def mxfp4_checkpoint(packs, tmp_path_factory):
-    """SPECS[0] with its experts as published: gate_up_proj (E, 2F, D) and down_proj (E, D, F)
-    as *_blocks / *_scales (U8), everything else as it was; and a transformers model holding
-    the values those blocks decode to."""
+    """PUBLISHED_SPEC with its experts as published: gate_up_proj (E, 2F, D) and down_proj
+    (E, D, F) as *_blocks / *_scales (U8) in the shard that held them, the index updated,
+    everything else as it was; and a transformers model holding the values those blocks
+    decode to."""
     import torch
-    from safetensors.numpy import load_file, save_file
+    from safetensors.torch import load_file, save_file
 
-    ckpt = shutil.copytree(packs.checkpoint(SPECS[0]), tmp_path_factory.mktemp("gpt_oss_mxfp4") / "ckpt")
+    ckpt = shutil.copytree(packs.checkpoint(PUBLISHED_SPEC), tmp_path_factory.mktemp("gpt_oss_mxfp4") / "ckpt")
     reference = load_reference(ckpt)
-    tensors = load_file(ckpt / "model.safetensors")
+    index_path = ckpt / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = {shard: load_file(ckpt / shard) for shard in sorted(set(index["weight_map"].values()))}
+    assert len(shards) > 1
     for layer, block in enumerate(reference.model.layers):
         experts = block.mlp.experts
         for name in ("gate_up_proj", "down_proj"):
             full = f"model.layers.{layer}.mlp.experts.{name}"
-            published = np.swapaxes(tensors.pop(full), -1, -2)  # (E, out, in): groups along the input
-            blocks, scales, decoded = _published_mxfp4(published)
-            tensors[full + "_blocks"], tensors[full + "_scales"] = blocks, scales
+            shard = index["weight_map"].pop(full)
+            stored = shards[shard].pop(full).float().numpy()  # (E, in, out) as transformers saves it
+            blocks, scales, decoded = _published_mxfp4(np.swapaxes(stored, -1, -2))  # groups along the input
+            for suffix, part in (("_blocks", blocks), ("_scales", scales)):
+                shards[shard][full + suffix] = torch.from_numpy(part)
+                index["weight_map"][full + suffix] = shard
             with torch.no_grad():
                 getattr(experts, name).copy_(torch.from_numpy(np.swapaxes(decoded, -1, -2).copy()))
-    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    for shard, tensors in shards.items():
+        save_file(tensors, ckpt / shard, metadata={"format": "pt"})
+    index_path.write_text(json.dumps(index))
     config = json.loads((ckpt / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
@@ -149,6 +162,7 @@ def mxfp4_checkpoint(packs, tmp_path_factory):
 
 def test_mxfp4_experts_convert_losslessly(mxfp4_checkpoint, tmp_path):
     from colibrid.convert.converter import convert
+    from colibrid.convert.safetensors import Checkpoint
     from colibrid.convert.quant_spec import parse_quant
     from colibrid.engine.experts import PreadExpertSource
     from colibrid.pack import Pack
@@ -156,6 +170,7 @@ def test_mxfp4_experts_convert_losslessly(mxfp4_checkpoint, tmp_path):
     ckpt, reference = mxfp4_checkpoint
     report = convert(ckpt, tmp_path / "pack", parse_quant("dense=f32,embeddings=f32"), progress=False)  # experts: as published
     assert report.quantization["experts"] == "mxfp4"
+    assert {"BF16", "MXFP4", "U8"} <= set(Checkpoint(ckpt).source_dtypes)
     pack = Pack.open(tmp_path / "pack")
     assert [pack.manifest.expert_parts[p].type for p in ("gate", "up", "down", "gate_bias")] == ["mxfp4"] * 3 + ["f32"]
     source = PreadExpertSource(pack)

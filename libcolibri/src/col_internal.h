@@ -254,6 +254,10 @@ typedef void (*col_dot4_xq_fn)(const uint8_t *w, const col_xq_row *x, int64_t nb
 /* h[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i] (the experts' SwiGLU). */
 typedef void (*col_silu_mul_fn)(const float *g, const float *u, float *h, int64_t n);
 
+/* gpt-oss's clamped SwiGLU: g' = min(g, limit), u' = clamp(u, -limit, limit),
+ * h[i] = (u' + 1) * (g' * (1 / (1 + exp(-(g' * alpha))))); a NaN stays NaN. */
+typedef void (*col_clamped_swiglu_fn)(const float *g, const float *u, float *h, int64_t n, float alpha, float limit);
+
 /* One activation block of n (32 or 64) values: *d = max|x| / 127, qs = nearbyint(x / d)
  * (round half to even, clamped to +-127; NaN to -127); returns sum(qs). Every level's
  * version gives the same bytes (col_quantize_x's contract). */
@@ -271,12 +275,14 @@ typedef struct {
     col_silu_mul_fn silu_mul;               /* NULL: col_silu_mul_portable */
     col_quantize_block_fn quantize_block;   /* NULL: col_quantize_block_portable */
     col_rms_norm_row_fn rms_norm_row;       /* NULL: col_rms_norm_row_portable */
+    col_clamped_swiglu_fn clamped_swiglu;   /* NULL: col_clamped_swiglu_portable */
 } col_kernel_set;
 
 /* The portable float helpers (kernels.c), also used by levels without their own. */
 float col_dot_f32_portable(const float *a, const float *b, int64_t n);
 void col_axpy_f32_portable(float *y, float a, const float *x, int64_t n);
 void col_silu_mul_portable(const float *g, const float *u, float *h, int64_t n);
+void col_clamped_swiglu_portable(const float *g, const float *u, float *h, int64_t n, float alpha, float limit);
 int32_t col_quantize_block_portable(const float *x, int n, int8_t *qs, float *d);
 void col_rms_norm_row_portable(const float *x, const float *weight, int64_t n, float eps, float *y);
 

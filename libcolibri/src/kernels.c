@@ -25,9 +25,19 @@ void col_silu_mul_portable(const float *g, const float *u, float *h, int64_t n) 
     for (int64_t i = 0; i < n; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* In transformers' order of operations; the comparisons keep a NaN a NaN. */
+void col_clamped_swiglu_portable(const float *g, const float *u, float *h, int64_t n, float alpha, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        const float gc = g[i] > limit ? limit : g[i];
+        const float uc = u[i] > limit ? limit : (u[i] < -limit ? -limit : u[i]);
+        h[i] = (uc + 1.0f) * (gc * (1.0f / (1.0f + expf(-(gc * alpha)))));
+    }
+}
+
 static const col_kernel_set portable_kernels = {COL_KERNELS_PORTABLE, {NULL}, col_dot_f32_portable,
                                                 col_axpy_f32_portable, {NULL}, col_silu_mul_portable,
-                                                col_quantize_block_portable, col_rms_norm_row_portable};
+                                                col_quantize_block_portable, col_rms_norm_row_portable,
+                                                col_clamped_swiglu_portable};
 
 static _Atomic(const col_kernel_set *) active_kernels = NULL;
 

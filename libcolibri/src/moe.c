@@ -52,14 +52,6 @@ typedef struct {
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
-/* gpt-oss's clamped SwiGLU of one element, in transformers' order of operations; a NaN stays NaN. */
-static inline float clamped_swiglu(float g, float u, float alpha, float limit) {
-    g = g > limit ? limit : g;
-    u = u > limit ? limit : (u < -limit ? -limit : u);
-    const float glu = g * (1.0f / (1.0f + expf(-(g * alpha))));
-    return (u + 1.0f) * glu;
-}
-
 /* h[0:n] from the gate and up products g, u of rows r0 .. r0 + n of expert ex: biases added,
  * then the activation (g and u are scratch). */
 static void activate(const moe_job *j, int64_t ex, int64_t r0, float *g, float *u, float *h, int64_t n) {
@@ -76,7 +68,7 @@ static void activate(const moe_job *j, int64_t ex, int64_t r0, float *g, float *
         }
     }
     if (kind->activation == COL_ACT_CLAMPED_SWIGLU)
-        for (int64_t i = 0; i < n; i++) h[i] = clamped_swiglu(g[i], u[i], kind->alpha, kind->limit);
+        (j->k->clamped_swiglu ? j->k->clamped_swiglu : col_clamped_swiglu_portable)(g, u, h, n, kind->alpha, kind->limit);
     else
         j->silu_mul(g, u, h, n);
 }

@@ -660,6 +660,30 @@ TARGET_AVX512 static void silu_mul_avx512(const float *g, const float *u, float 
     }
 }
 
+/* col_clamped_swiglu_portable sixteen values at a time with exp_avx512; min/max take the
+ * value as their second operand, so a NaN passes the clamps as the portable comparisons
+ * let it. */
+TARGET_AVX512 static inline __m512 clamped_swiglu16(__m512 gv, __m512 uv, __m512 alpha, __m512 limit) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    gv = _mm512_min_ps(limit, gv);
+    uv = _mm512_min_ps(limit, _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), limit), uv));
+    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(gv, alpha)));
+    const __m512 glu = _mm512_mul_ps(gv, _mm512_div_ps(one, _mm512_add_ps(one, e)));
+    return _mm512_mul_ps(_mm512_add_ps(uv, one), glu);
+}
+
+TARGET_AVX512 static void clamped_swiglu_avx512(const float *g, const float *u, float *h, int64_t n, float alpha,
+                                                float limit) {
+    const __m512 va = _mm512_set1_ps(alpha), vl = _mm512_set1_ps(limit);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(h + i, clamped_swiglu16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i), va, vl));
+    if (i < n) { /* the same arithmetic on a masked tail */
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(h + i, m, clamped_swiglu16(_mm512_maskz_loadu_ps(m, g + i), _mm512_maskz_loadu_ps(m, u + i), va, vl));
+    }
+}
+
 /* ---- activation quantization ------------------------------------------------------------ */
 
 /* col_quantize_block_portable sixteen values at a time, the same operations on each value
@@ -715,18 +739,19 @@ TARGET_AVX512 static void rms_norm_row_avx512(const float *x, const float *weigh
 static const col_kernel_set avx2_kernels = {
     COL_KERNELS_AVX2, {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2, [COL_TYPE_MXFP4] = dot_mxfp4_avx2},
     dot_f32_avx2, axpy_f32_avx2, {NULL}, col_silu_mul_portable, col_quantize_block_portable,
-    col_rms_norm_row_portable};
+    col_rms_norm_row_portable, col_clamped_swiglu_portable};
 static const col_kernel_set avx512_kernels = {
     COL_KERNELS_AVX512,
     {[COL_TYPE_Q8_0] = dot_q8_0_avx512, [COL_TYPE_Q4_G64] = dot_q4_g64_avx512, [COL_TYPE_MXFP4] = dot_mxfp4_avx512},
-    dot_f32_avx512, axpy_f32_avx512, {NULL}, silu_mul_avx512, quantize_block_avx512, rms_norm_row_avx512};
+    dot_f32_avx512, axpy_f32_avx512, {NULL}, silu_mul_avx512, quantize_block_avx512, rms_norm_row_avx512,
+    clamped_swiglu_avx512};
 static const col_kernel_set vnni_kernels = {
     COL_KERNELS_AVX512_VNNI,
     {[COL_TYPE_Q8_0] = dot_q8_0_vnni, [COL_TYPE_Q4_G64] = dot_q4_g64_vnni, [COL_TYPE_MXFP4] = dot_mxfp4_vnni},
     dot_f32_avx512, axpy_f32_avx512,
     {[COL_TYPE_Q8_0] = dot4_q8_0_vnni, [COL_TYPE_Q4_G64] = dot4_q4_g64_vnni, [COL_TYPE_MXFP4] = dot4_mxfp4_vnni},
     silu_mul_avx512,
-    quantize_block_avx512, rms_norm_row_avx512};
+    quantize_block_avx512, rms_norm_row_avx512, clamped_swiglu_avx512};
 
 static int has_avx2(void) {
     __builtin_cpu_init();

@@ -20,6 +20,7 @@ from colibrid.convert import fp8
 from colibrid.convert.progress import Progress
 from colibrid.convert.quant_spec import QuantSpec
 from colibrid.convert.safetensors import Checkpoint, CheckpointError, TensorRef
+from colibrid.convert.tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenError, convert_tiktoken
 from colibrid.models import Architecture, UnsupportedArchitecture, UnsupportedConfig, architecture_for
 from colibrid.models.config import ModelConfig
 from colibrid.pack.layout import expected_dense_shape, expected_expert_shapes, requested_type
@@ -28,7 +29,8 @@ from colibrid.pack.writer import PackWriter
 
 log = logging.getLogger(__name__)
 
-REQUIRED_TOKENIZER_FILES = ("tokenizer.json",)
+TOKENIZER_FILE = "tokenizer.json"
+REQUIRED_TOKENIZER_FILES = (TOKENIZER_FILE,)  # or TIKTOKEN_FILE, converted into it
 OPTIONAL_TOKENIZER_FILES = (
     "tokenizer_config.json",
     "generation_config.json",
@@ -53,9 +55,12 @@ class ConversionReport:
 
 
 class Converter:
-    def __init__(self, src: Path, out: Path, quant: QuantSpec, align: int, force: bool, progress: bool | None = None) -> None:
+    def __init__(self, src: Path, out: Path, quant: QuantSpec, align: int, force: bool, progress: bool | None = None,
+                 tokenizer_pattern: str | None = None) -> None:
         self.src, self.out, self.quant, self.align, self.force = src, out, quant, align, force
         self.progress_enabled = progress
+        self.tokenizer_pattern = tokenizer_pattern  # --tokenizer-pattern, for a tiktoken tokenizer
+        self.converted_tokenizer_json: str | None = None  # tokenizer.json built from tiktoken.model
         self.hf_config = self._read_config()
         try:
             self.arch: Architecture = architecture_for(self.hf_config)
@@ -114,9 +119,22 @@ class Converter:
                 names = self.arch.expert_tensor_names(layer, expert)
                 for part in EXPERT_PARTS:
                     self._check_shape(getattr(names, part), expert_shapes[part])
-        for name in REQUIRED_TOKENIZER_FILES:
-            if not (self.src / name).is_file():
-                raise ConversionError(f"{self.src / name} is missing: Colibri needs the fast tokenizer file (tokenizer.json)")
+        self._check_tokenizer()
+
+    def _check_tokenizer(self) -> None:
+        """tokenizer.json is copied; a tiktoken.model (Kimi K2) is converted into one, now,
+        so a tokenizer that cannot be converted fails before a byte of the pack is written."""
+        if (self.src / TOKENIZER_FILE).is_file():
+            if self.tokenizer_pattern is not None:
+                log.warning("--tokenizer-pattern ignored: the checkpoint has its own %s", TOKENIZER_FILE)
+            return
+        if not (self.src / TIKTOKEN_FILE).is_file():
+            raise ConversionError(f"{self.src / TOKENIZER_FILE} is missing: Colibri needs the fast tokenizer file "
+                                  f"({TOKENIZER_FILE}, or a {TIKTOKEN_FILE} it converts)")
+        try:
+            self.converted_tokenizer_json = convert_tiktoken(self.src, self.tokenizer_pattern)
+        except TiktokenError as exc:
+            raise ConversionError(f"{self.arch.name} tokenizer: {exc}") from None
 
     def _check_shape(self, hf_name: str | TensorRef, expected: tuple[int, ...]) -> None:
         if not self.checkpoint.has(hf_name):
@@ -212,9 +230,14 @@ class Converter:
                 writer.add_expert(layer, expert, parts)
 
     def _copy_tokenizer(self, writer: PackWriter) -> list[str]:
+        """The tokenizer files, verbatim (tokenizer_config.json carries the chat template when
+        no chat_template.jinja does); a converted tiktoken tokenizer as the tokenizer.json."""
         copied = []
+        if self.converted_tokenizer_json is not None:
+            writer.add_file_bytes(self.converted_tokenizer_json.encode(), TOKENIZER_FILE)
+            copied.append(TOKENIZER_FILE)
         for name in REQUIRED_TOKENIZER_FILES + OPTIONAL_TOKENIZER_FILES:
-            if (self.src / name).is_file():
+            if name not in copied and (self.src / name).is_file():
                 writer.add_file(self.src / name, name)
                 copied.append(name)
         writer.add_file(self.src / "config.json", "source_config.json")
@@ -225,11 +248,14 @@ class Converter:
             "model_type": self.hf_config.get("model_type"),
             "architectures": self.hf_config.get("architectures"),
             "dtypes": self.checkpoint.source_dtypes,
+            **({"tokenizer": f"{TOKENIZER_FILE} converted from {TIKTOKEN_FILE}"} if self.converted_tokenizer_json else {}),
             "path": str(self.src.resolve()),
         }
 
 
 def convert(src: str | Path, out: str | Path, quant: QuantSpec, align: int = 4096, force: bool = False,
-            progress: bool | None = None) -> ConversionReport:
-    """Convert ``src`` (a Hugging Face checkpoint directory) into a pack at ``out``."""
-    return Converter(Path(src), Path(out), quant, align, force, progress).run()
+            progress: bool | None = None, tokenizer_pattern: str | None = None) -> ConversionReport:
+    """Convert ``src`` (a Hugging Face checkpoint directory) into a pack at ``out``.
+    ``tokenizer_pattern``: the pre-tokenizer regex of a tiktoken tokenizer (or "kimi-k2"),
+    when its class file does not give it as a plain string."""
+    return Converter(Path(src), Path(out), quant, align, force, progress, tokenizer_pattern).run()

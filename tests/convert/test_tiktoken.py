@@ -310,3 +310,76 @@ def test_bad_pattern_and_special_tokens_are_refused(tmp_path):
         read_tiktoken(write_kimi_tokenizer(tmp_path / "c", ranks, specials={RESERVED: "<|high|>"}))
     with pytest.raises(TiktokenError, match="two ids"):
         read_tiktoken(write_kimi_tokenizer(tmp_path / "d", ranks, specials={0: "<|x|>", 1: "<|x|>"}))
+
+
+# --- through colibri-convert ------------------------------------------------------------------
+
+
+def _kimi_checkpoint(packs, tmp_path: Path, ranks, class_file: str | None = None) -> Path:
+    """A tiny checkpoint whose tokenizer is published as Kimi K2's: no tokenizer.json."""
+    import shutil
+
+    from tests.tiny_checkpoints import CheckpointSpec
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(packs.checkpoint(CheckpointSpec("glm4_moe")), ckpt)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        (ckpt / name).unlink(missing_ok=True)
+    # Kimi K2's generation_config.json ends a turn on <|im_end|>
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": len(ranks) + 3}))
+    return write_kimi_tokenizer(ckpt, ranks, class_file=class_file)
+
+
+def _run_cli(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "colibrid.convert.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_converted_pack_carries_the_tokenizer_and_chat_template(packs, tmp_path, ranks, converted):
+    from colibrid.engine.tokenizer import Tokenizer
+    from colibrid.pack import Pack
+
+    ckpt = _kimi_checkpoint(packs, tmp_path, ranks)
+    result = _run_cli(str(ckpt), str(tmp_path / "out"), "--quant", "f32")
+    assert result.returncode == 0, result.stderr
+    manifest = Pack.open(tmp_path / "out").manifest
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(manifest.tokenizer_files)
+    assert manifest.source["tokenizer"] == "tokenizer.json converted from tiktoken.model"
+    assert not list((tmp_path / "out").glob("*.py"))  # the class file is not part of the pack
+
+    tokenizer = Tokenizer.from_dir(tmp_path / "out")
+    _, expected = converted
+    for text in _corpus(len(ranks)):
+        assert tokenizer.encode(text, add_special_tokens=False) == expected.encode(text, add_special_tokens=False).ids
+    num_base = len(ranks)
+    assert tokenizer.eos_token == "[EOS]" and tokenizer.eos_token_ids == {num_base + 3}
+    # the chat template comes from tokenizer_config.json; its special tokens are the template's ids
+    ids = tokenizer.encode_chat([{"role": "user", "content": "Hi <|im_end|> 中文"}])
+    assert ids[0] == num_base + 4 and ids[-2:] == [num_base + 3, num_base + 5]
+    assert ids.count(num_base + 3) == 1  # the user's "<|im_end|>" stayed text
+    assert tokenizer.decode(ids) == "<|im_user|>Hi <|im_end|> 中文<|im_end|><|im_assistant|>"
+
+
+def test_unreadable_pattern_fails_before_writing_and_the_option_fixes_it(packs, tmp_path, ranks):
+    ckpt = _kimi_checkpoint(packs, tmp_path, ranks, class_file="import re\npat_str = re.compile('x').pattern\n")
+    result = _run_cli(str(ckpt), str(tmp_path / "out"), "--quant", "f32")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "glm4_moe tokenizer" in lines[0] and "--tokenizer-pattern kimi-k2" in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+    result = _run_cli(str(ckpt), str(tmp_path / "out"), "--quant", "f32", "--tokenizer-pattern", "kimi-k2")
+    assert result.returncode == 0, result.stderr
+    tokenizer = tokenizers.Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    assert tokenizer.encode("中文abc 123", add_special_tokens=False).ids == \
+        [i for piece in ("中文", "abc", " ", "123") for i in reference_bpe(piece.encode(), ranks)]
+
+
+def test_no_tokenizer_at_all_names_both_files(packs, tmp_path, ranks):
+    ckpt = _kimi_checkpoint(packs, tmp_path, ranks)
+    (ckpt / "tiktoken.model").unlink()
+    result = _run_cli(str(ckpt), str(tmp_path / "out"))
+    assert result.returncode == 1 and "tokenizer.json" in result.stderr and "tiktoken.model" in result.stderr

@@ -21,7 +21,8 @@ from colibrid.convert.progress import Progress
 from colibrid.convert.quant_spec import QuantSpec
 from colibrid.convert.safetensors import Checkpoint, CheckpointError, TensorRef
 from colibrid.convert.tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenError, convert_tiktoken
-from colibrid.models import Architecture, UnsupportedArchitecture, UnsupportedConfig, architecture_for
+from colibrid.convert.wrapped import TEXT_MODEL_PREFIXES, text_model_config
+from colibrid.models import ARCHITECTURES, Architecture, UnsupportedArchitecture, UnsupportedConfig, architecture_for
 from colibrid.models.config import ModelConfig
 from colibrid.pack.layout import expected_dense_shape, expected_expert_shapes, requested_type
 from colibrid.pack.manifest import EXPERT_PARTS
@@ -61,18 +62,25 @@ class Converter:
         self.progress_enabled = progress
         self.tokenizer_pattern = tokenizer_pattern  # --tokenizer-pattern, for a tiktoken tokenizer
         self.converted_tokenizer_json: str | None = None  # tokenizer.json built from tiktoken.model
-        self.hf_config = self._read_config()
+        text_model = text_model_config(self._read_config(), self._is_supported)
+        self.hf_config, self.wrapper = text_model.config, text_model.wrapper
         try:
             self.arch: Architecture = architecture_for(self.hf_config)
             self.config: ModelConfig = self.arch.model_config(self.hf_config)
-        except (UnsupportedArchitecture, UnsupportedConfig) as exc:
-            raise ConversionError(str(exc)) from None
+        except UnsupportedArchitecture as exc:
+            raise ConversionError(f"{exc} (the text model of {self.wrapper!r})" if self.wrapper else str(exc)) from None
+        except UnsupportedConfig as exc:
+            raise ConversionError(f"{self.arch.name}: {exc}") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise ConversionError(f"{src / 'config.json'}: cannot read the model configuration ({exc!r})") from None
         self.checkpoint = self._open_checkpoint()
         self.dense_names = self.arch.dense_tensor_names(self.config)
         self.quant = self._experts_as_published(quant)
         self.report = ConversionReport(out, self.arch.name, quantization=self.quant.to_json())
+
+    @staticmethod
+    def _is_supported(model_type) -> bool:
+        return any(model_type in arch.hf_model_types for arch in ARCHITECTURES.values())
 
     def _experts_as_published(self, quant: QuantSpec) -> QuantSpec:
         """Experts published as MXFP4 stay mxfp4 (their bytes are copied: lossless, and
@@ -103,9 +111,9 @@ class Converter:
         except ValueError as exc:
             raise ConversionError(f"{self.src / 'config.json'}: {exc}") from None
         try:
-            return Checkpoint(self.src, fp8_block=block)
+            return Checkpoint(self.src, fp8_block=block, prefixes=TEXT_MODEL_PREFIXES if self.wrapper else None)
         except CheckpointError as exc:
-            raise ConversionError(str(exc)) from None
+            raise ConversionError(f"{self.arch.name} checkpoint: {exc}") from None
 
     # --- checks before writing ---
 
@@ -175,6 +183,9 @@ class Converter:
         self.check()
         for note in self.arch.conversion_notes(self.hf_config):
             log.warning("%s", note)
+        if self.wrapper:
+            log.warning("%s: converting its %s text model (text_config); the vision tower and projector are left out",
+                        self.wrapper, self.arch.name)
         total = sum(self._source_bytes(name) for name in self._source_names())
         progress = Progress(total, f"converting {self.src.name}", enabled=self.progress_enabled)
         try:
@@ -246,6 +257,7 @@ class Converter:
     def _source_description(self) -> dict:
         return {
             "model_type": self.hf_config.get("model_type"),
+            **({"wrapper_model_type": self.wrapper} if self.wrapper else {}),
             "architectures": self.hf_config.get("architectures"),
             "dtypes": self.checkpoint.source_dtypes,
             **({"tokenizer": f"{TOKENIZER_FILE} converted from {TIKTOKEN_FILE}"} if self.converted_tokenizer_json else {}),

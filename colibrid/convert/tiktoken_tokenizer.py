@@ -154,8 +154,8 @@ def read_tokenizer_config(path: Path) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(_read_bounded(path, MAX_TOKENIZER_CONFIG_BYTES))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise TiktokenError(f"{path}: not JSON ({exc})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        raise TiktokenError(f"{path}: not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(value, dict):
         raise TiktokenError(f"{path}: expected a JSON object")
     return value

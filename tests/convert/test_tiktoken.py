@@ -383,3 +383,10 @@ def test_no_tokenizer_at_all_names_both_files(packs, tmp_path, ranks):
     (ckpt / "tiktoken.model").unlink()
     result = _run_cli(str(ckpt), str(tmp_path / "out"))
     assert result.returncode == 1 and "tokenizer.json" in result.stderr and "tiktoken.model" in result.stderr
+
+
+def test_tokenizer_config_nested_too_deep_is_refused(tmp_path):
+    directory = write_kimi_tokenizer(tmp_path, _hand_made_ranks(), specials={})
+    (directory / "tokenizer_config.json").write_text("[" * 100000 + "]" * 100000)
+    with pytest.raises(TiktokenError, match="not JSON"):
+        read_tiktoken(directory)

@@ -128,6 +128,9 @@ class Converter:
                 for part in EXPERT_PARTS:
                     self._check_shape(getattr(names, part), expert_shapes[part])
         self._check_tokenizer()
+        if self.wrapper:
+            log.warning("%s: converting its %s text model (text_config); the vision tower and projector are left out",
+                        self.wrapper, self.arch.name)
 
     def _check_tokenizer(self) -> None:
         """tokenizer.json is copied; a tiktoken.model (Kimi K2) is converted into one, now,
@@ -183,9 +186,6 @@ class Converter:
         self.check()
         for note in self.arch.conversion_notes(self.hf_config):
             log.warning("%s", note)
-        if self.wrapper:
-            log.warning("%s: converting its %s text model (text_config); the vision tower and projector are left out",
-                        self.wrapper, self.arch.name)
         total = sum(self._source_bytes(name) for name in self._source_names())
         progress = Progress(total, f"converting {self.src.name}", enabled=self.progress_enabled)
         try:

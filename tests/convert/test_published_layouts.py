@@ -110,12 +110,15 @@ def _wrap(src: Path, dst: Path, decoder_prefix: str, head_prefix: str, top_level
     ("model.language_model.", ""),  # transformers 5's layout
     ("language_model.model.", "language_model."),  # the older LLaVA-style layout
 ])
-def test_wrapped_text_model_converts_as_the_plain_one(packs, tmp_path, decoder_prefix, head_prefix):
+def test_wrapped_text_model_converts_as_the_plain_one(packs, tmp_path, caplog, decoder_prefix, head_prefix):
     from colibrid.pack import Pack
 
     spec = CheckpointSpec("glm4_moe")
     wrapped = _wrap(packs.checkpoint(spec), tmp_path / "wrapped", decoder_prefix, head_prefix)
-    report = _convert(wrapped, tmp_path / "out")
+    with caplog.at_level("WARNING"):
+        report = _convert(wrapped, tmp_path / "out")
+    assert "toy_vl: converting its glm4_moe text model (text_config); the vision tower and projector are left out" \
+        in caplog.text
     plain = packs.pack(spec, "f32")
     assert report.architecture == "glm4_moe"
     assert Pack.open(tmp_path / "out").manifest.model == Pack.open(plain).manifest.model

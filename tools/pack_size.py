@@ -18,8 +18,15 @@ from colibrid.convert.quant_spec import parse_quant  # noqa: E402
 from colibrid.convert.wrapped import text_model_config  # noqa: E402
 from colibrid.models import ARCHITECTURES, architecture_for  # noqa: E402
 from colibrid.models.config import ModelConfig, parameter_counts  # noqa: E402
-from colibrid.pack.layout import expected_dense_shape, expected_expert_shapes, requested_type, stored_type  # noqa: E402
-from colibrid.pack.manifest import EXPERT_PART_ALIGN_BYTES, EXPERT_PARTS  # noqa: E402
+from colibrid.pack.layout import (  # noqa: E402
+    expected_dense_shape,
+    expected_expert_shapes,
+    expert_part_names,
+    expert_part_type,
+    requested_type,
+    stored_type,
+)
+from colibrid.pack.manifest import EXPERT_PART_ALIGN_BYTES  # noqa: E402
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -44,8 +51,9 @@ def pack_bytes(config: ModelConfig, quant: dict[str, str], align: int = 4096) ->
     experts_type = native.TensorType.from_name(quant["experts"])
     shapes = expected_expert_shapes(config)
     cursor = 0
-    for part in EXPERT_PARTS:
-        cursor = _round_up(cursor + _tensor_bytes(experts_type, shapes[part]), EXPERT_PART_ALIGN_BYTES)
+    for part in expert_part_names(config):  # the matrices, then their biases (f32) if the model has them
+        cursor = _round_up(cursor + _tensor_bytes(expert_part_type(experts_type, shapes[part]), shapes[part]),
+                           EXPERT_PART_ALIGN_BYTES)
     record = _round_up(cursor, align)
     return dense, record * config.num_experts * len(config.moe_layer_ids)
 

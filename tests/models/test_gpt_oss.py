@@ -303,3 +303,29 @@ def test_the_step_by_step_expert_path_computes_what_the_fused_one_does(packs):
     native.moe_experts_of([expert.kernel_buffers], x, np.zeros((3, 1), np.int32), np.ones((3, 1), np.float32), fused,
                           activation=config.expert_activation, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
     np.testing.assert_allclose(_expert_ffn(config, x, expert), fused, rtol=1e-5, atol=1e-6)
+
+
+def test_pack_size_tool_counts_the_expert_biases_and_mxfp4(packs, mxfp4_checkpoint, tmp_path):
+    """tools/pack_size.py (how docs/models.md's sizes are computed) gives the byte sizes the
+    converter writes for gpt_oss: expert records with their f32 biases, and MXFP4 experts."""
+    import sys
+    from pathlib import Path
+
+    from colibrid.convert.converter import convert
+    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.pack import Pack
+
+    tools = str(Path(__file__).resolve().parents[2] / "tools")
+    sys.path.insert(0, tools)
+    try:
+        from pack_size import pack_bytes
+    finally:
+        sys.path.remove(tools)
+    ckpt, _ = mxfp4_checkpoint
+    converted = [(packs.pack(SPECS[0], quant), quant) for quant in ("f32", "experts=q4_g64,dense=q8_0,embeddings=q8_0")]
+    convert(ckpt, tmp_path / "mxfp4", parse_quant(None), progress=False)
+    converted.append((tmp_path / "mxfp4", "experts=mxfp4"))
+    for pack, quant in converted:
+        manifest = Pack.open(pack).manifest
+        expected = ((pack / "dense.bin").stat().st_size, (pack / "experts.bin").stat().st_size)
+        assert pack_bytes(manifest.model, parse_quant(quant).to_json()) == expected, quant

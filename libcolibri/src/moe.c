@@ -8,11 +8,12 @@
  *
  * The job runs in four phases separated by barriers:
  *   0. quantize the T activation rows (integer path only), tokens split across threads;
- *   1. h[n] = silu(gate_e x_t) * (up_e x_t) for every assignment n = (t, e): the E * F
+ *   1. h[n] = silu(gate_e x_t) * (up_e x_t) for every assignment n = (t, e) (with a
+ *      col_expert_ffn: the gate and up biases added first, and its activation): the E * F
  *      (expert, row) pairs are split evenly across threads, so 8 experts on 2 threads or 1
  *      expert on 2 threads are both balanced;
  *   2. quantize the N rows of h (integer path only);
- *   3. out[t, d] += w_n * (down_e h[n])[d]: the D output rows are split across threads, so
+ *   3. out[t, d] += w_n * ((down_e h[n])[d] (+ down bias)): the D output rows are split across threads, so
  *      no two threads write the same element and every element sums its experts in
  *      increasing e, whatever the thread count.
  */

@@ -10,6 +10,7 @@ from colibrid.engine.attention import Attention
 from colibrid.engine.experts import ExpertSource
 from colibrid.engine.kv_cache import KVCache
 from colibrid.engine.layers import linear, rms_norm
+from colibrid.engine.mla import LatentAttention
 from colibrid.engine.moe import DenseMlp, MoeBlock
 from colibrid.engine.rope import Rotary
 from colibrid.pack.reader import Pack
@@ -35,7 +36,11 @@ class Layer:
         self.eps = c.rms_norm_eps
         self.attn_norm = _dense(pack, f"layers.{layer}.attn_norm")
         self.ffn_norm = _dense(pack, f"layers.{layer}.ffn_norm")
-        self.attention = Attention(c, layer, _layer_weights(pack, layer, "attn."), rotary, self.attn_norm)
+        attn_weights = _layer_weights(pack, layer, "attn.")
+        if c.mla is not None:
+            self.attention = LatentAttention(c, layer, attn_weights, self.attn_norm)
+        else:
+            self.attention = Attention(c, layer, attn_weights, rotary, self.attn_norm)
         ffn_weights = _layer_weights(pack, layer, "")
         self.ffn = MoeBlock(c, layer, ffn_weights, experts) if c.moe_layers[layer] else DenseMlp(ffn_weights)
 
@@ -47,7 +52,8 @@ class Layer:
 
 
 class Model:
-    """Weights are read-only views into the pack; all mutable state lives in the KVCache."""
+    """Weights are read-only views into the pack; all mutable state lives in the sequence's
+    cache (KVCache, or LatentCache for latent attention)."""
 
     def __init__(self, pack: Pack, experts: ExpertSource) -> None:
         self.pack = pack

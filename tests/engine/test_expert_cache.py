@@ -58,7 +58,10 @@ def _slot_bytes(path) -> int:
 # layer, an ungated shared expert, partial rotary (8 experts, top-2, MoE layers 1 and 2).
 GLM_SPEC = CheckpointSpec("glm4_moe", {"num_hidden_layers": 3, "use_qk_norm": True, "attention_bias": True, "n_group": 4,
                                        "topk_group": 2, "routed_scaling_factor": 2.5})
-FAMILIES = {"qwen2_moe": (SPEC, MOE_LAYERS), "glm4_moe": (GLM_SPEC, [1, 2])}
+# DeepSeek-V3's: latent attention (its latent cache), sigmoid routing with groups, a shared
+# expert, a dense first layer (8 experts, top-2, MoE layers 1 and 2).
+DEEPSEEK_SPEC = CheckpointSpec("deepseek_v3", {"num_hidden_layers": 3})
+FAMILIES = {"qwen2_moe": (SPEC, MOE_LAYERS), "glm4_moe": (GLM_SPEC, [1, 2]), "deepseek_v3": (DEEPSEEK_SPEC, [1, 2])}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

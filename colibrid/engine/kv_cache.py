@@ -100,6 +100,9 @@ class LatentCache:
         return sum(buffer.nbytes for buffer in self._latents)
 
 
-def new_cache(config: ModelConfig, max_tokens: int) -> KVCache | LatentCache:
+SequenceCache = KVCache | LatentCache  # what Model.forward takes: a sequence's attention state
+
+
+def new_cache(config: ModelConfig, max_tokens: int) -> SequenceCache:
     """The cache a sequence of this model keeps: latents for latent attention, else keys and values."""
     return LatentCache(config, max_tokens) if config.mla is not None else KVCache(config, max_tokens)

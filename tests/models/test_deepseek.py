@@ -8,6 +8,8 @@ published configs read as their models are."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -207,3 +209,60 @@ def test_unsupported_deepseek_options_are_refused():
                        ({"scoring_func": "sigmoid"}, "scoring_func")):
         with pytest.raises(UnsupportedConfig, match=match):
             architecture_for(DEEPSEEK_V2_LITE).model_config({**DEEPSEEK_V2_LITE, **bad})
+
+
+def test_fp8_checkpoint_as_published_converts_and_matches_transformers(packs, tmp_path):
+    """DeepSeek-V3's published layout: every projection (latent attention, experts, shared
+    expert, dense MLP) float8_e4m3 with 128x128-style block scales (here 48x40, so edges are
+    partial), routers, norms and embeddings not, in two shards with an index. The pack holds
+    the decoded values exactly and generates as transformers does on them."""
+    from safetensors.numpy import load_file, save_file
+
+    from colibrid.convert.converter import convert
+    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.engine import load
+    from colibrid.pack import Pack
+    from tests.convert.test_published_quantized import oracle_fp8, random_e4m3, write_safetensors
+
+    block = (48, 40)
+    source = packs.checkpoint(SPECS[0])
+    state = load_file(source / "model.safetensors")
+    quantized, decoded = {}, {}
+    for i, (name, array) in enumerate(sorted(state.items())):
+        if name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"):
+            codes = random_e4m3(array.shape, 200 + i)
+            grid = (-(-array.shape[0] // block[0]), -(-array.shape[1] // block[1]))
+            scale = np.random.default_rng(i).uniform(2e-4, 1e-3, grid).astype(np.float32)
+            quantized[name], quantized[name + "_scale_inv"] = ("F8_E4M3", codes), ("F32", scale)
+            decoded[name] = oracle_fp8(codes, scale, block)
+        else:
+            quantized[name], decoded[name] = ("F32", array), array
+    assert "model.layers.1.self_attn.kv_b_proj.weight_scale_inv" in quantized
+    published, reference_dir = tmp_path / "published", tmp_path / "decoded"
+    for directory in (published, reference_dir):
+        directory.mkdir()
+        for f in source.iterdir():
+            if f.name != "model.safetensors":
+                (directory / f.name).write_bytes(f.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    (published / "config.json").write_text(json.dumps(config))
+    names = sorted(quantized)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, shard_names in shards.items():
+        write_safetensors(published / shard, {n: quantized[n] for n in shard_names})
+    weight_map = {n: shard for shard, shard_names in shards.items() for n in shard_names}
+    (published / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_file({k: np.ascontiguousarray(v) for k, v in decoded.items()}, str(reference_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+
+    out = tmp_path / "pack"
+    convert(published, out, parse_quant("f32"), progress=False)
+    pack = Pack.open(out)
+    np.testing.assert_array_equal(pack.dense("layers.1.attn.kv_b").data, decoded["model.layers.1.self_attn.kv_b_proj.weight"])
+    reference = load_reference(reference_dir)
+    engine = load(out)
+    ids = _prompt(engine.config.vocab_size)
+    expected = reference_logits(reference, ids)
+    assert np.abs(engine.forward(ids) - expected).max() <= 1e-4 * np.abs(expected).max()
+    assert engine.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)

@@ -96,20 +96,24 @@ def check_free(path: Path) -> None:
     except OSError:
         return
     if stat.S_ISSOCK(mode) and _answers(path):
-        raise ListenerError(f"another colibrid is already serving on {path}; stop it first "
-                            "(or choose another --socket)")
+        raise _already_served(path)
+
+
+def _already_served(path: Path) -> ListenerError:
+    return ListenerError(f"another colibrid is already serving on {path}; stop it first (or choose another --socket)")
 
 
 def _passed_by_systemd() -> bool:
+    """LISTEN_PID names this very process (else the fds were meant for the one that started us)."""
     listen_pid, listen_fds = os.environ.get("LISTEN_PID", ""), os.environ.get("LISTEN_FDS", "")
     return listen_pid.isdigit() and listen_fds.isdigit() and int(listen_pid) == os.getpid()
 
 
 def inherited_listeners() -> list[Listener]:
     """Listening sockets passed by systemd to this very process; the LISTEN_* variables are consumed."""
-    listen_pid, listen_fds = os.environ.get("LISTEN_PID", ""), os.environ.get("LISTEN_FDS", "")
-    if not (listen_pid.isdigit() and listen_fds.isdigit()) or int(listen_pid) != os.getpid():
-        return []  # not set, or meant for the process that started us (then the fds are not ours either)
+    if not _passed_by_systemd():
+        return []
+    listen_fds = os.environ["LISTEN_FDS"]
     for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
         os.environ.pop(name, None)  # so that nothing we start believes the sockets are its own
     listeners = []
@@ -212,8 +216,7 @@ def _remove_if_stale(path: Path, directory_fd: int) -> None:
     if not stat.S_ISSOCK(st.st_mode):
         raise ListenerError(f"{path} exists and is not a socket; remove it or choose another --socket")
     if _answers(path):
-        raise ListenerError(f"another colibrid is already serving on {path}; stop it first "
-                            "(or choose another --socket)")
+        raise _already_served(path)
     if st.st_uid not in _trusted_owners():
         # In a sticky directory (/tmp) another user may leave a dead socket at our path; it is
         # theirs, not a leftover of ours, and they could swap it for something else meanwhile.

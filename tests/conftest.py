@@ -50,3 +50,13 @@ def demo_pack(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "colibrid.demo", str(out), "--force"], check=True,
                    capture_output=True, timeout=120)
     return out
+
+
+@pytest.fixture
+def kernel_level():
+    """native.set_kernels, with the active kernel level restored after the test."""
+    from colibrid import native
+
+    before = native.kernels()
+    yield native.set_kernels
+    native.set_kernels(before)

@@ -29,12 +29,6 @@ QUANT_TYPES = [TensorType.Q8_0, TensorType.Q4_G64, TensorType.MXFP4]
 SHAPES = [(1, 1, 1), (7, 3, 1), (37, 5, 2), (100, 2, 3), (257, 7, 5), (33, 16, 1), (129, 32, 4)]
 
 
-@pytest.fixture
-def kernel_level():
-    """Restores the active level after a test that switches it."""
-    before = native.kernels()
-    yield native.set_kernels
-    native.set_kernels(before)
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,6 @@ MODES = {
 E, TOP_K = 32, 4
 
 
-@pytest.fixture
-def kernel_level():
-    before = native.kernels()
-    yield native.set_kernels
-    native.set_kernels(before)
 
 
 @pytest.fixture(scope="module")

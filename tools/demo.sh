@@ -18,16 +18,24 @@ if [ ! -f "$pack/manifest.json" ] || [ -n "$(find "$model" -newer "$pack/manifes
     colibri-convert "$model" "$pack" --force
 fi
 
-colibrid --model "$pack" --socket "$sock" &
+# The daemon's log goes to a file, so that it does not cut into the answer; it is shown if the
+# daemon fails, and its line about the request (tokens, tokens/s) after the answer.
+log=$rundir/colibrid.log
+colibrid --model "$pack" --socket "$sock" 2>"$log" &
 daemon=$!
-trap 'kill "$daemon" 2>/dev/null; wait "$daemon" 2>/dev/null; rm -rf "$rundir"' EXIT
+stop_daemon() { kill "$daemon" 2>/dev/null || true; wait "$daemon" 2>/dev/null || true; }
+trap 'stop_daemon; rm -rf "$rundir"' EXIT
 
 # The daemon binds its socket only once the pack is loaded.
 for _ in $(seq 300); do
     [ -S "$sock" ] && break
-    kill -0 "$daemon" 2>/dev/null || { echo "demo: colibrid exited during startup" >&2; exit 1; }
+    kill -0 "$daemon" 2>/dev/null || { cat "$log" >&2; echo "demo: colibrid exited during startup" >&2; exit 1; }
     sleep 0.1
 done
 
 printf '%s' "$prompt"  # the answer continues it
-colibrictl --socket "$sock" ask --raw --max-tokens 96 "$prompt"
+colibrictl --socket "$sock" ask --raw --max-tokens 96 "$prompt" && status=0 || status=$?
+echo
+stop_daemon
+grep -h "request .* from " "$log" >&2 || cat "$log" >&2  # what it cost, or why it failed
+exit "$status"

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--align", type=int, default=4096, metavar="BYTES",
                         help="alignment of tensors and expert records, a power of two >= 4096 (default 4096)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--tokenizer-pattern", metavar="REGEX", default=None,
+                        help="pre-tokenizer regex of a tiktoken tokenizer (tiktoken.model, as Kimi K2 ships) when its "
+                             "tokenization_*.py does not give pat_str as a plain string; 'kimi-k2' names Kimi K2's")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     parser.add_argument("--version", action="version", version=f"colibri-convert {__version__}")
     return parser
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     try:
         report = convert(args.src, args.out, quant, align=args.align, force=args.force,
-                         progress=False if args.quiet else None)
+                         progress=False if args.quiet else None, tokenizer_pattern=args.tokenizer_pattern)
     except (ConversionError, ColibriError, ValueError) as exc:
         print(f"colibri-convert: error: {exc}", file=sys.stderr)
         return EXIT_FAILED

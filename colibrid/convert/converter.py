@@ -20,7 +20,9 @@ from colibrid.convert import fp8
 from colibrid.convert.progress import Progress
 from colibrid.convert.quant_spec import QuantSpec
 from colibrid.convert.safetensors import Checkpoint, CheckpointError, TensorRef
-from colibrid.models import Architecture, UnsupportedArchitecture, UnsupportedConfig, architecture_for
+from colibrid.convert.tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenError, convert_tiktoken
+from colibrid.convert.wrapped import TEXT_MODEL_PREFIXES, text_model_config
+from colibrid.models import ARCHITECTURES, Architecture, UnsupportedArchitecture, UnsupportedConfig, architecture_for
 from colibrid.models.config import ModelConfig
 from colibrid.pack.layout import expected_dense_shape, expected_expert_shapes, requested_type
 from colibrid.pack.manifest import EXPERT_PARTS
@@ -28,7 +30,8 @@ from colibrid.pack.writer import PackWriter
 
 log = logging.getLogger(__name__)
 
-REQUIRED_TOKENIZER_FILES = ("tokenizer.json",)
+TOKENIZER_FILE = "tokenizer.json"
+REQUIRED_TOKENIZER_FILES = (TOKENIZER_FILE,)  # or TIKTOKEN_FILE, converted into it
 OPTIONAL_TOKENIZER_FILES = (
     "tokenizer_config.json",
     "generation_config.json",
@@ -53,21 +56,31 @@ class ConversionReport:
 
 
 class Converter:
-    def __init__(self, src: Path, out: Path, quant: QuantSpec, align: int, force: bool, progress: bool | None = None) -> None:
+    def __init__(self, src: Path, out: Path, quant: QuantSpec, align: int, force: bool, progress: bool | None = None,
+                 tokenizer_pattern: str | None = None) -> None:
         self.src, self.out, self.quant, self.align, self.force = src, out, quant, align, force
         self.progress_enabled = progress
-        self.hf_config = self._read_config()
+        self.tokenizer_pattern = tokenizer_pattern  # --tokenizer-pattern, for a tiktoken tokenizer
+        self.converted_tokenizer_json: str | None = None  # tokenizer.json built from tiktoken.model
+        text_model = text_model_config(self._read_config(), self._is_supported)
+        self.hf_config, self.wrapper = text_model.config, text_model.wrapper
         try:
             self.arch: Architecture = architecture_for(self.hf_config)
             self.config: ModelConfig = self.arch.model_config(self.hf_config)
-        except (UnsupportedArchitecture, UnsupportedConfig) as exc:
-            raise ConversionError(str(exc)) from None
+        except UnsupportedArchitecture as exc:
+            raise ConversionError(f"{exc} (the text model of {self.wrapper!r})" if self.wrapper else str(exc)) from None
+        except UnsupportedConfig as exc:
+            raise ConversionError(f"{self.arch.name}: {exc}") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise ConversionError(f"{src / 'config.json'}: cannot read the model configuration ({exc!r})") from None
         self.checkpoint = self._open_checkpoint()
         self.dense_names = self.arch.dense_tensor_names(self.config)
         self.quant = self._experts_as_published(quant)
         self.report = ConversionReport(out, self.arch.name, quantization=self.quant.to_json())
+
+    @staticmethod
+    def _is_supported(model_type) -> bool:
+        return any(model_type in arch.hf_model_types for arch in ARCHITECTURES.values())
 
     def _experts_as_published(self, quant: QuantSpec) -> QuantSpec:
         """Experts published as MXFP4 stay mxfp4 (their bytes are copied: lossless, and
@@ -98,9 +111,9 @@ class Converter:
         except ValueError as exc:
             raise ConversionError(f"{self.src / 'config.json'}: {exc}") from None
         try:
-            return Checkpoint(self.src, fp8_block=block)
+            return Checkpoint(self.src, fp8_block=block, prefixes=TEXT_MODEL_PREFIXES if self.wrapper else None)
         except CheckpointError as exc:
-            raise ConversionError(str(exc)) from None
+            raise ConversionError(f"{self.arch.name} checkpoint: {exc}") from None
 
     # --- checks before writing ---
 
@@ -114,9 +127,25 @@ class Converter:
                 names = self.arch.expert_tensor_names(layer, expert)
                 for part in EXPERT_PARTS:
                     self._check_shape(getattr(names, part), expert_shapes[part])
-        for name in REQUIRED_TOKENIZER_FILES:
-            if not (self.src / name).is_file():
-                raise ConversionError(f"{self.src / name} is missing: Colibri needs the fast tokenizer file (tokenizer.json)")
+        self._check_tokenizer()
+        if self.wrapper:
+            log.warning("%s: converting its %s text model (text_config); the vision tower and projector are left out",
+                        self.wrapper, self.arch.name)
+
+    def _check_tokenizer(self) -> None:
+        """tokenizer.json is copied; a tiktoken.model (Kimi K2) is converted into one, now,
+        so a tokenizer that cannot be converted fails before a byte of the pack is written."""
+        if (self.src / TOKENIZER_FILE).is_file():
+            if self.tokenizer_pattern is not None:
+                log.warning("--tokenizer-pattern ignored: the checkpoint has its own %s", TOKENIZER_FILE)
+            return
+        if not (self.src / TIKTOKEN_FILE).is_file():
+            raise ConversionError(f"{self.src / TOKENIZER_FILE} is missing: Colibri needs the fast tokenizer file "
+                                  f"({TOKENIZER_FILE}, or a {TIKTOKEN_FILE} it converts)")
+        try:
+            self.converted_tokenizer_json = convert_tiktoken(self.src, self.tokenizer_pattern)
+        except TiktokenError as exc:
+            raise ConversionError(f"{self.arch.name} tokenizer: {exc}") from None
 
     def _check_shape(self, hf_name: str | TensorRef, expected: tuple[int, ...]) -> None:
         if not self.checkpoint.has(hf_name):
@@ -212,9 +241,14 @@ class Converter:
                 writer.add_expert(layer, expert, parts)
 
     def _copy_tokenizer(self, writer: PackWriter) -> list[str]:
+        """The tokenizer files, verbatim (tokenizer_config.json carries the chat template when
+        no chat_template.jinja does); a converted tiktoken tokenizer as the tokenizer.json."""
         copied = []
+        if self.converted_tokenizer_json is not None:
+            writer.add_file_bytes(self.converted_tokenizer_json.encode(), TOKENIZER_FILE)
+            copied.append(TOKENIZER_FILE)
         for name in REQUIRED_TOKENIZER_FILES + OPTIONAL_TOKENIZER_FILES:
-            if (self.src / name).is_file():
+            if name not in copied and (self.src / name).is_file():
                 writer.add_file(self.src / name, name)
                 copied.append(name)
         writer.add_file(self.src / "config.json", "source_config.json")
@@ -223,13 +257,17 @@ class Converter:
     def _source_description(self) -> dict:
         return {
             "model_type": self.hf_config.get("model_type"),
+            **({"wrapper_model_type": self.wrapper} if self.wrapper else {}),
             "architectures": self.hf_config.get("architectures"),
             "dtypes": self.checkpoint.source_dtypes,
+            **({"tokenizer": f"{TOKENIZER_FILE} converted from {TIKTOKEN_FILE}"} if self.converted_tokenizer_json else {}),
             "path": str(self.src.resolve()),
         }
 
 
 def convert(src: str | Path, out: str | Path, quant: QuantSpec, align: int = 4096, force: bool = False,
-            progress: bool | None = None) -> ConversionReport:
-    """Convert ``src`` (a Hugging Face checkpoint directory) into a pack at ``out``."""
-    return Converter(Path(src), Path(out), quant, align, force, progress).run()
+            progress: bool | None = None, tokenizer_pattern: str | None = None) -> ConversionReport:
+    """Convert ``src`` (a Hugging Face checkpoint directory) into a pack at ``out``.
+    ``tokenizer_pattern``: the pre-tokenizer regex of a tiktoken tokenizer (or "kimi-k2"),
+    when its class file does not give it as a plain string."""
+    return Converter(Path(src), Path(out), quant, align, force, progress, tokenizer_pattern).run()

@@ -119,7 +119,11 @@ class Checkpoint:
     ``fp8_block`` is the (rows, cols) block of F8_E4M3 weights' ``_scale_inv`` tensors
     (``quantization_config.weight_block_size``; see convert/fp8.py)."""
 
-    def __init__(self, directory: Path, fp8_block: tuple[int, int] = fp8.DEFAULT_BLOCK) -> None:
+    def __init__(self, directory: Path, fp8_block: tuple[int, int] = fp8.DEFAULT_BLOCK,
+                 prefixes: dict[str, str] | None = None) -> None:
+        """``prefixes``: renames of name prefixes (a multimodal wrapper's
+        ``model.language_model.`` -> ``model.``), so the text model's tensors are found under
+        the names its family module gives; applied before anything else looks at a name."""
         self.directory = directory
         self.fp8_block = fp8_block
         self.tensors: dict[str, TensorInfo] = {}
@@ -132,7 +136,19 @@ class Checkpoint:
             self.tensors = _read_header(directory / SINGLE_FILE)
         else:
             raise CheckpointError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)")
+        if prefixes:
+            self._rename_prefixes(prefixes)
         self._pair_mxfp4()
+
+    def _rename_prefixes(self, prefixes: dict[str, str]) -> None:
+        renamed: dict[str, TensorInfo] = {}
+        for name, info in self.tensors.items():
+            new_name = next((to + name[len(old):] for old, to in prefixes.items() if name.startswith(old)), name)
+            if new_name in renamed:
+                raise CheckpointError(f"{self.directory}: tensor {new_name} is in the checkpoint twice "
+                                      f"(once under a wrapper's prefix, {', '.join(prefixes)})")
+            renamed[new_name] = info
+        self.tensors = renamed
 
     def _pair_mxfp4(self) -> None:
         """Every ``X_blocks`` / ``X_scales`` pair of U8 tensors becomes the MXFP4 tensor X."""
@@ -153,10 +169,15 @@ class Checkpoint:
     def _load_sharded(self, index: Path) -> None:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: unreadable shard index ({exc!r})") from None
         by_shard: dict[str, list[str]] = {}
         for name, shard in weight_map.items():
+            # a shard is a file of this directory: never a path that leads elsewhere
+            if not isinstance(shard, str) or not shard or "/" in shard or "\\" in shard or shard in (".", ".."):
+                raise CheckpointError(f"{index}: tensor {name!r} is mapped to {str(shard)[:80]!r}, not a file name")
             by_shard.setdefault(shard, []).append(name)
         for shard, names in sorted(by_shard.items()):
             path = self.directory / shard

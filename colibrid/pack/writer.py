@@ -107,6 +107,11 @@ class PackWriter:
         shutil.copyfile(src, self.tmp / name)
         fsync_path(self.tmp / name)
 
+    def add_file_bytes(self, data: bytes, name: str) -> None:
+        """A file made by the converter (a tokenizer.json converted from tiktoken.model)."""
+        (self.tmp / name).write_bytes(data)
+        fsync_path(self.tmp / name)
+
     def commit(self, manifest_fields: dict) -> Manifest:
         """Flush everything, write the manifest last and rename the pack into place."""
         for f in (self._dense, self._experts):

@@ -14,22 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from tests.tiny_checkpoints import CheckpointSpec
-
-SPEC = CheckpointSpec("olmoe")
-
-
-@pytest.fixture
-def pack_copy(packs, tmp_path):
-    return shutil.copytree(packs.pack(SPEC, "q8_0"), tmp_path / "pack")
-
-
-def _flip_byte(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x01]))
+from tests.pack.conftest import SPEC, flip_byte
 
 
 def _as_version_1(pack_dir):
@@ -59,7 +44,7 @@ def test_flipped_byte_in_dense_bin_fails_at_open_naming_the_tensor(pack_copy, te
     from colibrid.pack import Pack, PackError
 
     entry = Pack.open(pack_copy).manifest.dense_tensors[tensor]
-    _flip_byte(pack_copy / "dense.bin", entry.offset + at % entry.nbytes)
+    flip_byte(pack_copy / "dense.bin", entry.offset + at % entry.nbytes)
     with pytest.raises(PackError, match=f"dense tensor '{tensor}' \\(dense.bin bytes {entry.offset}\\.\\."):
         Pack.open(pack_copy)
 
@@ -74,7 +59,7 @@ def test_version_1_pack_loads_with_a_warning_saying_how_to_upgrade(pack_copy, ca
     assert len(pack.notes) == 1 and "no dense checksums" in pack.notes[0] and "re-convert" in pack.notes[0]
     assert pack.notes[0] in caplog.text
     # No checksum, so a flipped byte is not found (that is what the warning says).
-    _flip_byte(pack_copy / "dense.bin", pack.manifest.dense_tensors["embed"].offset)
+    flip_byte(pack_copy / "dense.bin", pack.manifest.dense_tensors["embed"].offset)
     Pack.open(pack_copy)
 
 

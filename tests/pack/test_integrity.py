@@ -4,27 +4,11 @@ files must match the manifest, and unknown format versions are refused."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 
-from tests.tiny_checkpoints import CheckpointSpec
-
-SPEC = CheckpointSpec("olmoe")
-
-
-@pytest.fixture
-def pack_copy(packs, tmp_path):
-    return shutil.copytree(packs.pack(SPEC, "q8_0"), tmp_path / "pack")
-
-
-def _flip_byte(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x40]))
+from tests.pack.conftest import SPEC, flip_byte
 
 
 def test_flipped_byte_in_expert_record_is_named(pack_copy):
@@ -34,7 +18,7 @@ def test_flipped_byte_in_expert_record_is_named(pack_copy):
 
     record = Pack.open(pack_copy).manifest.expert_records
     target = next(r for r in record if r.layer == 1 and r.expert == 3)
-    _flip_byte(pack_copy / "experts.bin", target.offset + 100)
+    flip_byte(pack_copy / "experts.bin", target.offset + 100, mask=0x40)
 
     engine = load(pack_copy)
     ids = np.random.default_rng(0).integers(0, engine.config.vocab_size, 64).tolist()

@@ -34,6 +34,7 @@ def test_make_install_puts_every_file_where_systemd_and_udev_look(staged):
         "usr/lib/tmpfiles.d/colibri.conf",
         "usr/lib/udev/rules.d/60-colibri-nvme.rules",
         "usr/share/doc/colibri/protocol.md",
+        "usr/share/doc/colibri/security.md",
         "usr/share/doc/colibri/systemd.md",
         "usr/share/doc/colibri/thermal.md",
     ]

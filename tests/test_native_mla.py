@@ -22,13 +22,6 @@ D, H, C, N, R, VD = 64, 4, 64, 32, 16, 32
 L = C + R
 
 
-@pytest.fixture
-def kernel_level():
-    before = native.kernels()
-    yield native.set_kernels
-    native.set_kernels(before)
-
-
 @pytest.fixture(scope="module")
 def pools():
     made = {n: native.ThreadPool(n) for n in (1, 2, 3)}

@@ -141,6 +141,10 @@ _SIGNATURES = {
     # (pool, type, router (E, row_bytes(D)), E, D, x (T, D) f32, n_tok, top_k, normalize, experts (T, A) i32, weights (T, A) f32)
     "col_moe_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]),
+    "col_mla_layer_size": (ctypes.c_size_t, []),
+    # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, R), sin (T, R), cache (>= S, C + R) f32, n_past)
+    "col_mla_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
     "col_moe_router_size": (ctypes.c_size_t, []),
     # (pool, router, x (T, D) f32, n_tok, experts (T, A) i32, weights (T, A) f32)
     "col_moe_router_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
@@ -389,7 +393,8 @@ class _PoolParams(ctypes.Structure):
 
 def _check_struct_sizes(lib: ctypes.CDLL) -> None:
     for struct, size_fn in ((_PoolParams, lib.col_pool_params_size), (AttentionLayer, lib.col_attention_layer_size),
-                            (MoeRouter, lib.col_moe_router_size), (ExpertFfn, lib.col_expert_ffn_size)):
+                            (MoeRouter, lib.col_moe_router_size), (MlaLayer, lib.col_mla_layer_size),
+                            (ExpertFfn, lib.col_expert_ffn_size)):
         if ctypes.sizeof(struct) != size_fn():
             raise LibraryNotFoundError(
                 f"{struct.__name__} is {ctypes.sizeof(struct)} bytes, libcolibri says {size_fn()}: the build is stale"
@@ -844,6 +849,86 @@ def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: 
     _f32_out(values, "values", (capacity, layer.n_kv_heads, Hd))
     check(_lib().col_attention_block(_pool_handle(pool), ctypes.addressof(layer), _ptr(x), T, _ptr(cos), _ptr(sin),
                                      _ptr(keys), _ptr(values), n_past), "attention_block")
+
+
+class MlaLayer(ctypes.Structure):
+    """Mirror of col_mla_layer (colibri.h); its size is checked against C at load. Build it
+    with mla_layer(), which checks every size once and keeps the arrays it points into alive."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("dim", "n_heads", "q_rank", "kv_rank", "nope_dim", "rope_dim", "v_dim")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        *((name, ctypes.c_int32) for name in ("rope_interleaved", "in_type", "qb_type", "kvb_type", "o_type", "reserved")),
+        *((name, ctypes.c_void_p) for name in ("norm", "wq_a", "q_a_norm", "wq_b", "wq", "wkv_a", "kv_a_norm", "wkv_b",
+                                               "wo", "bo")),
+    ]
+
+
+def mla_layer(dim: int, n_heads: int, q_rank: int, kv_rank: int, nope_dim: int, rope_dim: int, v_dim: int,
+              norm: np.ndarray, weights: dict, *, eps: float, scale: float, rope_interleaved: bool,
+              bo: np.ndarray | None = None) -> MlaLayer:
+    """One layer's latent attention for mla_block() (see col_mla_layer): ``weights`` maps
+    "q_a", "q_b" (q_rank > 0) or "q", and "kv_a", "kv_b", "o" to (type, encoded bytes), read
+    in place; ``norm`` (D) and the float32 vectors "q_a_norm" (Cq), "kv_a_norm" (C) in
+    ``weights`` as plain arrays."""
+    dims = [_as_count(v, n) for v, n in ((dim, "dim"), (n_heads, "n_heads"), (q_rank, "q_rank"), (kv_rank, "kv_rank"),
+                                         (nope_dim, "nope_dim"), (rope_dim, "rope_dim"), (v_dim, "v_dim"))]
+    dim, H, Cq, C, N, R, Vd = dims
+    if min(dim, H, C, R, Vd) == 0 or R % 2:
+        raise InvalidArgumentError("latent attention needs dim, heads, kv_rank, v_dim > 0 and an even rope_dim > 0")
+    QH = H * (N + R)
+    matrices = {"kv_a": (C + R, dim), "kv_b": (H * (N + Vd), C), "o": (dim, H * Vd)}
+    matrices.update({"q_a": (Cq, dim), "q_b": (QH, Cq)} if Cq else {"q": (QH, dim)})
+    if Cq and weights["q_a"][0] != weights["kv_a"][0] or not Cq and weights["q"][0] != weights["kv_a"][0]:
+        raise InvalidArgumentError("q_a (or q) and kv_a must have one type")
+    keep = [_f32_vector(norm, "norm", dim)]
+    layer = MlaLayer(dim=dim, n_heads=H, q_rank=Cq, kv_rank=C, nope_dim=N, rope_dim=R, v_dim=Vd, eps=float(eps),
+                     scale=float(scale), rope_interleaved=int(bool(rope_interleaved)), norm=_ptr(norm))
+    fields = {"q_a": "wq_a", "q_b": "wq_b", "q": "wq", "kv_a": "wkv_a", "kv_b": "wkv_b", "o": "wo"}
+    for name, (rows, cols) in matrices.items():
+        type_, data = weights[name]
+        t = _as_type(type_)
+        raw = _byte_view(data, name)
+        if raw.nbytes != rows * t.row_bytes(cols):
+            raise InvalidArgumentError(f"{name} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs "
+                                       f"{rows * t.row_bytes(cols)}")
+        keep.append(raw)
+        setattr(layer, fields[name], _ptr(raw))
+    layer.in_type = int(_as_type(weights["kv_a"][0]))
+    layer.qb_type = int(_as_type(weights["q_b"][0])) if Cq else 0
+    layer.kvb_type = int(_as_type(weights["kv_b"][0]))
+    layer.o_type = int(_as_type(weights["o"][0]))
+    vectors = [("kv_a_norm", weights["kv_a_norm"], C), ("bo", bo, dim)] + ([("q_a_norm", weights["q_a_norm"], Cq)] if Cq else [])
+    for field, vector, n in vectors:
+        if vector is not None:
+            keep.append(_f32_vector(vector, field, n))
+            setattr(layer, field, _ptr(vector))
+    layer._keep = keep  # the buffers the pointers point into
+    return layer
+
+
+def mla_block(layer: MlaLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: np.ndarray, n_past: int,
+              pool: "ThreadPool | None" = None) -> None:
+    """x += latent attention(rms_norm(x)) for T new tokens at positions n_past .., in place
+    (see col_mla_block): ``x`` (T, D), ``cos``/``sin`` (T, R), ``cache`` the layer's whole
+    latent cache (capacity >= n_past + T, C + R), float32; rows n_past .. n_past + T - 1 of the
+    cache are written."""
+    if not isinstance(layer, MlaLayer) or not hasattr(layer, "_keep"):
+        raise InvalidArgumentError("layer must come from mla_layer()")
+    n_past = _as_count(n_past, "n_past")
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise InvalidArgumentError("x must be a (T, D) float32 array")
+    T, R, L = x.shape[0], layer.rope_dim, layer.kv_rank + layer.rope_dim
+    _f32_out(x, "x", (T, layer.dim))
+    for name, table in (("cos", cos), ("sin", sin)):
+        if not isinstance(table, np.ndarray) or table.dtype != np.float32 or table.shape != (T, R) or not table.flags.c_contiguous:
+            raise InvalidArgumentError(f"{name} must be a C-contiguous float32 ({T}, {R}) array")
+    capacity = cache.shape[0] if isinstance(cache, np.ndarray) and cache.ndim == 2 else -1
+    if capacity < n_past + T:
+        raise InvalidArgumentError(f"cache must be a (>= {n_past + T}, {L}) array")
+    _f32_out(cache, "cache", (capacity, L))
+    check(_lib().col_mla_block(_pool_handle(pool), ctypes.addressof(layer), _ptr(x), T, _ptr(cos), _ptr(sin),
+                               _ptr(cache), n_past), "mla_block")
 
 
 def moe_route(type_: TensorType | int | str, data, n_experts: int, dim: int, x: np.ndarray, top_k: int,

@@ -35,6 +35,8 @@ ARCH_CLASSES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM),
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+    "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
 }
 
 # Sizes keep every matrix row a multiple of 64 so every quantized type applies.
@@ -51,6 +53,12 @@ EXPERTS = {
     # sinks on every layer, sliding and full layers alternating, a window shorter than the test prompts
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, head_dim=16, sliding_window=4),
 }
+# Latent attention (C 64, N 32, R 16, Vd 32; kv heads = heads: MLA has no GQA), a shared
+# expert, a dense first layer, 4 groups of 2 experts keeping 2.
+_DEEPSEEK = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, intermediate_size=128,
+                 first_k_dense_replace=1, n_shared_experts=1, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=64,
+                 qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_group=4, topk_group=2)
+EXPERTS.update(deepseek_v2=_DEEPSEEK, deepseek_v3=_DEEPSEEK)
 
 
 @dataclass(frozen=True)

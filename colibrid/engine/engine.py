@@ -11,7 +11,7 @@ import numpy as np
 
 from colibrid.engine.experts import ExpertSource, PreadExpertSource
 from colibrid.engine.generate import GenerationDone, GenerationEvent, generate
-from colibrid.engine.kv_cache import KVCache
+from colibrid.engine.kv_cache import new_cache
 from colibrid.engine.model import Model
 from colibrid.engine.sampling import SamplingParams, model_sampling_defaults
 from colibrid.engine.tokenizer import Tokenizer
@@ -24,12 +24,12 @@ DEFAULT_MAX_CONTEXT = 4096
 
 
 class Session:
-    """One sequence: its KV cache and the model it runs on."""
+    """One sequence: its attention cache (keys and values, or latents) and the model it runs on."""
 
     def __init__(self, model: Model, max_context: int) -> None:
         self.model = model
         self.max_context = max_context
-        self.kv = KVCache(model.config, max_context)
+        self.kv = new_cache(model.config, max_context)
 
     @property
     def n_past(self) -> int:

@@ -1,4 +1,6 @@
-"""Per-sequence key/value cache: one growable buffer per layer."""
+"""Per-sequence attention caches, one growable buffer per layer: keys and values
+(KVCache) or, for latent attention, the compressed latents (LatentCache). Both have one
+interface (length, buffers, advance, nbytes), so a session holds whichever its model needs."""
 
 from __future__ import annotations
 
@@ -58,3 +60,49 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values))
+
+
+class LatentCache:
+    """Multi-head latent attention's cache: per layer and past token the normalised latent and
+    the rotated rope key, C + R float32 (576 for DeepSeek-V3), instead of every head's key
+    and value (H * (N + R + Vd) = 40960 for V3). Same interface as KVCache: buffers() gives
+    the layer's whole buffer for libcolibri to write in place, advance() commits a step."""
+
+    def __init__(self, config: ModelConfig, max_tokens: int, initial_tokens: int = 256) -> None:
+        self.max_tokens = max_tokens
+        self.length = 0  # tokens stored (the same for every layer after a full forward)
+        m = config.mla
+        capacity = min(initial_tokens, max_tokens)
+        width = m.kv_lora_rank + m.qk_rope_head_dim  # L
+        self._latents = [np.empty((capacity, width), np.float32) for _ in range(config.num_layers)]  # (S, L)
+
+    def buffers(self, layer: int, n_new: int) -> np.ndarray:
+        """The layer's whole (capacity, L) buffer, grown to hold ``n_new`` tokens after the
+        current length."""
+        end = self.length + n_new
+        if end > self.max_tokens:
+            raise ValueError(f"context full: {end} tokens > {self.max_tokens}")
+        if end > self._latents[layer].shape[0]:
+            capacity = self._latents[layer].shape[0]
+            while capacity < end:
+                capacity *= 2
+            new = np.empty((min(capacity, self.max_tokens), self._latents[layer].shape[1]), np.float32)
+            new[: self.length] = self._latents[layer][: self.length]
+            self._latents[layer] = new
+        return self._latents[layer]
+
+    def advance(self, n_tokens: int) -> None:
+        """Commit ``n_tokens`` appended to every layer."""
+        self.length += n_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self._latents)
+
+
+SequenceCache = KVCache | LatentCache  # what Model.forward takes: a sequence's attention state
+
+
+def new_cache(config: ModelConfig, max_tokens: int) -> SequenceCache:
+    """The cache a sequence of this model keeps: latents for latent attention, else keys and values."""
+    return LatentCache(config, max_tokens) if config.mla is not None else KVCache(config, max_tokens)

@@ -8,8 +8,9 @@ import numpy as np
 from colibrid import native
 from colibrid.engine.attention import Attention
 from colibrid.engine.experts import ExpertSource
-from colibrid.engine.kv_cache import KVCache
+from colibrid.engine.kv_cache import SequenceCache
 from colibrid.engine.layers import linear, rms_norm
+from colibrid.engine.mla import LatentAttention
 from colibrid.engine.moe import DenseMlp, MoeBlock
 from colibrid.engine.rope import Rotary
 from colibrid.pack.reader import Pack
@@ -35,11 +36,15 @@ class Layer:
         self.eps = c.rms_norm_eps
         self.attn_norm = _dense(pack, f"layers.{layer}.attn_norm")
         self.ffn_norm = _dense(pack, f"layers.{layer}.ffn_norm")
-        self.attention = Attention(c, layer, _layer_weights(pack, layer, "attn."), rotary, self.attn_norm)
+        attn_weights = _layer_weights(pack, layer, "attn.")
+        if c.mla is not None:
+            self.attention = LatentAttention(c, layer, attn_weights, self.attn_norm)
+        else:
+            self.attention = Attention(c, layer, attn_weights, rotary, self.attn_norm)
         ffn_weights = _layer_weights(pack, layer, "")
         self.ffn = MoeBlock(c, layer, ffn_weights, experts) if c.moe_layers[layer] else DenseMlp(ffn_weights)
 
-    def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
+    def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: SequenceCache) -> np.ndarray:
         """The residual stream x (T, D) after this layer; x itself may be updated in place."""
         x = self.attention.residual(x, positions, cos, sin, kv)
         x += self.ffn(rms_norm(x, self.ffn_norm, self.eps))
@@ -47,7 +52,8 @@ class Layer:
 
 
 class Model:
-    """Weights are read-only views into the pack; all mutable state lives in the KVCache."""
+    """Weights are read-only views into the pack; all mutable state lives in the sequence's
+    cache (KVCache, or LatentCache for latent attention)."""
 
     def __init__(self, pack: Pack, experts: ExpertSource) -> None:
         self.pack = pack
@@ -69,7 +75,7 @@ class Model:
             return self.embed.data[token_ids].astype(np.float32)
         return native.get_rows(self.embed.type, self.embed.data, self.config.hidden_size, token_ids.astype(np.int32))
 
-    def forward(self, token_ids: np.ndarray, kv: KVCache, all_logits: bool = True) -> np.ndarray:
+    def forward(self, token_ids: np.ndarray, kv: SequenceCache, all_logits: bool = True) -> np.ndarray:
         """Run ``token_ids`` (T,) after the tokens already in ``kv``; return logits
         (T, V), or (1, V) for the last token only when ``all_logits`` is False."""
         token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)

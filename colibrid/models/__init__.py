@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from colibrid.models.base import Architecture, UnsupportedConfig
+from colibrid.models.deepseek_v2 import DeepseekV2
+from colibrid.models.deepseek_v3 import DeepseekV3
 from colibrid.models.glm4_moe import Glm4Moe
 from colibrid.models.gpt_oss import GptOss
 from colibrid.models.mixtral import Mixtral
@@ -13,7 +15,7 @@ from colibrid.models.qwen2_moe import Qwen2Moe
 from colibrid.models.qwen3_moe import Qwen3Moe
 
 ARCHITECTURES: dict[str, Architecture] = {
-    arch.name: arch for arch in (Olmoe(), Mixtral(), Qwen2Moe(), Qwen3Moe(), Glm4Moe(), GptOss())
+    arch.name: arch for arch in (Olmoe(), Mixtral(), Qwen2Moe(), Qwen3Moe(), Glm4Moe(), DeepseekV2(), DeepseekV3(), GptOss())
 }
 
 

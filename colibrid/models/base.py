@@ -72,7 +72,9 @@ class Architecture:
             pk + "attn_norm": hf + "input_layernorm.weight",
             pk + "ffn_norm": hf + "post_attention_layernorm.weight",
         }
-        for proj in "qkvo":
+        if config.mla is not None:
+            names.update(mla_tensor_names(config, hf, pk))
+        for proj in "qkvo" if config.mla is None else "":
             names[pk + f"attn.{proj}"] = hf + f"self_attn.{proj}_proj.weight"
         if config.qkv_bias:
             for proj in "qkv":
@@ -99,6 +101,18 @@ class Architecture:
             for part in ("gate", "up", "down"):
                 names[pk + f"mlp.{part}"] = hf + f"mlp.{part}_proj.weight"
         return names
+
+
+def mla_tensor_names(config: ModelConfig, hf: str, pk: str) -> dict[str, str]:
+    """A latent-attention layer's tensors (DeepSeek-V2/V3 naming), pack name -> checkpoint name."""
+    names = {}
+    if config.mla.q_lora_rank:
+        names.update({"attn.q_a": "q_a_proj", "attn.q_a_norm": "q_a_layernorm", "attn.q_b": "q_b_proj"})
+    else:
+        names["attn.q"] = "q_proj"
+    names.update({"attn.kv_a": "kv_a_proj_with_mqa", "attn.kv_a_norm": "kv_a_layernorm", "attn.kv_b": "kv_b_proj",
+                  "attn.o": "o_proj"})
+    return {pk + name: f"{hf}self_attn.{module}.weight" for name, module in names.items()}
 
 
 # --- readers for Hugging Face config.json values, shared by the architecture modules ---

@@ -7,7 +7,9 @@ never branches on an architecture's name: it branches on features (``qk_norm``,
 
 Dimension legend used across the engine:
   T tokens, S context length, D hidden, H query heads, K kv heads, Hd head dim,
-  E experts, A active experts per token, F expert ffn, V vocabulary.
+  E experts, A active experts per token, F expert ffn, V vocabulary;
+  latent attention (MlaConfig): Cq q rank, C kv rank (latent), N nope dims, R rope dims,
+  Vd value dims per head, L = C + R latent-cache floats per token.
 """
 
 from __future__ import annotations
@@ -36,6 +38,21 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): queries through an optional
+    low-rank path, keys and values expanded per head from one shared latent, which is what the
+    cache holds. ModelConfig.head_dim is then N + R (the q/k head) and num_kv_heads num_heads."""
+
+    kv_lora_rank: int  # C
+    qk_nope_head_dim: int  # N
+    qk_rope_head_dim: int  # R, the dims RoPE rotates (last in each q/k head)
+    v_head_dim: int  # Vd
+    softmax_scale: float  # (N + R)^-0.5, times YaRN's mscale^2 where the rope scaling asks for it
+    q_lora_rank: int = 0  # Cq; 0 = one q projection (DeepSeek-V2-Lite)
+    rope_interleaved: bool = True  # the rope dims hold interleaved pairs (x0, x1), (x2, x3) ...
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # registry name of the source architecture (informational)
     vocab_size: int  # V
@@ -55,6 +72,7 @@ class ModelConfig:
     clip_qkv: float | None = None  # clamp q, k, v to +-clip_qkv (OLMoE option)
     sliding_window: tuple[int | None, ...] = ()  # per layer: window in tokens, None = full causal
     rotary_dim: int = 0  # leading dims of each head that RoPE rotates (partial rotary); 0 = all Hd
+    mla: MlaConfig | None = None  # multi-head latent attention instead of grouped-query attention
     # Mixture of experts.
     num_experts: int = 0  # E
     num_experts_per_tok: int = 0  # A
@@ -105,7 +123,9 @@ class ModelConfig:
 
     @property
     def rotated_dims(self) -> int:
-        """How many leading dims of each head RoPE rotates (the width of the cos/sin tables)."""
+        """How many dims of each head RoPE rotates (the width of the cos/sin tables)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return self.rotary_dim or self.head_dim
 
     @property
@@ -123,6 +143,8 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown model config keys: {sorted(unknown)}")
         data["rope"] = RopeConfig(**data["rope"])
+        if data.get("mla") is not None:
+            data["mla"] = MlaConfig(**data["mla"])
         for key in ("sliding_window", "moe_layers", "eos_token_ids"):
             data[key] = tuple(data.get(key, ()))
         return cls(**data)
@@ -132,6 +154,8 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     """(total, active per token) parameter counts, embeddings and head included."""
     D, V = config.hidden_size, config.vocab_size
     attn = D * config.num_heads * config.head_dim * 2 + D * config.num_kv_heads * config.head_dim * 2
+    if config.mla is not None:
+        attn = _mla_parameters(config)
     attn += config.num_heads if config.attention_sinks else 0
     norms = 2 * D
     embed = V * D * (1 if config.tie_word_embeddings else 2) + D
@@ -150,3 +174,12 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
             active += 3 * D * config.dense_ffn
     return total, active
 
+
+
+def _mla_parameters(config: ModelConfig) -> int:
+    """Parameters of one latent-attention layer, its q_a and kv_a norms included."""
+    m, D, H = config.mla, config.hidden_size, config.num_heads
+    QH = H * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    q = D * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * QH if m.q_lora_rank else D * QH
+    kv = D * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+    return q + kv + H * m.v_head_dim * D

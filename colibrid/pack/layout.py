@@ -66,7 +66,20 @@ def expected_dense_shape(name: str, c: ModelConfig) -> tuple[int, ...]:
         "shared.gate": (ffn, D), "shared.up": (ffn, D), "shared.down": (D, ffn),
         "mlp.gate": (ffn, D), "mlp.up": (ffn, D), "mlp.down": (D, ffn),
     }
+    if c.mla is not None:
+        shapes.update(_mla_shapes(c))
     return shapes[leaf]
+
+
+def _mla_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Latent attention's tensors (see MlaConfig): q (or q_a, q_b), kv_a, kv_b, o."""
+    m, D, H = c.mla, c.hidden_size, c.num_heads
+    Cq, C, R = m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim
+    return {
+        "attn.q": (H * c.head_dim, D), "attn.q_a": (Cq, D), "attn.q_a_norm": (Cq,), "attn.q_b": (H * c.head_dim, Cq),
+        "attn.kv_a": (C + R, D), "attn.kv_a_norm": (C,), "attn.kv_b": (H * (m.qk_nope_head_dim + m.v_head_dim), C),
+        "attn.o": (D, H * m.v_head_dim), "attn.o_bias": (D,),
+    }
 
 
 def expert_part_names(c: ModelConfig) -> tuple[str, ...]:

@@ -86,6 +86,8 @@ def check_model_config(c: ModelConfig) -> None:
     _check_expert_activation(c)
     if type(c.rotary_dim) is not int or not 0 <= c.rotary_dim <= c.head_dim:
         raise ValueError(f"model.rotary_dim must be an integer in [0, head_dim {c.head_dim}], got {c.rotary_dim!r:.40}")
+    if c.mla is not None:
+        _check_mla(c)
     _positive_float(c.rms_norm_eps, "model.rms_norm_eps")
     if c.clip_qkv is not None:
         _positive_float(c.clip_qkv, "model.clip_qkv")
@@ -116,6 +118,26 @@ def _check_expert_activation(c: ModelConfig) -> None:
     if c.expert_activation == "clamped_swiglu":
         _positive_float(c.swiglu_limit, "model.swiglu_limit")
         _finite_float(c.swiglu_alpha, "model.swiglu_alpha")
+
+
+def _check_mla(c: ModelConfig) -> None:
+    """Latent attention: its dimensions, and the head shape they imply for the rest."""
+    m = c.mla
+    for name, low in (("kv_lora_rank", 1), ("qk_nope_head_dim", 0), ("qk_rope_head_dim", 2), ("v_head_dim", 1),
+                      ("q_lora_rank", 0)):
+        value = getattr(m, name)
+        if type(value) is not int or not low <= value <= MAX_DIM:
+            raise ValueError(f"model.mla.{name} must be an integer in [{low}, {MAX_DIM}], got {value!r:.40}")
+    if m.qk_rope_head_dim % 2:
+        raise ValueError(f"model.mla.qk_rope_head_dim must be even, got {m.qk_rope_head_dim}")
+    if type(m.rope_interleaved) is not bool:
+        raise ValueError("model.mla.rope_interleaved must be true or false")
+    _positive_float(m.softmax_scale, "model.mla.softmax_scale")
+    if c.head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim or c.num_kv_heads != c.num_heads or c.rotary_dim:
+        raise ValueError("latent attention needs head_dim = qk_nope_head_dim + qk_rope_head_dim, num_kv_heads = "
+                         "num_heads and rotary_dim 0")
+    if c.qkv_bias or c.qk_norm != "none" or c.clip_qkv is not None or any(c.sliding_window):
+        raise ValueError("latent attention has no q/k/v biases, q/k norms, clipping or sliding windows")
 
 
 def _check_rope(c: ModelConfig) -> None:

@@ -416,6 +416,60 @@ COL_API int col_attention_block(col_pool *pool, const col_attention_layer *layer
                                 const float *cos, const float *sin, float *keys, float *vals,
                                 int64_t n_past);
 
+/* One layer's multi-head latent attention (DeepSeek-V2/V3, Kimi K2), set up once and passed
+ * to every step. Weights are only read, during each call. Shapes: D dim, H n_heads, Cq q_rank,
+ * C kv_rank, N nope_dim, R rope_dim, Vd v_dim, L = C + R. */
+typedef struct col_mla_layer {
+    int64_t dim;            /* D */
+    int64_t n_heads;        /* H */
+    int64_t q_rank;         /* Cq: q = (rms_norm(h wq_a^T) * q_a_norm) wq_b^T; 0: q = h wq^T */
+    int64_t kv_rank;        /* C: the latent's width */
+    int64_t nope_dim;       /* N: dims of each q/k head without RoPE (first in the head) */
+    int64_t rope_dim;       /* R: dims of each q/k head with RoPE (last in the head), even */
+    int64_t v_dim;          /* Vd: dims of each value head */
+    float eps;              /* RMSNorm epsilon of the input, q_a and kv_a norms */
+    float scale;            /* softmax scale ((N + R)^-0.5 times any YaRN mscale^2) */
+    int32_t rope_interleaved; /* 1: each rope part holds interleaved pairs (DeepSeek's layout) */
+    int32_t in_type;        /* type of wq_a (or wq) and wkv_a: one activation quantization */
+    int32_t qb_type;        /* type of wq_b (q_rank > 0) */
+    int32_t kvb_type;       /* type of wkv_b */
+    int32_t o_type;         /* type of wo */
+    int32_t reserved;
+    const float *norm;      /* (D) input RMSNorm weight */
+    const void *wq_a;       /* (Cq, row_bytes(in_type, D)), q_rank > 0 */
+    const float *q_a_norm;  /* (Cq), q_rank > 0 */
+    const void *wq_b;       /* (H * (N + R), row_bytes(qb_type, Cq)), q_rank > 0 */
+    const void *wq;         /* (H * (N + R), row_bytes(in_type, D)), q_rank == 0 */
+    const void *wkv_a;      /* (C + R, row_bytes(in_type, D)) */
+    const float *kv_a_norm; /* (C) */
+    const void *wkv_b;      /* (H * (N + Vd), row_bytes(kvb_type, C)): per head N key rows, Vd value rows */
+    const void *wo;         /* (D, row_bytes(o_type, H * Vd)) */
+    const float *bo;        /* (D) or NULL */
+} col_mla_layer;
+
+/* sizeof(col_mla_layer), for bindings that mirror the struct. */
+COL_API size_t col_mla_layer_size(void);
+
+/* A whole latent-attention step of n_tok new tokens at positions n_past .. n_past + n_tok - 1,
+ * residual included, in one pool job (see mla_block.c for the arithmetic):
+ *     h = rms_norm(x) * norm;  q = (H, N + R) per token as above;  kv = h wkv_a^T
+ *     cache[n_past + t] = [rms_norm(kv[:C]) * kv_a_norm, rope(kv[C:])]
+ *     per head j: attention of [Wk_j^T q_nope, rope(q_rope)] over cache[0 : n_past + t + 1]
+ *                 (causal), its latent output multiplied by Wv_j
+ *     x += a wo^T + bo
+ * RoPE rotates R dims (rotate-half; after de-interleaving pairs when rope_interleaved), so
+ * the cache holds the rope key in that rotated layout.
+ *   x:        (n_tok, D) float32, read and updated in place
+ *   cos, sin: (n_tok, R) float32, the rotary tables of the new tokens
+ *   cache:    (>= n_past + n_tok, C + R) float32, the layer's latent cache; rows n_past ..
+ *             n_past + n_tok - 1 are written, rows before are read
+ * Each (token, head) is computed on its own: the result does not depend on the thread count
+ * or on how a sequence is split into calls.
+ * COL_EINVAL: bad sizes, types or NULL pointers; nothing written. COL_ENOMEM: scratch
+ * allocation failed; nothing written. */
+COL_API int col_mla_block(col_pool *pool, const col_mla_layer *layer, float *x, int64_t n_tok, const float *cos,
+                          const float *sin, float *cache, int64_t n_past);
+
 /* Router of a MoE layer step: logits = x @ router^T (as col_matmul), then per token a
  * float32 softmax over the n_experts logits, the top_k most probable experts (ties: the
  * lower index first) best first, and their probabilities, renormalised to sum to 1 if

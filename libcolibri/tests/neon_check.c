@@ -311,6 +311,78 @@ static void check_moe(int type, int64_t n_tok, col_pool *const *pools) {
     }
 }
 
+/* Latent attention (col_mla_block) with weights of `type`, q's low-rank path on or off: the
+NEON level against the portable one (MOE_TOL: int8 activations in several products), and the
+same bits for 1, 2 and 3 threads. */
+static void check_mla(int type, int64_t q_rank, int64_t n_tok, col_pool *const *pools) {
+    enum { D = 64, H = 4, C = 64, N = 32, R = 16, VD = 32, L = C + R };
+    const int64_t QH = H * (N + R);
+    weights q_a = weights_random(type, q_rank ? q_rank : QH, D, 0.2), q_b = weights_random(type, QH, q_rank ? q_rank : 64, 0.2);
+    weights kv_a = weights_random(type, L, D, 0.2), kv_b = weights_random(type, H * (N + VD), C, 0.2);
+    weights wo = weights_random(type, D, H * VD, 0.2);
+    float norm[D], q_a_norm[64], kv_a_norm[C];
+    fill_gaussian(norm, D, 0.2);
+    fill_gaussian(q_a_norm, 64, 0.2);
+    fill_gaussian(kv_a_norm, C, 0.2);
+    for (int i = 0; i < D; i++) norm[i] += 1.0f;
+    for (int i = 0; i < 64; i++) q_a_norm[i] += 1.0f;
+    for (int i = 0; i < C; i++) kv_a_norm[i] += 1.0f;
+    col_mla_layer l = {0};
+    l.dim = D, l.n_heads = H, l.q_rank = q_rank, l.kv_rank = C, l.nope_dim = N, l.rope_dim = R, l.v_dim = VD;
+    l.eps = 1e-5f, l.scale = 0.15f, l.rope_interleaved = 1;
+    l.in_type = l.qb_type = l.kvb_type = l.o_type = type;
+    l.norm = norm, l.wkv_a = kv_a.packed, l.kv_a_norm = kv_a_norm, l.wkv_b = kv_b.packed, l.wo = wo.packed;
+    if (q_rank) l.wq_a = q_a.packed, l.q_a_norm = q_a_norm, l.wq_b = q_b.packed;
+    else l.wq = q_a.packed;
+    float *x = must_alloc((size_t)(n_tok * D) * sizeof(float)), *cos_t = must_alloc((size_t)(n_tok * R) * sizeof(float));
+    float *sin_t = must_alloc((size_t)(n_tok * R) * sizeof(float));
+    fill_gaussian(x, n_tok * D, 1.0);
+    for (int64_t t = 0; t < n_tok; t++)
+        for (int i = 0; i < R; i++) {
+            const double angle = (double)t * pow(10000.0, -(double)(2 * (i % (R / 2))) / R);
+            cos_t[t * R + i] = (float)cos(angle);
+            sin_t[t * R + i] = (float)sin(angle);
+        }
+    const size_t x_bytes = (size_t)(n_tok * D) * sizeof(float), cache_bytes = (size_t)(n_tok * L) * sizeof(float);
+    float *want = must_alloc(x_bytes), *want_cache = must_alloc(cache_bytes), *got[N_POOLS], *cache[N_POOLS];
+    memcpy(want, x, x_bytes);
+    must(col_kernels_set(COL_KERNELS_PORTABLE), "col_kernels_set");
+    must(col_mla_block(pools[0], &l, want, n_tok, cos_t, sin_t, want_cache, 0), "col_mla_block");
+    must(col_kernels_set(COL_KERNELS_NEON), "col_kernels_set");
+    for (int p = 0; p < N_POOLS; p++) {
+        got[p] = must_alloc(x_bytes);
+        cache[p] = must_alloc(cache_bytes);
+        memcpy(got[p], x, x_bytes);
+        must(col_mla_block(pools[p], &l, got[p], n_tok, cos_t, sin_t, cache[p], 0), "col_mla_block");
+    }
+    for (int p = 1; p < N_POOLS; p++)
+        check(memcmp(got[p], got[0], x_bytes) == 0 && memcmp(cache[p], cache[0], cache_bytes) == 0,
+              "%s mla q_rank=%lld n_tok=%lld: %d threads differ from 1", type_name(type), (long long)q_rank,
+              (long long)n_tok, p + 1);
+    double max_want = 0.0, max_diff = 0.0;
+    for (int64_t i = 0; i < n_tok * D; i++) { /* the attention's contribution: x + a - x */
+        const double a = fabs((double)want[i] - x[i]), diff = fabs((double)got[0][i] - want[i]);
+        if (a > max_want) max_want = a;
+        if (diff > max_diff) max_diff = diff;
+    }
+    check(max_diff <= MOE_TOL * max_want + 1e-6, "%s mla q_rank=%lld n_tok=%lld: max |neon - portable| %g > %g x %g",
+          type_name(type), (long long)q_rank, (long long)n_tok, max_diff, MOE_TOL, max_want);
+    for (int p = 0; p < N_POOLS; p++) {
+        free(got[p]);
+        free(cache[p]);
+    }
+    free(want);
+    free(want_cache);
+    free(x);
+    free(cos_t);
+    free(sin_t);
+    weights_free(&q_a);
+    weights_free(&q_b);
+    weights_free(&kv_a);
+    weights_free(&kv_b);
+    weights_free(&wo);
+}
+
 int main(void) {
     /* on aarch64 NEON is always there, and the best level */
     check(col_kernels_supported(COL_KERNELS_NEON), "the neon level is not supported by this build");
@@ -333,11 +405,13 @@ int main(void) {
         check_rounding(types[i]);
         check_moe(types[i], 1, pools);
         check_moe(types[i], 5, pools);
+        check_mla(types[i], 64, 5, pools);
+        check_mla(types[i], 0, 1, pools);
     }
     for (int p = 0; p < N_POOLS; p++) col_pool_destroy(pools[p]);
 
     printf("neon_check: %s (%d of %d checks failed; q8_0, q4_g64 and mxfp4 matmul on %zu shapes, "
-           "rounding, fused experts; neon vs portable)\n",
+           "rounding, fused experts, latent attention; neon vs portable)\n",
            n_failed ? "FAIL" : "PASS", n_failed, n_checks, sizeof SHAPES / sizeof SHAPES[0]);
     return n_failed ? 1 : 0;
 }

@@ -61,7 +61,11 @@ GLM_SPEC = CheckpointSpec("glm4_moe", {"num_hidden_layers": 3, "use_qk_norm": Tr
 # gpt-oss's: biases inside every expert record, a clamped SwiGLU, the top-k-then-softmax router
 # with a bias, attention sinks, a sliding layer (window 4) and a full one (8 experts, top-2).
 GPT_OSS_SPEC = CheckpointSpec("gpt_oss", {"swiglu_limit": 0.15})
-FAMILIES = {"qwen2_moe": (SPEC, MOE_LAYERS), "glm4_moe": (GLM_SPEC, [1, 2]), "gpt_oss": (GPT_OSS_SPEC, [0, 1])}
+# DeepSeek-V3's: latent attention (its latent cache), sigmoid routing with groups, a shared
+# expert, a dense first layer (8 experts, top-2, MoE layers 1 and 2).
+DEEPSEEK_SPEC = CheckpointSpec("deepseek_v3", {"num_hidden_layers": 3})
+FAMILIES = {"qwen2_moe": (SPEC, MOE_LAYERS), "glm4_moe": (GLM_SPEC, [1, 2]), "deepseek_v3": (DEEPSEEK_SPEC, [1, 2]),
+            "gpt_oss": (GPT_OSS_SPEC, [0, 1])}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

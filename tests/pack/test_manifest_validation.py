@@ -174,3 +174,39 @@ def test_the_unmodified_pack_opens(source_pack):
     pack = Pack.open(source_pack)
     assert pack.manifest.dense_tensors["layers.0.attn.q"].type == "f16"
     assert pack.notes == []
+
+
+# A latent-attention pack (DeepSeek-V3): its mla fields are checked like the others.
+DEEPSEEK_SPEC = CheckpointSpec("deepseek_v3")
+
+
+def _mla(**fields):
+    return lambda m: m["model"]["mla"].update(fields)
+
+
+MLA_CORRUPTIONS = [
+    ("latent rank as a float", _mla(kv_lora_rank=64.0), ["model.mla.kv_lora_rank must be an integer"]),
+    ("odd rope dims", _mla(qk_rope_head_dim=15), ["model.mla.qk_rope_head_dim"]),
+    ("negative softmax scale", _mla(softmax_scale=-0.1), ["model.mla.softmax_scale"]),
+    ("rope layout as a number", _mla(rope_interleaved=1), ["model.mla.rope_interleaved"]),
+    ("an unknown mla key", _mla(kv_heads=2), ["malformed manifest"]),
+    ("grouped kv heads", lambda m: m["model"].update(num_kv_heads=2), ["latent attention needs"]),
+    ("another latent rank", _mla(kv_lora_rank=32), ["layers.0.attn.kv_a", "shape"]),
+    ("no latent attention", lambda m: m["model"].update(mla=None), ["tensor 'layers.0.attn.q' of dense.bin is missing"]),
+]
+
+
+@pytest.mark.parametrize("mutate, fragments", [c[1:] for c in MLA_CORRUPTIONS], ids=[c[0] for c in MLA_CORRUPTIONS])
+def test_corrupt_latent_attention_fields_are_refused(packs, tmp_path, mutate, fragments):
+    from colibrid.pack import Pack, PackError
+
+    pack = shutil.copytree(packs.pack(DEEPSEEK_SPEC, "f32"), tmp_path / "pack")
+    assert Pack.open(pack).manifest.model.mla is not None
+    path = pack / "manifest.json"
+    manifest = json.loads(path.read_text())
+    mutate(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(PackError) as info:
+        Pack.open(pack)
+    for fragment in fragments:
+        assert fragment in str(info.value)

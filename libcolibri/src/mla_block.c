@@ -1,0 +1,277 @@
+/*
+ * mla_block.c — a decoder layer's multi-head latent attention step (DeepSeek-V2/V3, Kimi K2)
+ * in one call and one pool job, over a cache of compressed latents instead of keys/values.
+ *
+ * Legend: T new tokens, D hidden, H heads, Cq q rank (0: no low-rank q), C kv rank (latent),
+ * N nope dims, R rope dims, Vd value dims per head, L = C + R cache floats per token,
+ * QH = H * (N + R), S = n_past + T keys.
+ *
+ * Per token, with h = rms_norm(x) * norm:
+ *   q      = Cq ? (rms_norm(h wq_a^T) * q_a_norm) wq_b^T : h wq^T           (H, N + R)
+ *   kv     = h wkv_a^T                                                      (C + R)
+ *   cache[n_past + t] = [rms_norm(kv[:C]) * kv_a_norm, rope(kv[C:])]        (L)
+ * and per head, splitting wkv_b's rows of head j into Wk_j (N, C) and Wv_j (Vd, C):
+ *   q_lat  = Wk_j^T q_nope_j                                                (C)
+ *   score_s = scale * (q_lat . cache_s[:C] + rope(q_rope_j) . cache_s[C:])
+ *   o_lat  = sum_s softmax(score)_s cache_s[:C]                             (C)
+ *   a_j    = Wv_j o_lat                                                     (Vd)
+ *   x     += a wo^T + bo
+ * This is the absorbed form: the per-head keys Wk_j latent_s and values Wv_j latent_s are
+ * never built, their products are folded into the query (q_lat) and the output (a_j). It is
+ * the same attention as the expanded one (q_nope . Wk latent = (Wk^T q_nope) . latent) with
+ * the sums taken in another order.
+ *
+ * Prefill uses the absorbed form as well. Expanding the keys and values of a T-token prompt
+ * costs the same products as absorbing T queries (T * H * (N + Vd) * C multiply-adds both
+ * ways) and then makes each (query, key, head) cheaper (N + R + Vd instead of 2C + R), so an
+ * expanded prefill would be faster for long prompts; but then a prompt and the same tokens
+ * fed one at a time would give different numbers, and every path of the engine computes
+ * each query row on its own so that they do not (see layers.linear).
+ *
+ * Phases, with a barrier between each two:
+ *   0. h[t] = rms_norm(x[t]) * norm, quantized for the input type          tokens split
+ *   1. [q_a or q ; kv][t] = h[t] @ [wq_a or wq ; wkv_a]^T                  rows split
+ *   2. kv: latent norm, rope, cache store; q_a: norm (and quantize)          tokens split
+ *   3. q[t] = q_a[t] @ wq_b^T (only with Cq > 0)                            rows split
+ *   4. a[t, head] = absorbed attention over keys 0 .. n_past + t            (t, head) dealt
+ *   5. a[t] quantized for wo's type (integer kernels only)                  tokens split
+ *   6. x[t] += a[t] @ wo^T + bo                                             D rows split
+ * A (t, head) item's numbers do not depend on how many threads run nor on the other tokens
+ * of the call.
+ */
+#include <math.h>
+
+#include "col_internal.h"
+
+typedef struct {
+    const col_kernel_set *k;
+    const col_mla_layer *l;
+    const col_type_traits *kvb; /* wkv_b's type: its rows are dequantized one at a time */
+    col_matrix m_in, m_kv, m_qb, m_o;
+    int64_t n_tok, n_past, QH, L, rows_in; /* rows_in: rows of wq_a (Cq) or wq (QH) */
+    float *x;                 /* (T, D) */
+    const float *cos, *sin;   /* (T, R) */
+    float *cache;             /* (>= S, L) */
+    float *h;                 /* (T, D) normed input */
+    uint8_t *hq;              /* (T, hq_bytes) */
+    size_t hq_bytes;
+    float *qa;                /* (T, Cq) q's low-rank activation */
+    uint8_t *qaq;             /* (T, qaq_bytes) */
+    size_t qaq_bytes;
+    float *q;                 /* (T, QH) */
+    float *kv;                /* (T, L) kv_a output before norm and rope */
+    float *a;                 /* (T, H * Vd) attention output */
+    uint8_t *aq;              /* (T, aq_bytes) */
+    size_t aq_bytes;
+    float *o;                 /* (T, D) a @ wo^T */
+    float *scratch;           /* (nth, per_thread) scores (S) | rope (R) | q_lat (C) | o_lat (C) | row (C) */
+    int64_t per_thread;
+    col_barrier barrier;
+} mla_job;
+
+/* DeepSeek stores each rope part as interleaved pairs (x0, x1), (x2, x3) ...; rotating pair
+ * i by frequency i is rotate-half on the evens followed by the odds, which is what
+ * transformers' interleaved rotary returns. */
+static void rope_part(const mla_job *j, float *v, const float *c, const float *s, float *tmp) {
+    const int64_t R = j->l->rope_dim;
+    if (j->l->rope_interleaved) {
+        for (int64_t i = 0; i < R / 2; i++) {
+            tmp[i] = v[2 * i];
+            tmp[i + R / 2] = v[2 * i + 1];
+        }
+        memcpy(v, tmp, (size_t)R * sizeof(float));
+    }
+    col_rope_heads(v, 1, R, R, c, s);
+}
+
+/* Rows [b, e) of the stacked input product: rows_in rows of wq_a / wq, then C + R of wkv_a. */
+static void input_rows(const mla_job *j, int64_t b, int64_t e) {
+    const int64_t n1 = j->rows_in, n2 = j->L;
+    float *y1 = j->l->q_rank > 0 ? j->qa : j->q;
+    const int64_t s1 = j->l->q_rank > 0 ? j->l->q_rank : j->QH;
+    if (b < n1) {
+        const int64_t r1 = e < n1 ? e : n1;
+        col_matrix_rows(j->k, &j->m_in, b, r1, j->h, j->hq, j->hq_bytes, j->n_tok, y1 + b, s1);
+    }
+    if (e > n1) {
+        const int64_t r0 = b > n1 ? b - n1 : 0, r1 = e - n1 < n2 ? e - n1 : n2;
+        col_matrix_rows(j->k, &j->m_kv, r0, r1, j->h, j->hq, j->hq_bytes, j->n_tok, j->kv + r0, n2);
+    }
+}
+
+/* Phase 2 for token t. */
+static void finish_latent(const mla_job *j, int64_t t, float *tmp) {
+    const col_mla_layer *l = j->l;
+    const int64_t C = l->kv_rank, R = l->rope_dim;
+    const float *kv = j->kv + t * j->L;
+    float *row = j->cache + (j->n_past + t) * j->L; /* (L) */
+    col_rms_norm(kv, l->kv_a_norm, 1, C, l->eps, row);
+    memcpy(row + C, kv + C, (size_t)R * sizeof(float));
+    rope_part(j, row + C, j->cos + t * R, j->sin + t * R, tmp);
+    if (l->q_rank > 0) {
+        float *qa = j->qa + t * l->q_rank;
+        col_rms_norm(qa, l->q_a_norm, 1, l->q_rank, l->eps, qa);
+        if (j->m_qb.integer) col_quantize_x(j->m_qb.type, qa, l->q_rank, j->qaq + (size_t)t * j->qaq_bytes);
+    }
+}
+
+/* Phase 4 for one query head: the absorbed attention of token t, head `head`. */
+static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th) {
+    const col_kernel_set *k = j->k;
+    const col_mla_layer *l = j->l;
+    const int64_t C = l->kv_rank, R = l->rope_dim, N = l->nope_dim, Vd = l->v_dim, L = j->L;
+    const int64_t pos = j->n_past + t;
+    float *sc = th, *pe = sc + (j->n_past + j->n_tok), *q_lat = pe + R, *o_lat = q_lat + C, *row = o_lat + C;
+    const float *qh = j->q + t * j->QH + head * (N + R); /* (N + R) */
+    const int64_t kvb_row_bytes = col_type_row_bytes(l->kvb_type, C);
+    const uint8_t *wk = (const uint8_t *)l->wkv_b + (size_t)(head * (N + Vd)) * (size_t)kvb_row_bytes; /* (N, C) */
+    const uint8_t *wv = wk + (size_t)N * (size_t)kvb_row_bytes;                                        /* (Vd, C) */
+
+    memcpy(pe, qh + N, (size_t)R * sizeof(float));
+    rope_part(j, pe, j->cos + t * R, j->sin + t * R, row);
+    for (int64_t c = 0; c < C; c++) q_lat[c] = 0.0f;
+    for (int64_t n = 0; n < N; n++) { /* q_lat = Wk^T q_nope, row by row of Wk */
+        j->kvb->dequantize_row(wk + (size_t)n * (size_t)kvb_row_bytes, row, C);
+        k->axpy_f32(q_lat, qh[n], row, C);
+    }
+
+    float mx = -INFINITY;
+    for (int64_t s = 0; s <= pos; s++) {
+        const float *cs = j->cache + s * L;
+        sc[s] = (k->dot_f32(q_lat, cs, C) + k->dot_f32(pe, cs + C, R)) * l->scale;
+        if (sc[s] > mx) mx = sc[s];
+    }
+    float sum = 0.0f;
+    for (int64_t s = 0; s <= pos; s++) {
+        sc[s] = expf(sc[s] - mx);
+        sum += sc[s];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t c = 0; c < C; c++) o_lat[c] = 0.0f;
+    for (int64_t s = 0; s <= pos; s++) k->axpy_f32(o_lat, sc[s] * inv, j->cache + s * L, C);
+
+    float *out = j->a + t * l->n_heads * Vd + head * Vd; /* (Vd) = Wv o_lat */
+    for (int64_t v = 0; v < Vd; v++) {
+        j->kvb->dequantize_row(wv + (size_t)v * (size_t)kvb_row_bytes, row, C);
+        out[v] = k->dot_f32(row, o_lat, C);
+    }
+}
+
+static void mla_task(void *arg, int ith, int nth) {
+    mla_job *j = arg;
+    const col_mla_layer *l = j->l;
+    const int64_t T = j->n_tok, D = l->dim, H = l->n_heads, AV = l->n_heads * l->v_dim;
+    float *th = j->scratch + ith * j->per_thread;
+    int64_t b, e;
+
+    col_split(T, ith, nth, &b, &e); /* 0. input norm */
+    for (int64_t t = b; t < e; t++) {
+        col_rms_norm(j->x + t * D, l->norm, 1, D, l->eps, j->h + t * D);
+        if (j->m_in.integer) col_quantize_x(j->m_in.type, j->h + t * D, D, j->hq + (size_t)t * j->hq_bytes);
+    }
+    col_barrier_wait(&j->barrier, nth);
+
+    col_split(j->rows_in + j->L, ith, nth, &b, &e); /* 1. q_a (or q) and kv_a */
+    if (b < e) input_rows(j, b, e);
+    col_barrier_wait(&j->barrier, nth);
+
+    col_split(T, ith, nth, &b, &e); /* 2. latents into the cache, q_a norm */
+    for (int64_t t = b; t < e; t++) finish_latent(j, t, th);
+    col_barrier_wait(&j->barrier, nth);
+
+    if (l->q_rank > 0) { /* 3. q = q_a wq_b^T */
+        col_split(j->QH, ith, nth, &b, &e);
+        if (b < e) col_matrix_rows(j->k, &j->m_qb, b, e, j->qa, j->qaq, j->qaq_bytes, T, j->q + b, j->QH);
+        col_barrier_wait(&j->barrier, nth);
+    }
+
+    for (int64_t item = ith; item < T * H; item += nth) /* 4. attention, round-robin as col_attention */
+        attend_latent(j, item / H, item % H, th);
+    col_barrier_wait(&j->barrier, nth);
+
+    if (j->m_o.integer) { /* 5. quantize a */
+        col_split(T, ith, nth, &b, &e);
+        for (int64_t t = b; t < e; t++) col_quantize_x(j->m_o.type, j->a + t * AV, AV, j->aq + (size_t)t * j->aq_bytes);
+        col_barrier_wait(&j->barrier, nth);
+    }
+
+    col_split(D, ith, nth, &b, &e); /* 6. output product and residual */
+    if (b >= e) return;
+    col_matrix_rows(j->k, &j->m_o, b, e, j->a, j->aq, j->aq_bytes, T, j->o + b, D);
+    for (int64_t t = 0; t < T; t++) {
+        float *xt = j->x + t * D;
+        const float *ot = j->o + t * D;
+        if (l->bo)
+            for (int64_t r = b; r < e; r++) xt[r] += ot[r] + l->bo[r];
+        else
+            for (int64_t r = b; r < e; r++) xt[r] += ot[r];
+    }
+}
+
+size_t col_mla_layer_size(void) { return sizeof(col_mla_layer); }
+
+static int mla_layer_valid(const col_mla_layer *l) {
+    if (l->dim <= 0 || l->n_heads <= 0 || l->q_rank < 0 || l->kv_rank <= 0 || l->nope_dim < 0 || l->rope_dim <= 0 ||
+        l->rope_dim % 2 != 0 || l->v_dim <= 0)
+        return 0;
+    if (!l->norm || !l->wkv_a || !l->kv_a_norm || !l->wkv_b || !l->wo) return 0;
+    if (l->q_rank > 0 ? (!l->wq_a || !l->q_a_norm || !l->wq_b) : !l->wq) return 0;
+    return col_get_type_traits(l->kvb_type) != NULL && col_type_row_bytes(l->kvb_type, l->kv_rank) > 0;
+}
+
+int col_mla_block(col_pool *pool, const col_mla_layer *layer, float *x, int64_t n_tok, const float *cos,
+                  const float *sin, float *cache, int64_t n_past) {
+    if (!layer || !mla_layer_valid(layer) || n_tok < 0 || n_past < 0) return COL_EINVAL;
+    if (n_tok == 0) return COL_OK;
+    if (!x || !cos || !sin || !cache) return COL_EINVAL;
+    const col_mla_layer *l = layer;
+    mla_job job = {0};
+    job.k = col_kernels_active();
+    job.l = l;
+    job.kvb = col_get_type_traits(l->kvb_type);
+    job.QH = l->n_heads * (l->nope_dim + l->rope_dim);
+    job.L = l->kv_rank + l->rope_dim;
+    job.rows_in = l->q_rank > 0 ? l->q_rank : job.QH;
+    const int64_t AV = l->n_heads * l->v_dim;
+    if (col_matrix_init(&job.m_in, job.k, l->in_type, l->q_rank > 0 ? l->wq_a : l->wq, l->dim) != COL_OK ||
+        col_matrix_init(&job.m_kv, job.k, l->in_type, l->wkv_a, l->dim) != COL_OK ||
+        col_matrix_init(&job.m_o, job.k, l->o_type, l->wo, AV) != COL_OK)
+        return COL_EINVAL;
+    if (l->q_rank > 0 && col_matrix_init(&job.m_qb, job.k, l->qb_type, l->wq_b, l->q_rank) != COL_OK) return COL_EINVAL;
+    job.n_tok = n_tok;
+    job.n_past = n_past;
+    job.x = x;
+    job.cos = cos;
+    job.sin = sin;
+    job.cache = cache;
+
+    const int nth = col_pool_n_threads(pool);
+    const size_t T = (size_t)n_tok, S = (size_t)(n_past + n_tok);
+    const size_t Cq = (size_t)l->q_rank, C = (size_t)l->kv_rank;
+#define F32_BYTES(n) (((n) * sizeof(float) + 63) / 64 * 64)
+    job.per_thread = (int64_t)(F32_BYTES(S + (size_t)l->rope_dim + 3 * C) / sizeof(float));
+    const size_t sz_h = F32_BYTES(T * (size_t)l->dim), sz_qa = F32_BYTES(T * Cq), sz_q = F32_BYTES(T * (size_t)job.QH);
+    const size_t sz_kv = F32_BYTES(T * (size_t)job.L), sz_a = F32_BYTES(T * (size_t)AV);
+    const size_t sz_scratch = (size_t)nth * (size_t)job.per_thread * sizeof(float);
+#undef F32_BYTES
+    job.hq_bytes = job.m_in.integer ? col_xq_bytes(l->dim / COL_QK_X) : 0;
+    job.qaq_bytes = l->q_rank > 0 && job.m_qb.integer ? col_xq_bytes(l->q_rank / COL_QK_X) : 0;
+    job.aq_bytes = job.m_o.integer ? col_xq_bytes(AV / COL_QK_X) : 0;
+    const size_t floats = 2 * sz_h + sz_qa + sz_q + sz_kv + sz_a + sz_scratch;
+    uint8_t *mem = col_alloc(floats + T * (job.hq_bytes + job.qaq_bytes + job.aq_bytes));
+    if (!mem) return COL_ENOMEM;
+    uint8_t *p = mem;
+    job.h = (float *)p, p += sz_h;
+    job.o = (float *)p, p += sz_h;
+    job.qa = (float *)p, p += sz_qa;
+    job.q = (float *)p, p += sz_q;
+    job.kv = (float *)p, p += sz_kv;
+    job.a = (float *)p, p += sz_a;
+    job.scratch = (float *)p, p += sz_scratch;
+    job.hq = p, p += T * job.hq_bytes;
+    job.qaq = p, p += T * job.qaq_bytes;
+    job.aq = p;
+    col_pool_run(pool, mla_task, &job);
+    col_free(mem);
+    return COL_OK;
+}

@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"wrote {report.out}: {report.architecture}, {describe_experts(Path(report.out))}, "
             f"dense {report.dense_bytes / 1e6:.1f} MB + experts {report.experts_bytes / 1e6:.1f} MB "
-            f"({', '.join(f'{c}={t}' for c, t in report.quantization.items())}) in {seconds:.1f}s",
+            f"({', '.join(f'{c}={t}' for c, t in report.quantization.items())}) in {seconds:.1f}s "
+            f"({report.params / max(report.seconds, 1e-6) / 1e6:.1f} M params/s)",
             file=sys.stderr,
         )
     return EXIT_OK

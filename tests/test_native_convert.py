@@ -165,3 +165,40 @@ def test_convert_refuses_bad_sources_before_writing():
         native.convert(TensorType.Q8_0, np.zeros((4, 64), np.uint8), "F8_E4M3", scale_inv=np.ones((2, 1), np.float32),
                        block=(128, 128))
     assert native.convert(TensorType.Q8_0, bits, "BF16", rows=slice(4, None)).shape == (0, 68)
+
+
+def q4_search_blocks(seed: int, n_blocks: int) -> np.ndarray:
+    """(n_blocks / 32, 2048) float32, nine kinds of 64-value blocks in turn: gaussian, tiny,
+    one spike, integer multiples of 1/8 (exact ties between candidates: the in-order float
+    sums decide), a few values 1e7 smaller than the rest (sum q x not exact in double: summed
+    in order), a narrow spread around 1, bf16-rounded, 1e-30 (f16-subnormal scales), and
+    one third zeros among large values."""
+    rng = np.random.default_rng(seed)
+    n = n_blocks * 64
+    kind = (np.arange(n) // 64) % 9
+    x = (rng.standard_normal(n) * 0.05).astype(np.float32)
+    x[kind == 1] *= np.float32(1e-4)
+    x[(kind == 2) & (np.arange(n) % 64 == 5)] = 3.0
+    x[kind == 3] = (rng.integers(0, 16, n) * 0.125).astype(np.float32)[kind == 3]
+    x[(kind == 4) & (rng.integers(0, 8, n) == 0)] *= np.float32(1e-7)
+    x[kind == 5] = (1 + 1e-4 * rng.standard_normal(n)).astype(np.float32)[kind == 5]
+    x[kind == 6] = (x.view(np.uint32) & 0xFFFF0000).view(np.float32)[kind == 6]
+    x[kind == 7] *= np.float32(1e-30)
+    zeros = (kind == 8) & (rng.integers(0, 3, n) == 0)
+    x[zeros] = 0.0
+    x[(kind == 8) & ~zeros] *= np.float32(1000.0)
+    return x.reshape(-1, 2048)
+
+
+@pytest.mark.skipif(len(LEVELS) < 2, reason="no SIMD kernel level on this CPU")
+def test_q4_g64_search_on_simd_levels_writes_the_reference_bytes(kernel_level):
+    """The SIMD levels' q4_g64 quantizer (sums in any order where that is exact, in-order
+    float sums only on near-ties) against the portable reference, block by block."""
+    x = q4_search_blocks(21, 9 * 32 * 40)
+    kernel_level("portable")
+    want = native.quantize(TensorType.Q4_G64, x).reshape(-1, 36)
+    for level in LEVELS[1:]:
+        kernel_level(level)
+        got = native.quantize(TensorType.Q4_G64, x).reshape(-1, 36)
+        mismatched = np.flatnonzero((got != want).any(axis=1))
+        assert mismatched.size == 0, f"{level}: blocks {mismatched[:10].tolist()} differ"

@@ -12,7 +12,7 @@ from colibrid import __version__
 from colibrid.convert.converter import ConversionError, convert
 from colibrid.convert.quant_spec import DEFAULT_QUANT, TENSOR_CLASSES, TYPE_NAMES, parse_quant
 from colibrid.models import supported_names
-from colibrid.native import ColibriError
+from colibrid.native import ColibriError, ThreadPool
 from colibrid.pack.manifest import Manifest
 
 EXIT_OK = 0
@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--align", type=int, default=4096, metavar="BYTES",
                         help="alignment of tensors and expert records, a power of two >= 4096 (default 4096)")
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.add_argument("--threads", type=int, default=0, metavar="N",
+                        help="quantize on N threads (default 0: one per CPU this process may use)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     parser.add_argument("--version", action="version", version=f"colibri-convert {__version__}")
     return parser
@@ -61,10 +63,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"colibri-convert: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.threads < 0:
+        print(f"colibri-convert: error: --threads must be >= 0, got {args.threads}", file=sys.stderr)
+        return EXIT_USAGE
     started = time.monotonic()
     try:
-        report = convert(args.src, args.out, quant, align=args.align, force=args.force,
-                         progress=False if args.quiet else None)
+        with ThreadPool(args.threads or None) as pool:
+            report = convert(args.src, args.out, quant, align=args.align, force=args.force,
+                             progress=False if args.quiet else None, pool=pool)
     except (ConversionError, ColibriError, ValueError) as exc:
         print(f"colibri-convert: error: {exc}", file=sys.stderr)
         return EXIT_FAILED

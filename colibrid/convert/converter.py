@@ -4,14 +4,15 @@ Order of work: read and check everything that can be checked cheaply (config,
 architecture, every tensor's presence and shape) before writing a byte; then stream
 tensor by tensor into a temporary directory that is renamed into place only when the
 manifest is written. A reader thread reads the next tensor while libcolibri decodes and
-quantizes the current one on the worker pool (col_convert) and the main thread writes it: a
-few tensors in RAM at a time (convert/reader.py), every core busy.
+quantizes the current one on the worker pool (col_convert) and a writer thread appends the
+previous one to the pack: a few tensors in RAM at a time (convert/reader.py), every core busy.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -57,6 +58,36 @@ class ConversionReport:
     params: int = 0  # values read from the checkpoint
     peak_read_bytes: int = 0  # most source bytes the reader held at once (read ahead + being encoded)
     seconds: float = 0.0
+
+
+class WriteBehind:
+    """Runs the pack writer's appends on a thread of its own, one at a time and in order, so
+    the disk writes one tensor while the pool quantizes the next. At most one append waits:
+    submitting the next first waits for the previous (memory stays one encoded tensor ahead),
+    and an append's error is raised there, or by ``drain``."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-convert-writer")
+        self._pending: Future | None = None
+
+    def submit(self, fn, *args) -> None:
+        self.drain()
+        self._pending = self._executor.submit(fn, *args)
+
+    def drain(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def __enter__(self) -> "WriteBehind":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if exc[0] is None:
+                self.drain()
+        finally:
+            self._executor.shutdown(wait=True)
 
 
 class Converter:
@@ -175,11 +206,11 @@ class Converter:
         total = self.report.params = sum(self._source_params(name) for name in self._source_names())
         progress = Progress(total, f"converting {self.src.name}", enabled=self.progress_enabled)
         try:
-            with PackWriter(self.out, self.align, self.force) as writer, \
-                    TensorReader(self.checkpoint, self._read_requests()) as reader:
-                tensors = iter(reader)
-                self._write_dense(writer, tensors, progress)
-                self._write_experts(writer, tensors, progress)
+            with PackWriter(self.out, self.align, self.force) as writer:
+                with TensorReader(self.checkpoint, self._read_requests()) as reader, WriteBehind() as writes:
+                    tensors = iter(reader)
+                    self._write_dense(writer, writes, tensors, progress)
+                    self._write_experts(writer, writes, tensors, progress)
                 self.report.peak_read_bytes = reader.peak_bytes
                 tokenizer_files = self._copy_tokenizer(writer)
                 writer.commit(
@@ -223,15 +254,15 @@ class Converter:
                     requests.append(ReadRequest(hf_name, as_mxfp4=copy))
         return requests
 
-    def _write_dense(self, writer: PackWriter, tensors: Iterator[LoadedTensor], progress: Progress) -> None:
+    def _write_dense(self, writer: PackWriter, writes: WriteBehind, tensors: Iterator[LoadedTensor], progress: Progress) -> None:
         for pack_name, hf_name in self.dense_names.items():
             loaded = next(tensors)
             wanted = requested_type(pack_name, len(self.checkpoint.shape_of(hf_name)), self.quant.to_json())
             type_, shape, data = self._encode(pack_name, loaded, wanted)
-            writer.add_dense(pack_name, type_, shape, data)
+            writes.submit(writer.add_dense, pack_name, type_, shape, data)
             progress.advance(self._source_params(hf_name), pack_name)
 
-    def _write_experts(self, writer: PackWriter, tensors: Iterator[LoadedTensor], progress: Progress) -> None:
+    def _write_experts(self, writer: PackWriter, writes: WriteBehind, tensors: Iterator[LoadedTensor], progress: Progress) -> None:
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
                 parts = {}
@@ -243,7 +274,7 @@ class Converter:
                     else:
                         parts[part] = self._encode(f"layers.{layer}.experts.{expert}.{part}", loaded, self.quant.experts)
                     progress.advance(self._source_params(hf_name), f"layer {layer} expert {expert}")
-                writer.add_expert(layer, expert, parts)
+                writes.submit(writer.add_expert, layer, expert, parts)
 
     def _copy_tokenizer(self, writer: PackWriter) -> list[str]:
         copied = []

@@ -40,7 +40,7 @@ static float e4m3_to_f32(uint8_t code) {
 
 typedef struct {
     const col_source_matrix *src;
-    const col_type_traits *tt;
+    col_quantize_row_fn quantize_row;
     int64_t rows, cols, src_row_bytes, dst_row_bytes;
     uint8_t *dst;
     float *row_buffers;       /* (nth, cols) one decoded row per thread */
@@ -88,7 +88,7 @@ static void convert_task(void *ctx, int ith, int nth) {
         const int64_t last = first + CONVERT_CHUNK_ROWS < job->rows ? first + CONVERT_CHUNK_ROWS : job->rows;
         for (int64_t i = first; i < last; i++) {
             decode_row(job, job->src->row0 + i * job->src->row_step, y);
-            const int st = job->tt->quantize_row(y, job->dst + i * job->dst_row_bytes, job->cols);
+            const int st = job->quantize_row(y, job->dst + i * job->dst_row_bytes, job->cols);
             if (st != COL_OK) {
                 int expected = COL_OK;
                 atomic_compare_exchange_strong(&job->status, &expected, st);
@@ -126,7 +126,7 @@ int col_convert(col_pool *pool, const col_source_matrix *src, int64_t rows, int6
     convert_job *job = col_alloc(sizeof *job);
     if (!job) return COL_ENOMEM;
     job->src = src;
-    job->tt = tt;
+    job->quantize_row = col_quantize_row_active(type);
     job->rows = rows;
     job->cols = cols;
     job->src_row_bytes = cols * source_elem_bytes(src->dtype);

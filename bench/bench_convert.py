@@ -21,6 +21,7 @@ import argparse
 import json
 import mmap
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -147,17 +148,22 @@ def disk_write_gbps(directory: Path, nbytes: int = 1 << 30) -> float:
         path.unlink()
 
 
-def run_convert(repo: Path, checkpoint: Path, out: Path, quant: str, threads: int | None) -> float:
-    """Seconds of one conversion in a fresh process (output deleted afterwards)."""
+def run_convert(repo: Path, checkpoint: Path, out: Path, quant: str, threads: int | None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds: user + system of the process and its threads) of one
+    conversion in a fresh process (output deleted afterwards). On a machine shared with other
+    work the CPU seconds still say what the conversion costs: parameters per CPU second is the
+    per-core rate."""
     cmd = [sys.executable, "-m", "colibrid.convert.cli", str(checkpoint), str(out), "--quant", quant, "--force", "--quiet"]
     if threads:
         cmd += ["--threads", str(threads)]
     env = dict(os.environ, PYTHONPATH=str(repo))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     subprocess.run(cmd, env=env, check=True, cwd=repo)
     seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     shutil.rmtree(out, ignore_errors=True)
-    return seconds
+    return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def cpu_description() -> str:
@@ -180,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints = prepare(args.work)
     results = {"cpu": cpu_description(), "repo": str(args.repo), "runs": []}
     log(results["cpu"])
+    log(f"load average before: {os.getloadavg()[0]:.1f}")
     results["disk_read_GBps"] = disk_read_gbps(next(checkpoints["bf16"].glob("*.safetensors")))
     results["disk_write_GBps"] = disk_write_gbps(args.work)
     log(f"disk: read {results['disk_read_GBps']:.2f} GB/s, write {results['disk_write_GBps']:.2f} GB/s (O_DIRECT, 8 MiB)")
@@ -189,12 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         read_all(checkpoint)
         params = n_params(checkpoint)
         for threads in args.threads or [1, 2]:
-            seconds = run_convert(args.repo, checkpoint, args.work / "out.pack", quant, threads)
-            rate = params / seconds / 1e6
+            seconds, cpu_seconds = run_convert(args.repo, checkpoint, args.work / "out.pack", quant, threads)
+            rate, per_core = params / seconds / 1e6, params / cpu_seconds / 1e6
             results["runs"].append(dict(type=case, source=source, threads=threads, params=params, seconds=seconds,
-                                        mparams_per_s=rate))
-            print(f"{case:12s} from {source:4s} threads={threads}  {params / 1e9:.3f} B params in {seconds:7.1f} s"
-                  f"  = {rate:7.1f} M params/s", flush=True)
+                                        cpu_seconds=cpu_seconds, mparams_per_s=rate, mparams_per_cpu_s=per_core))
+            print(f"{case:12s} from {source:4s} threads={threads}  {params / 1e9:.3f} B params in {seconds:6.1f} s"
+                  f" = {rate:6.1f} M params/s;  {cpu_seconds:6.1f} CPU s = {per_core:6.1f} M params per CPU second",
+                  flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -180,13 +180,16 @@ float col_vec_dot_mxfp4(const uint8_t *w, const float *x, int64_t n);
 /* The element work of the q4_g64 quantizer's search, per SIMD level (quant_q4_g64.c says
  * which results must equal the reference's and which may be summed in any order).
  * assign: q[j] = the level of x[j] for (d, m) exactly as the reference assigns it (64 values);
- *   *sse_wide = sum of the float terms (x - (d q + m))^2 in double, any order; returns 1 if
- *   no |x - (d q + m)| exceeds half_step.
- * sums: *sum_q = sum q, *sum_qq = sum q^2 and, if x is not NULL, *sum_qx = sum q x in
- *   double, any order (called only where that sum is exact). */
+ *   out: sse_wide = sum of the float terms (x - (d q + m))^2 in double, any order;
+ *   sum_q = sum q and sum_qq = sum q^2 (integers), sum_qx = sum q x in double, any order
+ *   (used only where that sum is exact). Returns 1 if no |x - (d q + m)| exceeds half_step. */
 typedef struct {
-    int (*assign)(const float *x, float d, float m, float id, float half_step, uint8_t *q, double *sse_wide);
-    void (*sums)(const uint8_t *q, const float *x, int32_t *sum_q, int32_t *sum_qq, double *sum_qx);
+    double sse_wide, sum_qx;
+    int32_t sum_q, sum_qq;
+} col_q4_sums;
+
+typedef struct {
+    int (*assign)(const float *x, float d, float m, float id, float half_step, uint8_t *q, col_q4_sums *out);
 } col_q4_search_ops;
 
 /* col_quantize_row_q4_g64's bytes, with a level's element work. */

@@ -220,7 +220,8 @@ typedef struct {
     int within;
     int sse_in_order_known;
     float sse_in_order;          /* the reference's sse, once computed */
-    double sse_wide;             /* the same terms summed in double, any order */
+    col_q4_sums sums;            /* sse_wide: the same terms summed in double, any order;
+                                    the least-squares sums of q */
     uint8_t q[COL_QK4_G64];      /* (64) */
 } q4_fast_choice;
 
@@ -234,7 +235,7 @@ typedef struct {
 static void q4_fast_assign(const q4_fast_block *b, uint16_t d16, uint16_t m16, q4_fast_choice *c) {
     const float d = col_f16_to_f32(d16), m = col_f16_to_f32(m16);
     const float id = d > 0.0f ? 1.0f / d : 0.0f;
-    c->within = b->ops->assign(b->x, d, m, id, 0.5f * d, c->q, &c->sse_wide);
+    c->within = b->ops->assign(b->x, d, m, id, 0.5f * d, c->q, &c->sums);
     c->d16 = d16;
     c->m16 = m16;
     c->sse_in_order_known = 0;
@@ -257,8 +258,9 @@ static float q4_fast_sse_in_order(const q4_fast_block *b, q4_fast_choice *c) {
 
 /* The reference's c->sse < best->sse. */
 static int q4_fast_lower_sse(const q4_fast_block *b, q4_fast_choice *c, q4_fast_choice *best) {
-    if (c->sse_wide * (1.0 + Q4_SSE_MARGIN) < best->sse_wide * (1.0 - Q4_SSE_MARGIN)) return 1;
-    if (c->sse_wide * (1.0 - Q4_SSE_MARGIN) > best->sse_wide * (1.0 + Q4_SSE_MARGIN)) return 0;
+    const double sse_c = c->sums.sse_wide, sse_best = best->sums.sse_wide;
+    if (sse_c * (1.0 + Q4_SSE_MARGIN) < sse_best * (1.0 - Q4_SSE_MARGIN)) return 1;
+    if (sse_c * (1.0 - Q4_SSE_MARGIN) > sse_best * (1.0 + Q4_SSE_MARGIN)) return 0;
     return q4_fast_sse_in_order(b, c) < q4_fast_sse_in_order(b, best);
 }
 
@@ -269,14 +271,12 @@ static void q4_fast_keep_if_better(const q4_fast_block *b, q4_fast_choice *c, q4
 static void q4_fast_refine(const q4_fast_block *b, const q4_fast_choice *start, q4_fast_choice *best) {
     q4_fast_choice cur = *start, next;
     for (int round = 0; round < Q4_LS_ROUNDS; round++) {
-        int32_t sum_q, sum_qq;
-        double sqx;
-        b->ops->sums(cur.q, b->sums_exact ? b->x : NULL, &sum_q, &sum_qq, &sqx);
+        double sqx = cur.sums.sum_qx;
         if (!b->sums_exact) {
             sqx = 0;
             for (int j = 0; j < COL_QK4_G64; j++) sqx += (double)cur.q[j] * b->x[j];
         }
-        const double sq = sum_q, sqq = sum_qq, sx = b->sum_x;
+        const double sq = cur.sums.sum_q, sqq = cur.sums.sum_qq, sx = b->sum_x;
         const double n = COL_QK4_G64;
         const double det = n * sqq - sq * sq;
         if (det <= 0) return;

@@ -736,97 +736,87 @@ TARGET_AVX2 static __m256i q4_levels8_avx2(__m256 xv, __m256 vd, __m256 vm, __m2
     return qi;
 }
 
+/* Adds the sums of 8 levels qi (int32) of the values xv to the accumulators. */
+TARGET_AVX2 static void q4_sums8_avx2(__m256i qi, __m256 xv, __m256i *s, __m256i *ss, __m256d *sqx) {
+    *s = _mm256_add_epi32(*s, qi);
+    *ss = _mm256_add_epi32(*ss, _mm256_mullo_epi32(qi, qi));
+    const __m256 qf = _mm256_cvtepi32_ps(qi);
+    *sqx = _mm256_add_pd(*sqx, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(qf)),
+                                             _mm256_cvtps_pd(_mm256_castps256_ps128(xv))));
+    *sqx = _mm256_add_pd(*sqx, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(qf, 1)),
+                                             _mm256_cvtps_pd(_mm256_extractf128_ps(xv, 1))));
+}
+
 TARGET_AVX2 static int q4_assign_avx2(const float *x, float d, float m, float id, float half_step, uint8_t *q,
-                                      double *sse_wide) {
+                                      col_q4_sums *out) {
     const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m), vid = _mm256_set1_ps(id);
     const __m256 vhalf = _mm256_set1_ps(half_step), abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256d acc = _mm256_setzero_pd();
+    __m256d sse = _mm256_setzero_pd(), sqx = _mm256_setzero_pd();
+    __m256i s = _mm256_setzero_si256(), ss = _mm256_setzero_si256();
     int out_of_step = 0;
     for (int j = 0; j < COL_QK4_G64; j += 16) {
         __m256 err0, err1;
-        const __m256i q0 = q4_levels8_avx2(_mm256_loadu_ps(x + j), vd, vm, vid, &err0);
-        const __m256i q1 = q4_levels8_avx2(_mm256_loadu_ps(x + j + 8), vd, vm, vid, &err1);
+        const __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
+        const __m256i q0 = q4_levels8_avx2(x0, vd, vm, vid, &err0);
+        const __m256i q1 = q4_levels8_avx2(x1, vd, vm, vid, &err1);
         const __m256 t0 = _mm256_mul_ps(err0, err0), t1 = _mm256_mul_ps(err1, err1);
-        acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(t0)));
-        acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(t0, 1)));
-        acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_castps256_ps128(t1)));
-        acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm256_extractf128_ps(t1, 1)));
+        sse = _mm256_add_pd(sse, _mm256_cvtps_pd(_mm256_castps256_ps128(t0)));
+        sse = _mm256_add_pd(sse, _mm256_cvtps_pd(_mm256_extractf128_ps(t0, 1)));
+        sse = _mm256_add_pd(sse, _mm256_cvtps_pd(_mm256_castps256_ps128(t1)));
+        sse = _mm256_add_pd(sse, _mm256_cvtps_pd(_mm256_extractf128_ps(t1, 1)));
         out_of_step |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(err0, abs_mask), vhalf, _CMP_GT_OQ));
         out_of_step |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(err1, abs_mask), vhalf, _CMP_GT_OQ));
+        q4_sums8_avx2(q0, x0, &s, &ss, &sqx);
+        q4_sums8_avx2(q1, x1, &s, &ss, &sqx);
         const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xd8); /* (16) int16 in order */
         _mm_storeu_si128((__m128i *)(q + j),
                          _mm_packus_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
     }
-    *sse_wide = hsum_pd_avx2(acc);
+    out->sse_wide = hsum_pd_avx2(sse);
+    out->sum_qx = hsum_pd_avx2(sqx);
+    out->sum_q = hsum_epi32_avx2(s);
+    out->sum_qq = hsum_epi32_avx2(ss);
     return !out_of_step;
 }
 
-TARGET_AVX2 static void q4_sums_avx2(const uint8_t *q, const float *x, int32_t *sum_q, int32_t *sum_qq, double *sum_qx) {
-    __m256i s = _mm256_setzero_si256(), ss = _mm256_setzero_si256();
-    __m256d acc = _mm256_setzero_pd();
-    for (int j = 0; j < COL_QK4_G64; j += 8) {
-        const __m256i qi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + j)));
-        s = _mm256_add_epi32(s, qi);
-        ss = _mm256_add_epi32(ss, _mm256_mullo_epi32(qi, qi));
-        if (x) {
-            const __m256 qf = _mm256_cvtepi32_ps(qi), xv = _mm256_loadu_ps(x + j);
-            acc = _mm256_add_pd(acc, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(qf)),
-                                                   _mm256_cvtps_pd(_mm256_castps256_ps128(xv))));
-            acc = _mm256_add_pd(acc, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(qf, 1)),
-                                                   _mm256_cvtps_pd(_mm256_extractf128_ps(xv, 1))));
-        }
-    }
-    *sum_q = hsum_epi32_avx2(s);
-    *sum_qq = hsum_epi32_avx2(ss);
-    if (x) *sum_qx = hsum_pd_avx2(acc);
+TARGET_AVX512 static __m512d q4_high_pd_avx512(__m512 v) {
+    return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
 TARGET_AVX512 static int q4_assign_avx512(const float *x, float d, float m, float id, float half_step, uint8_t *q,
-                                          double *sse_wide) {
+                                          col_q4_sums *out) {
     const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m), vid = _mm512_set1_ps(id);
     const __m512 vhalf = _mm512_set1_ps(half_step), zero = _mm512_setzero_ps(), top = _mm512_set1_ps(15.0f);
     const __m512 rounding = _mm512_set1_ps(0.5f);
-    __m512d acc = _mm512_setzero_pd();
+    __m512d sse = _mm512_setzero_pd(), sqx = _mm512_setzero_pd();
+    __m512i s = _mm512_setzero_si512(), ss = _mm512_setzero_si512();
     __mmask16 out_of_step = 0;
     for (int j = 0; j < COL_QK4_G64; j += 16) {
         const __m512 xv = _mm512_loadu_ps(x + j);
         const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(xv, vm), vid), zero), top);
         const __m512i qi = _mm512_cvttps_epi32(_mm512_add_ps(v, rounding));
-        const __m512 err = _mm512_sub_ps(xv, _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(qi)), vm));
+        const __m512 qf = _mm512_cvtepi32_ps(qi);
+        const __m512 err = _mm512_sub_ps(xv, _mm512_add_ps(_mm512_mul_ps(vd, qf), vm));
         const __m512 t = _mm512_mul_ps(err, err);
-        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm512_castps512_ps256(t)));
-        acc = _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1))));
+        sse = _mm512_add_pd(sse, _mm512_cvtps_pd(_mm512_castps512_ps256(t)));
+        sse = _mm512_add_pd(sse, q4_high_pd_avx512(t));
         out_of_step |= _mm512_cmp_ps_mask(_mm512_abs_ps(err), vhalf, _CMP_GT_OQ);
+        s = _mm512_add_epi32(s, qi);
+        ss = _mm512_add_epi32(ss, _mm512_mullo_epi32(qi, qi));
+        sqx = _mm512_add_pd(sqx, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(qf)),
+                                               _mm512_cvtps_pd(_mm512_castps512_ps256(xv))));
+        sqx = _mm512_add_pd(sqx, _mm512_mul_pd(q4_high_pd_avx512(qf), q4_high_pd_avx512(xv)));
         _mm_storeu_si128((__m128i *)(q + j), _mm512_cvtepi32_epi8(qi));
     }
-    *sse_wide = _mm512_reduce_add_pd(acc);
+    out->sse_wide = _mm512_reduce_add_pd(sse);
+    out->sum_qx = _mm512_reduce_add_pd(sqx);
+    out->sum_q = _mm512_reduce_add_epi32(s);
+    out->sum_qq = _mm512_reduce_add_epi32(ss);
     return out_of_step == 0;
 }
 
-TARGET_AVX512 static void q4_sums_avx512(const uint8_t *q, const float *x, int32_t *sum_q, int32_t *sum_qq,
-                                         double *sum_qx) {
-    __m512i s = _mm512_setzero_si512(), ss = _mm512_setzero_si512();
-    __m512d acc = _mm512_setzero_pd();
-    for (int j = 0; j < COL_QK4_G64; j += 16) {
-        const __m512i qi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + j)));
-        s = _mm512_add_epi32(s, qi);
-        ss = _mm512_add_epi32(ss, _mm512_mullo_epi32(qi, qi));
-        if (x) {
-            const __m512 qf = _mm512_cvtepi32_ps(qi), xv = _mm512_loadu_ps(x + j);
-            acc = _mm512_add_pd(acc, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(qf)),
-                                                   _mm512_cvtps_pd(_mm512_castps512_ps256(xv))));
-            acc = _mm512_add_pd(acc, _mm512_mul_pd(
-                _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(qf), 1))),
-                _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(xv), 1)))));
-        }
-    }
-    *sum_q = _mm512_reduce_add_epi32(s);
-    *sum_qq = _mm512_reduce_add_epi32(ss);
-    if (x) *sum_qx = _mm512_reduce_add_pd(acc);
-}
-
-static const col_q4_search_ops q4_search_avx2 = {q4_assign_avx2, q4_sums_avx2};
-static const col_q4_search_ops q4_search_avx512 = {q4_assign_avx512, q4_sums_avx512};
+static const col_q4_search_ops q4_search_avx2 = {q4_assign_avx2};
+static const col_q4_search_ops q4_search_avx512 = {q4_assign_avx512};
 
 static int quantize_row_q4_g64_avx2(const float *x, uint8_t *dst, int64_t n) {
     return col_quantize_row_q4_g64_with(&q4_search_avx2, x, dst, n);

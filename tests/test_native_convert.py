@@ -202,3 +202,25 @@ def test_q4_g64_search_on_simd_levels_writes_the_reference_bytes(kernel_level):
         got = native.quantize(TensorType.Q4_G64, x).reshape(-1, 36)
         mismatched = np.flatnonzero((got != want).any(axis=1))
         assert mismatched.size == 0, f"{level}: blocks {mismatched[:10].tolist()} differ"
+
+
+@pytest.mark.skipif(len(LEVELS) < 2, reason="no SIMD kernel level on this CPU")
+def test_q4_g64_signed_zeros_keep_the_reference_offset(kernel_level):
+    """Blocks whose minimum or maximum is a zero of either sign: the reference keeps the first
+    of equal values, so the stored offset's sign bit follows the block's order."""
+    rng = np.random.default_rng(4)
+    rows = []
+    for first, other in ((0.0, -0.0), (-0.0, 0.0)):
+        constant = np.full(64, other, np.float32)
+        constant[0] = first
+        positive = np.abs(rng.standard_normal(64)).astype(np.float32)
+        positive[:2] = (first, other)
+        negative = -np.abs(rng.standard_normal(64)).astype(np.float32)
+        negative[:2] = (first, other)
+        rows += [constant, positive, negative]
+    x = np.stack(rows).reshape(-1, 64)
+    kernel_level("portable")
+    want = native.quantize(TensorType.Q4_G64, x)
+    for level in LEVELS[1:]:
+        kernel_level(level)
+        assert native.quantize(TensorType.Q4_G64, x).tobytes() == want.tobytes(), level

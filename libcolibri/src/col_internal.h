@@ -188,8 +188,12 @@ typedef struct {
     int32_t sum_q, sum_qq;
 } col_q4_sums;
 
+/* scan: a block's lo = min x, hi = max x, the smallest and largest biased exponent of its
+ *   nonzero values (subnormals count as 1) and sum_x = sum x in double, any order (used only
+ *   where that sum is exact); returns 0 if a value is NaN, inf or beyond +-65504. */
 typedef struct {
     int (*assign)(const float *x, float d, float m, float id, float half_step, uint8_t *q, col_q4_sums *out);
+    int (*scan)(const float *x, float *lo, float *hi, int *e_min, int *e_max, double *sum_x);
 } col_q4_search_ops;
 
 /* col_quantize_row_q4_g64's bytes, with a level's element work. */

@@ -258,6 +258,7 @@ static float q4_fast_sse_in_order(const q4_fast_block *b, q4_fast_choice *c) {
 
 /* The reference's c->sse < best->sse. */
 static int q4_fast_lower_sse(const q4_fast_block *b, q4_fast_choice *c, q4_fast_choice *best) {
+    if (c->d16 == best->d16 && c->m16 == best->m16) return 0; /* the same candidate: the same sse */
     const double sse_c = c->sums.sse_wide, sse_best = best->sums.sse_wide;
     if (sse_c * (1.0 + Q4_SSE_MARGIN) < sse_best * (1.0 - Q4_SSE_MARGIN)) return 1;
     if (sse_c * (1.0 - Q4_SSE_MARGIN) > sse_best * (1.0 + Q4_SSE_MARGIN)) return 0;
@@ -292,30 +293,23 @@ static void q4_fast_refine(const q4_fast_block *b, const q4_fast_choice *start, 
     }
 }
 
-/* Biased exponent of a nonzero float, subnormals counted as 1 (their ulp is 2^-149 too). */
-static int q4_exponent_field(float v) {
-    const int e = (int)((col_f32_bits(v) >> 23) & 0xffu);
-    return e > 0 ? e : 1;
-}
-
 static int q4_fast_quantize_block(const col_q4_search_ops *ops, const float *x /* (64) */, uint8_t *blk) {
-    float lo = x[0], hi = x[0];
-    int in_range = 1;
+    float lo, hi;
+    int e_min, e_max;
     q4_fast_block b = {ops, x, 0.0, 0};
-    int e_min = 255, e_max = 0;
-    for (int j = 0; j < COL_QK4_G64; j++) {
-        in_range &= fabsf(x[j]) <= Q4_F16_MAX; /* false for NaN and inf too */
-        if (x[j] < lo) lo = x[j];
-        if (x[j] > hi) hi = x[j];
-        b.sum_x += x[j]; /* in order, as the reference */
-        if (x[j] != 0.0f) {
-            const int e = q4_exponent_field(x[j]);
-            e_min = e < e_min ? e : e_min;
-            e_max = e > e_max ? e : e_max;
+    if (!ops->scan(x, &lo, &hi, &e_min, &e_max, &b.sum_x)) return COL_ERANGE;
+    if (lo == 0.0f || hi == 0.0f) { /* +0 or -0: the reference keeps the first of equal values */
+        lo = hi = x[0];
+        for (int j = 1; j < COL_QK4_G64; j++) {
+            if (x[j] < lo) lo = x[j];
+            if (x[j] > hi) hi = x[j];
         }
     }
-    if (!in_range) return COL_ERANGE;
-    b.sums_exact = e_max - e_min <= Q4_EXACT_EXPONENT_SPAN;
+    b.sums_exact = e_max - e_min <= Q4_EXACT_EXPONENT_SPAN; /* with q = 1: sum x is exact too */
+    if (!b.sums_exact) {
+        b.sum_x = 0.0;
+        for (int j = 0; j < COL_QK4_G64; j++) b.sum_x += x[j]; /* in order, as the reference */
+    }
 
     q4_fast_choice best, cand;
     if (hi == lo) {

@@ -736,6 +736,8 @@ TARGET_AVX2 static __m256i q4_levels8_avx2(__m256 xv, __m256 vd, __m256 vm, __m2
     return qi;
 }
 
+#define Q4_SCAN_F16_MAX 65504.0f /* quant_q4_g64.c's Q4_F16_MAX: larger values cannot be encoded */
+
 /* Adds the sums of 8 levels qi (int32) of the values xv to the accumulators. */
 TARGET_AVX2 static void q4_sums8_avx2(__m256i qi, __m256 xv, __m256i *s, __m256i *ss, __m256d *sqx) {
     *s = _mm256_add_epi32(*s, qi);
@@ -815,8 +817,75 @@ TARGET_AVX512 static int q4_assign_avx512(const float *x, float d, float m, floa
     return out_of_step == 0;
 }
 
-static const col_q4_search_ops q4_search_avx2 = {q4_assign_avx2};
-static const col_q4_search_ops q4_search_avx512 = {q4_assign_avx512};
+/* Nonzero lanes' biased exponents (subnormals 1) folded into the running min and max;
+ * zero lanes leave them. */
+TARGET_AVX2 static int q4_scan_avx2(const float *x, float *lo, float *hi, int *e_min, int *e_max, double *sum_x) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), limit = _mm256_set1_ps(Q4_SCAN_F16_MAX);
+    __m256 vlo = _mm256_loadu_ps(x), vhi = vlo;
+    __m256i emin = _mm256_set1_epi32(255), emax = _mm256_setzero_si256();
+    __m256d sum = _mm256_setzero_pd();
+    int out_of_range = 0;
+    for (int j = 0; j < COL_QK4_G64; j += 8) {
+        const __m256 xv = _mm256_loadu_ps(x + j);
+        out_of_range |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(xv, abs_mask), limit, _CMP_NLE_UQ));
+        vlo = _mm256_min_ps(vlo, xv);
+        vhi = _mm256_max_ps(vhi, xv);
+        const __m256i bits = _mm256_castps_si256(_mm256_and_ps(xv, abs_mask));
+        const __m256i nonzero = _mm256_cmpgt_epi32(bits, _mm256_setzero_si256());
+        const __m256i e = _mm256_max_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(1));
+        emin = _mm256_min_epi32(emin, _mm256_blendv_epi8(_mm256_set1_epi32(255), e, nonzero));
+        emax = _mm256_max_epi32(emax, _mm256_and_si256(e, nonzero));
+        sum = _mm256_add_pd(sum, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(xv)),
+                                               _mm256_cvtps_pd(_mm256_extractf128_ps(xv, 1))));
+    }
+    if (out_of_range) return 0;
+    float l[8], h[8];
+    int32_t a[8], b[8];
+    _mm256_storeu_ps(l, vlo);
+    _mm256_storeu_ps(h, vhi);
+    _mm256_storeu_si256((__m256i *)a, emin);
+    _mm256_storeu_si256((__m256i *)b, emax);
+    *lo = l[0], *hi = h[0], *e_min = a[0], *e_max = b[0];
+    for (int i = 1; i < 8; i++) {
+        *lo = l[i] < *lo ? l[i] : *lo;
+        *hi = h[i] > *hi ? h[i] : *hi;
+        *e_min = a[i] < *e_min ? a[i] : *e_min;
+        *e_max = b[i] > *e_max ? b[i] : *e_max;
+    }
+    *sum_x = hsum_pd_avx2(sum);
+    return 1;
+}
+
+TARGET_AVX512 static int q4_scan_avx512(const float *x, float *lo, float *hi, int *e_min, int *e_max, double *sum_x) {
+    const __m512 limit = _mm512_set1_ps(Q4_SCAN_F16_MAX);
+    __m512 vlo = _mm512_loadu_ps(x), vhi = vlo;
+    __m512i emin = _mm512_set1_epi32(255), emax = _mm512_setzero_si512();
+    __m512d sum = _mm512_setzero_pd();
+    __mmask16 out_of_range = 0;
+    for (int j = 0; j < COL_QK4_G64; j += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + j);
+        const __m512 ax = _mm512_abs_ps(xv);
+        out_of_range |= _mm512_cmp_ps_mask(ax, limit, _CMP_NLE_UQ);
+        vlo = _mm512_min_ps(vlo, xv);
+        vhi = _mm512_max_ps(vhi, xv);
+        const __m512i bits = _mm512_castps_si512(ax);
+        const __mmask16 nonzero = _mm512_test_epi32_mask(bits, bits);
+        const __m512i e = _mm512_max_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(1));
+        emin = _mm512_mask_min_epi32(emin, nonzero, emin, e);
+        emax = _mm512_mask_max_epi32(emax, nonzero, emax, e);
+        sum = _mm512_add_pd(sum, _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(xv)), q4_high_pd_avx512(xv)));
+    }
+    if (out_of_range) return 0;
+    *lo = _mm512_reduce_min_ps(vlo);
+    *hi = _mm512_reduce_max_ps(vhi);
+    *e_min = _mm512_reduce_min_epi32(emin);
+    *e_max = _mm512_reduce_max_epi32(emax);
+    *sum_x = _mm512_reduce_add_pd(sum);
+    return 1;
+}
+
+static const col_q4_search_ops q4_search_avx2 = {q4_assign_avx2, q4_scan_avx2};
+static const col_q4_search_ops q4_search_avx512 = {q4_assign_avx512, q4_scan_avx512};
 
 static int quantize_row_q4_g64_avx2(const float *x, uint8_t *dst, int64_t n) {
     return col_quantize_row_q4_g64_with(&q4_search_avx2, x, dst, n);

@@ -42,7 +42,7 @@ CASES = {
     "mxfp4": ("experts=mxfp4,dense=q8_0,embeddings=q8_0", "bf16"),
     "bf16": ("bf16", "bf16"),
     "f16": ("f16", "bf16"),
-    "fp8->q4_g64": ("q4_g64", "fp8"),
+    "fp8-q4_g64": ("q4_g64", "fp8"),
 }
 FP8_BLOCK = 128
 CHUNK_BYTES = 8 << 20

@@ -101,6 +101,9 @@ _SIGNATURES = {
     "col_get_rows": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
     # (pool, type, w (O, row_bytes), n_out, n_in, x (T, I) f32, n_tok, y (T, O) f32)
     "col_matmul": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
+    "col_source_matrix_size": (ctypes.c_size_t, []),
+    # (pool, src, rows, cols, type, dst (R, row_bytes))
+    "col_convert": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]),
     "col_kernels_get": (ctypes.c_int, []),
     "col_kernels_supported": (ctypes.c_int, [ctypes.c_int]),
     "col_kernels_set": (ctypes.c_int, [ctypes.c_int]),
@@ -394,7 +397,8 @@ class _PoolParams(ctypes.Structure):
 def _check_struct_sizes(lib: ctypes.CDLL) -> None:
     for struct, size_fn in ((_PoolParams, lib.col_pool_params_size), (AttentionLayer, lib.col_attention_layer_size),
                             (MoeRouter, lib.col_moe_router_size), (MlaLayer, lib.col_mla_layer_size),
-                            (ExpertFfn, lib.col_expert_ffn_size)):
+                            (ExpertFfn, lib.col_expert_ffn_size),
+                            (_SourceMatrix, lib.col_source_matrix_size)):
         if ctypes.sizeof(struct) != size_fn():
             raise LibraryNotFoundError(
                 f"{struct.__name__} is {ctypes.sizeof(struct)} bytes, libcolibri says {size_fn()}: the build is stale"
@@ -508,6 +512,64 @@ def dequantize(type_: TensorType | int | str, data, rows: int, cols: int) -> np.
     out = np.empty((rows, cols), dtype=np.float32)
     check(_lib().col_dequantize(int(t), _ptr(raw), rows, cols, _ptr(out)), f"dequantize {t.name_in_pack}")
     return out
+
+
+# source dtypes of col_convert, by safetensors name (index = C enum col_source_dtype)
+SOURCE_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")
+_SOURCE_NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F8_E4M3": np.uint8}
+
+
+class _SourceMatrix(ctypes.Structure):
+    """Mirror of col_source_matrix (colibri.h); its size is checked against C at load."""
+
+    _fields_ = [
+        ("dtype", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("data", ctypes.c_void_p),
+        ("n_src_rows", ctypes.c_int64),
+        ("row0", ctypes.c_int64),
+        ("row_step", ctypes.c_int64),
+        ("scale_inv", ctypes.c_void_p),
+        ("block_rows", ctypes.c_int64),
+        ("block_cols", ctypes.c_int64),
+    ]
+
+
+def convert(type_: TensorType | int | str, source: np.ndarray, dtype: str, rows: slice | None = None,
+            scale_inv: np.ndarray | None = None, block: tuple[int, int] | None = None,
+            pool: "ThreadPool | None" = None) -> np.ndarray:
+    """Checkpoint rows -> ``type_``, on ``pool`` (default: default_pool()); returns uint8
+    (R, row_bytes(C)), the same bytes as ``quantize(type_, <source as float32>[rows])``.
+
+    ``source``: the published (N, C) elements of safetensors ``dtype`` (F32, F16, BF16 as
+    uint16 bits, F8_E4M3 as uint8 codes), C-contiguous (a read-only memory map is fine);
+    ``rows``: a slice of the N rows (default all); ``scale_inv``: F8_E4M3 only, float32
+    (ceil(N / b0), ceil(C / b1)) factors for blocks ``block`` = (b0, b1)."""
+    t = _as_type(type_)
+    if dtype not in SOURCE_DTYPES:
+        raise InvalidArgumentError(f"source dtype {dtype!r}: col_convert reads {', '.join(SOURCE_DTYPES)}")
+    if not isinstance(source, np.ndarray) or source.ndim != 2 or source.dtype != _SOURCE_NUMPY[dtype] \
+            or not source.flags.c_contiguous:
+        raise InvalidArgumentError(f"source must be a C-contiguous 2-D {np.dtype(_SOURCE_NUMPY[dtype]).name} array for {dtype}")
+    n_src_rows, cols = source.shape
+    row0, _, row_step = (rows or slice(None)).indices(n_src_rows)
+    if row_step < 1:
+        raise InvalidArgumentError(f"rows {rows}: the step must be positive")
+    n_rows = len(range(*(rows or slice(None)).indices(n_src_rows)))
+    matrix = _SourceMatrix(SOURCE_DTYPES.index(dtype), 0, _ptr(source) if source.size else None, n_src_rows, row0, row_step)
+    if scale_inv is not None:
+        if dtype != "F8_E4M3" or block is None:
+            raise InvalidArgumentError("scale_inv goes with F8_E4M3 sources and a block size")
+        b0, b1 = block
+        grid = (-(-n_src_rows // b0), -(-cols // b1))
+        scale_inv = np.ascontiguousarray(scale_inv, dtype=np.float32)
+        if scale_inv.shape != grid:
+            raise InvalidArgumentError(f"scale_inv has shape {list(scale_inv.shape)}, expected {list(grid)} for blocks of {b0}x{b1}")
+        matrix.scale_inv, matrix.block_rows, matrix.block_cols = _ptr(scale_inv), b0, b1
+    dst = np.empty((n_rows, t.row_bytes(cols)), dtype=np.uint8)
+    check(_lib().col_convert(_pool_handle(pool), ctypes.byref(matrix), n_rows, cols, int(t), _ptr(dst)),
+          f"convert {dtype} to {t.name_in_pack}")
+    return dst
 
 
 def get_rows(type_: TensorType | int | str, data, cols: int, ids) -> np.ndarray:

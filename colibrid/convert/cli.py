@@ -12,7 +12,7 @@ from colibrid import __version__
 from colibrid.convert.converter import ConversionError, convert
 from colibrid.convert.quant_spec import DEFAULT_QUANT, TENSOR_CLASSES, TYPE_NAMES, parse_quant
 from colibrid.models import supported_names
-from colibrid.native import ColibriError
+from colibrid.native import ColibriError, ThreadPool
 from colibrid.pack.manifest import Manifest
 
 EXIT_OK = 0
@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer-pattern", metavar="REGEX", default=None,
                         help="pre-tokenizer regex of a tiktoken tokenizer (tiktoken.model, as Kimi K2 ships) when its "
                              "tokenization_*.py does not give pat_str as a plain string; 'kimi-k2' names Kimi K2's")
+    parser.add_argument("--threads", type=int, default=0, metavar="N",
+                        help="quantize on N threads (default 0: one per CPU this process may use)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary")
     parser.add_argument("--version", action="version", version=f"colibri-convert {__version__}")
     return parser
@@ -64,10 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"colibri-convert: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.threads < 0:
+        print(f"colibri-convert: error: --threads must be >= 0, got {args.threads}", file=sys.stderr)
+        return EXIT_USAGE
     started = time.monotonic()
     try:
-        report = convert(args.src, args.out, quant, align=args.align, force=args.force,
-                         progress=False if args.quiet else None, tokenizer_pattern=args.tokenizer_pattern)
+        with ThreadPool(args.threads or None) as pool:
+            report = convert(args.src, args.out, quant, align=args.align, force=args.force,
+                             progress=False if args.quiet else None, pool=pool,
+                             tokenizer_pattern=args.tokenizer_pattern)
     except (ConversionError, ColibriError, ValueError) as exc:
         print(f"colibri-convert: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -79,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"wrote {report.out}: {report.architecture}, {describe_experts(Path(report.out))}, "
             f"dense {report.dense_bytes / 1e6:.1f} MB + experts {report.experts_bytes / 1e6:.1f} MB "
-            f"({', '.join(f'{c}={t}' for c, t in report.quantization.items())}) in {seconds:.1f}s",
+            f"({', '.join(f'{c}={t}' for c, t in report.quantization.items())}) in {seconds:.1f}s "
+            f"({report.params / max(report.seconds, 1e-6) / 1e6:.1f} M params/s)",
             file=sys.stderr,
         )
     return EXIT_OK

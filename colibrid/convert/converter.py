@@ -2,22 +2,27 @@
 
 Order of work: read and check everything that can be checked cheaply (config,
 architecture, every tensor's presence and shape) before writing a byte; then stream
-tensor by tensor (memory-mapped source, one tensor in RAM at a time) into a temporary
-directory that is renamed into place only when the manifest is written.
+tensor by tensor into a temporary directory that is renamed into place only when the
+manifest is written. A reader thread reads the next tensor while libcolibri decodes and
+quantizes the current one on the worker pool (col_convert) and a writer thread appends the
+previous one to the pack: a few tensors in RAM at a time (convert/reader.py), every core busy.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
 from colibrid import __version__, native
 from colibrid.convert import fp8
 from colibrid.convert.progress import Progress
+from colibrid.convert.reader import LoadedTensor, ReadRequest, TensorReader
 from colibrid.convert.quant_spec import QuantSpec
 from colibrid.convert.safetensors import Checkpoint, CheckpointError, TensorRef
 from colibrid.convert.tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenError, convert_tiktoken
@@ -52,12 +57,46 @@ class ConversionReport:
     num_expert_records: int = 0
     fallbacks: list[str] = field(default_factory=list)  # tensors stored wider than asked
     quantization: dict[str, str] = field(default_factory=dict)  # type per class as written (MXFP4 experts kept)
+    params: int = 0  # values read from the checkpoint
+    peak_read_bytes: int = 0  # most source bytes the reader held at once (read ahead + being encoded)
+    seconds: float = 0.0
+
+
+class WriteBehind:
+    """Runs the pack writer's appends on a thread of its own, one at a time and in order, so
+    the disk writes one tensor while the pool quantizes the next. At most one append waits:
+    submitting the next first waits for the previous (memory stays one encoded tensor ahead),
+    and an append's error is raised there, or by ``drain``."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-convert-writer")
+        self._pending: Future | None = None
+
+    def submit(self, fn, *args) -> None:
+        self.drain()
+        self._pending = self._executor.submit(fn, *args)
+
+    def drain(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def __enter__(self) -> "WriteBehind":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if exc[0] is None:
+                self.drain()
+        finally:
+            self._executor.shutdown(wait=True)
 
 
 class Converter:
     def __init__(self, src: Path, out: Path, quant: QuantSpec, align: int, force: bool, progress: bool | None = None,
-                 tokenizer_pattern: str | None = None) -> None:
+                 tokenizer_pattern: str | None = None, pool: native.ThreadPool | None = None) -> None:
         self.src, self.out, self.quant, self.align, self.force = src, out, quant, align, force
+        self.pool = pool  # quantizes on; None: native.default_pool(), one thread per CPU
         self.progress_enabled = progress
         self.tokenizer_pattern = tokenizer_pattern  # --tokenizer-pattern, for a tiktoken tokenizer
         self.converted_tokenizer_json: str | None = None  # tokenizer.json built from tiktoken.model
@@ -165,19 +204,25 @@ class Converter:
                 names.extend(getattr(expert_names, part) for part in expert_part_names(self.config))
         return names
 
-    def _source_bytes(self, name: str | TensorRef) -> int:
-        return self.checkpoint.source_bytes(name)
-
     # --- encoding ---
 
-    def _encode(self, name: str, array: np.ndarray, wanted: native.TensorType) -> tuple[native.TensorType, np.ndarray]:
-        if array.ndim == 1:
-            return native.TensorType.F32, np.ascontiguousarray(array, dtype=np.float32)
-        if array.shape[1] % wanted.block_elems:
+    def _encode(self, name: str, loaded: LoadedTensor, wanted: native.TensorType) -> tuple[native.TensorType, tuple[int, ...], np.ndarray]:
+        """(type as stored, shape, bytes) of one tensor: vectors stay f32; matrices are decoded
+        and quantized by libcolibri on the worker pool (col_convert)."""
+        shape = self.checkpoint.shape_of(loaded.request.ref)
+        if len(shape) == 1:
+            return native.TensorType.F32, shape, np.ascontiguousarray(loaded.data, dtype=np.float32)
+        if shape[-1] % wanted.block_elems:
             # A block type cannot represent a row length that is not a whole number of blocks.
             self.report.fallbacks.append(f"{name}: {wanted.name_in_pack} needs rows of a multiple of {wanted.block_elems}, stored as f32")
             wanted = native.TensorType.F32
-        return wanted, native.quantize(wanted, np.ascontiguousarray(array, dtype=np.float32))
+        matrix = loaded.matrix
+        if matrix is None:  # values read_f32 made (MXFP4 re-encoded, more than two axes)
+            values = np.ascontiguousarray(loaded.data, dtype=np.float32)
+            return wanted, shape, native.quantize(wanted, values.reshape(-1, shape[-1]))
+        data = native.convert(wanted, loaded.data, matrix.dtype, rows=matrix.rows, scale_inv=matrix.scale_inv,
+                              block=matrix.block, pool=self.pool)
+        return wanted, shape, data
 
     # --- the conversion ---
 
@@ -185,12 +230,15 @@ class Converter:
         self.check()
         for note in self.arch.conversion_notes(self.hf_config):
             log.warning("%s", note)
-        total = sum(self._source_bytes(name) for name in self._source_names())
+        total = self.report.params = sum(self._source_params(name) for name in self._source_names())
         progress = Progress(total, f"converting {self.src.name}", enabled=self.progress_enabled)
         try:
             with PackWriter(self.out, self.align, self.force) as writer:
-                self._write_dense(writer, progress)
-                self._write_experts(writer, progress)
+                with TensorReader(self.checkpoint, self._read_requests()) as reader, WriteBehind() as writes:
+                    tensors = iter(reader)
+                    self._write_dense(writer, writes, tensors, progress)
+                    self._write_experts(writer, writes, tensors, progress)
+                self.report.peak_read_bytes = reader.peak_bytes
                 tokenizer_files = self._copy_tokenizer(writer)
                 writer.commit(
                     dict(
@@ -206,38 +254,54 @@ class Converter:
                 self.report.num_expert_records = len(writer.expert_records)
         except FileExistsError as exc:
             raise ConversionError(str(exc)) from None
+        except CheckpointError as exc:
+            raise ConversionError(str(exc)) from None
         except OSError as exc:
             raise ConversionError(f"writing {self.out}: {exc.strerror or exc}") from None
         finally:
             progress.close()
+        self.report.seconds = progress.elapsed_s()
         for line in self.report.fallbacks:
             log.warning("%s", line)
         return self.report
 
-    def _write_dense(self, writer: PackWriter, progress: Progress) -> None:
-        for pack_name, hf_name in self.dense_names.items():
-            array = self.checkpoint.read_f32(hf_name)
-            wanted = requested_type(pack_name, array.ndim, self.quant.to_json())
-            type_, data = self._encode(pack_name, array, wanted)
-            writer.add_dense(pack_name, type_, array.shape, data)
-            progress.advance(self._source_bytes(hf_name), pack_name)
+    def _source_params(self, name: str | TensorRef) -> int:
+        return int(np.prod(self.checkpoint.shape_of(name), dtype=np.int64))
 
-    def _write_experts(self, writer: PackWriter, progress: Progress) -> None:
+    def _read_requests(self) -> list[ReadRequest]:
+        """Every tensor in the order _write_dense and _write_experts consume them."""
+        requests = [ReadRequest(hf_name) for hf_name in self.dense_names.values()]
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
                 names = self.arch.expert_tensor_names(layer, expert)
-                parts = {}
                 for part in expert_part_names(self.config):
                     hf_name = getattr(names, part)
-                    if self.quant.experts is native.TensorType.MXFP4 and self.checkpoint.is_mxfp4(hf_name):
-                        # published MXFP4: the same codes and exponents, only rearranged
-                        parts[part] = (native.TensorType.MXFP4, self.checkpoint.shape_of(hf_name), self.checkpoint.read_mxfp4(hf_name))
+                    # published MXFP4 kept as mxfp4: the same codes and exponents, only rearranged
+                    copy = self.quant.experts is native.TensorType.MXFP4 and self.checkpoint.is_mxfp4(hf_name)
+                    requests.append(ReadRequest(hf_name, as_mxfp4=copy))
+        return requests
+
+    def _write_dense(self, writer: PackWriter, writes: WriteBehind, tensors: Iterator[LoadedTensor], progress: Progress) -> None:
+        for pack_name, hf_name in self.dense_names.items():
+            loaded = next(tensors)
+            wanted = requested_type(pack_name, len(self.checkpoint.shape_of(hf_name)), self.quant.to_json())
+            type_, shape, data = self._encode(pack_name, loaded, wanted)
+            writes.submit(writer.add_dense, pack_name, type_, shape, data)
+            progress.advance(self._source_params(hf_name), pack_name)
+
+    def _write_experts(self, writer: PackWriter, writes: WriteBehind, tensors: Iterator[LoadedTensor], progress: Progress) -> None:
+        for layer in self.config.moe_layer_ids:
+            for expert in range(self.config.num_experts):
+                parts = {}
+                for part in expert_part_names(self.config):
+                    loaded = next(tensors)
+                    hf_name = loaded.request.ref
+                    if loaded.request.as_mxfp4:
+                        parts[part] = (native.TensorType.MXFP4, self.checkpoint.shape_of(hf_name), loaded.data)
                     else:
-                        array = self.checkpoint.read_f32(hf_name)
-                        type_, data = self._encode(f"layers.{layer}.experts.{expert}.{part}", array, self.quant.experts)
-                        parts[part] = (type_, array.shape, data)
-                    progress.advance(self._source_bytes(hf_name), f"layer {layer} expert {expert}")
-                writer.add_expert(layer, expert, parts)
+                        parts[part] = self._encode(f"layers.{layer}.experts.{expert}.{part}", loaded, self.quant.experts)
+                    progress.advance(self._source_params(hf_name), f"layer {layer} expert {expert}")
+                writes.submit(writer.add_expert, layer, expert, parts)
 
     def _copy_tokenizer(self, writer: PackWriter) -> list[str]:
         """The tokenizer files, verbatim (tokenizer_config.json carries the chat template when
@@ -265,8 +329,9 @@ class Converter:
 
 
 def convert(src: str | Path, out: str | Path, quant: QuantSpec, align: int = 4096, force: bool = False,
-            progress: bool | None = None, tokenizer_pattern: str | None = None) -> ConversionReport:
-    """Convert ``src`` (a Hugging Face checkpoint directory) into a pack at ``out``.
-    ``tokenizer_pattern``: the pre-tokenizer regex of a tiktoken tokenizer (or "kimi-k2"),
-    when its class file does not give it as a plain string."""
-    return Converter(Path(src), Path(out), quant, align, force, progress, tokenizer_pattern).run()
+            progress: bool | None = None, tokenizer_pattern: str | None = None,
+            pool: native.ThreadPool | None = None) -> ConversionReport:
+    """Convert ``src`` (a Hugging Face checkpoint directory) into a pack at ``out``, quantizing
+    on ``pool`` (default: one thread per CPU). ``tokenizer_pattern``: the pre-tokenizer regex of
+    a tiktoken tokenizer (or "kimi-k2"), when its class file does not give it as a plain string."""
+    return Converter(Path(src), Path(out), quant, align, force, progress, tokenizer_pattern, pool).run()

@@ -16,8 +16,9 @@ every other row), so a fused checkpoint tensor is never read whole.
 from __future__ import annotations
 
 import json
+import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -130,6 +131,25 @@ def _tensor_info(path: Path, name: str, meta, data_start: int, size: int) -> Ten
     if end - begin != expected or begin < 0 or data_start + end > size:
         raise CheckpointError(f"{path}: corrupt safetensors header: tensor {name!r} data range [{begin}, {end}) is inconsistent")
     return TensorInfo(path, dtype, shape, data_start + begin, data_start + end)
+
+
+@dataclass(frozen=True)
+class SourceMatrix:
+    """A tensor (or part) as libcolibri's col_convert reads it: ``shape`` (N, C) elements of
+    ``dtype`` stored contiguously at ``begin`` in ``file``, of which output rows ``rows``
+    are taken; FP8 weights carry their ``scale_inv`` (float32, one factor per ``block``)."""
+
+    file: Path
+    begin: int
+    shape: tuple[int, int]
+    dtype: str
+    rows: slice | None = None
+    scale_inv: np.ndarray | None = None
+    block: tuple[int, int] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * _DTYPES[self.dtype][1]
 
 
 class Checkpoint:
@@ -265,6 +285,52 @@ class Checkpoint:
         if info.dtype == "BF16":
             return (part.astype(np.uint32) << 16).view(np.float32)
         return part.astype(np.float32)
+
+    def source_matrix(self, ref: "str | TensorRef") -> SourceMatrix | None:
+        """Where the (R, C) matrix ``ref`` names lies in its file, for reading it raw and
+        decoding it in libcolibri; None for what only read_f32 reads (vectors, MXFP4 values,
+        tensors of more than two axes after the index, transposed parts)."""
+        ref = TensorRef.of(ref)
+        info = self.info(ref.name)
+        self.shape_of(ref)  # checks the index
+        if ref.transposed:  # stored (C, R): read_f32 transposes it (gpt-oss's value experts; rare)
+            return None
+        shape = info.shape[len(ref.index):]
+        if info.dtype not in ("F32", "F16", "BF16", "F8_E4M3") or len(shape) != 2:
+            return None
+        elem_bytes = _DTYPES[info.dtype][1]
+        flat_index = int(np.ravel_multi_index(ref.index, info.shape[: len(ref.index)])) if ref.index else 0
+        begin = info.begin + flat_index * shape[0] * shape[1] * elem_bytes
+        matrix = SourceMatrix(info.file, begin, (shape[0], shape[1]), info.dtype, ref.rows)
+        scale_name = ref.name + "_scale_inv"
+        if info.dtype != "F8_E4M3" or scale_name not in self.tensors:
+            return matrix
+        scale = self.read_f32(TensorRef(scale_name, ref.index))
+        if scale.size == 1:  # one factor for the whole tensor: one block
+            return replace(matrix, scale_inv=scale.reshape(1, 1), block=(max(shape[0], 1), max(shape[1], 1)))
+        b0, b1 = self.fp8_block
+        grid = (-(-shape[0] // b0), -(-shape[1] // b1))
+        if scale.shape != grid:
+            raise CheckpointError(f"{info.file}: FP8 tensor {ref.name}: scale_inv has shape {list(scale.shape)}, "
+                                  f"expected {list(grid)} for blocks of {b0}x{b1}")
+        return replace(matrix, scale_inv=scale, block=(b0, b1))
+
+    def read_source(self, matrix: SourceMatrix) -> np.ndarray:
+        """The raw (N, C) elements of ``matrix`` in a new array, read with one pread (the
+        GIL is released while the disk works: a reader thread overlaps the quantizer)."""
+        out = np.empty(matrix.shape, dtype=_DTYPES[matrix.dtype][0])
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        try:
+            with open(matrix.file, "rb", buffering=0) as f:
+                done = 0
+                while done < len(view):
+                    n = os.preadv(f.fileno(), [view[done:]], matrix.begin + done)
+                    if n == 0:
+                        raise CheckpointError(f"{matrix.file}: truncated (tensor data ends past the end of the file)")
+                    done += n
+        except OSError as exc:
+            raise CheckpointError(f"{matrix.file}: cannot read: {exc.strerror}") from None
+        return out
 
     def _read_fp8(self, ref: TensorRef, info: TensorInfo, raw: np.ndarray) -> np.ndarray:
         values = fp8.decode_e4m3(raw[ref.index] if ref.index else raw)  # (..., R, C) as stored: blocks span rows

@@ -226,6 +226,49 @@ COL_API int col_pool_n_threads(const col_pool *pool);
 COL_API int col_pool_worker_cpu(const col_pool *pool, int i);
 
 /* ---------------------------------------------------------------------------------------
+ * Conversion of checkpoint tensors on the pool (colibri-convert)
+ * ------------------------------------------------------------------------------------ */
+
+/* A checkpoint matrix as published: rows of `cols` elements of one of these source types.
+ *   COL_SOURCE_F32, _F16, _BF16  IEEE binary32 / binary16 / bfloat16, widened exactly.
+ *   COL_SOURCE_F8_E4M3           float8_e4m3fn codes (bias 7, 0x7f / 0xff are NaN), each value
+ *                                multiplied by its block's scale_inv, a float32 product rounded
+ *                                once (DeepSeek-V3's weight_scale_inv; NULL scale_inv: 1).
+ * Output row i is source row row0 + i * row_step (row_step 2 picks the even or odd rows of an
+ * interleaved gate/up tensor; the block scales are those of the source row). */
+enum col_source_dtype {
+    COL_SOURCE_F32 = 0,
+    COL_SOURCE_F16 = 1,
+    COL_SOURCE_BF16 = 2,
+    COL_SOURCE_F8_E4M3 = 3,
+};
+
+typedef struct col_source_matrix {
+    int32_t dtype;            /* enum col_source_dtype */
+    int32_t reserved;         /* 0 */
+    const void *data;         /* (n_src_rows, cols) elements, rows contiguous, any alignment */
+    int64_t n_src_rows;       /* rows of data */
+    int64_t row0, row_step;   /* output row i reads source row row0 + i * row_step (step >= 1) */
+    const float *scale_inv;   /* F8_E4M3 only, or NULL: (ceil(n_src_rows / block_rows),
+                                 ceil(cols / block_cols)) float32, one factor per block */
+    int64_t block_rows, block_cols; /* > 0 when scale_inv is set */
+} col_source_matrix;
+
+/* sizeof(col_source_matrix), for bindings that mirror the struct. */
+COL_API size_t col_source_matrix_size(void);
+
+/* dst = col_quantize(type, decode(src)) for `rows` output rows of `cols` values, the rows
+ * split over the pool; every row's bytes equal col_quantize's on the decoded row, whatever
+ * the thread count or kernel level. Decoding is fused: no float32 copy of the matrix is made
+ * (each thread holds one decoded row).
+ *   dst: (rows, row_bytes(type, cols)) bytes
+ * COL_EINVAL: bad type / sizes / NULL, a source row out of range, a bad dtype or block;
+ *   dst untouched. COL_ENOMEM: a row buffer could not be allocated.
+ * COL_ERANGE: as col_quantize (an F8 NaN code included); dst is partially written. */
+COL_API int col_convert(col_pool *pool, const col_source_matrix *src, int64_t rows, int64_t cols, int type,
+                        void *dst);
+
+/* ---------------------------------------------------------------------------------------
  * Matrix product
  * ------------------------------------------------------------------------------------ */
 

@@ -177,6 +177,28 @@ int col_quantize_row_mxfp4(const float *x, uint8_t *dst, int64_t n);
 void col_dequantize_row_mxfp4(const uint8_t *src, float *y, int64_t n);
 float col_vec_dot_mxfp4(const uint8_t *w, const float *x, int64_t n);
 
+/* The element work of the q4_g64 quantizer's search, per SIMD level (quant_q4_g64.c says
+ * which results must equal the reference's and which may be summed in any order).
+ * assign: q[j] = the level of x[j] for (d, m) exactly as the reference assigns it (64 values);
+ *   out: sse_wide = sum of the float terms (x - (d q + m))^2 in double, any order;
+ *   sum_q = sum q and sum_qq = sum q^2 (integers), sum_qx = sum q x in double, any order
+ *   (used only where that sum is exact). Returns 1 if no |x - (d q + m)| exceeds half_step. */
+typedef struct {
+    double sse_wide, sum_qx;
+    int32_t sum_q, sum_qq;
+} col_q4_sums;
+
+/* scan: a block's lo = min x, hi = max x, the smallest and largest biased exponent of its
+ *   nonzero values (subnormals count as 1) and sum_x = sum x in double, any order (used only
+ *   where that sum is exact); returns 0 if a value is NaN, inf or beyond +-65504. */
+typedef struct {
+    int (*assign)(const float *x, float d, float m, float id, float half_step, uint8_t *q, col_q4_sums *out);
+    int (*scan)(const float *x, float *lo, float *hi, int *e_min, int *e_max, double *sum_x);
+} col_q4_search_ops;
+
+/* col_quantize_row_q4_g64's bytes, with a level's element work. */
+int col_quantize_row_q4_g64_with(const col_q4_search_ops *ops, const float *x, uint8_t *dst, int64_t n);
+
 /* ---------------------------------------------------------------------------------------
  * Activations quantized for the integer kernels (SIMD levels only)
  *
@@ -276,6 +298,8 @@ typedef struct {
     col_quantize_block_fn quantize_block;   /* NULL: col_quantize_block_portable */
     col_rms_norm_row_fn rms_norm_row;       /* NULL: col_rms_norm_row_portable */
     col_clamped_swiglu_fn clamped_swiglu;   /* NULL: col_clamped_swiglu_portable */
+    col_quantize_row_fn quantize_row[COL_TYPE_COUNT]; /* NULL: the type's reference quantizer;
+                                                         else the same bytes, faster */
 } col_kernel_set;
 
 /* The portable float helpers (kernels.c), also used by levels without their own. */
@@ -288,6 +312,10 @@ void col_rms_norm_row_portable(const float *x, const float *weight, int64_t n, f
 
 /* The active kernel set (never NULL). */
 const col_kernel_set *col_kernels_active(void);
+
+/* The row quantizer of a valid `type` on the active level: the level's faster one if it has
+ * one (same bytes), else the reference (types.c). */
+col_quantize_row_fn col_quantize_row_active(int type);
 
 /* Per-level kernel sets, NULL when not compiled in (simd_x86.c, simd_neon.c). */
 const col_kernel_set *col_kernels_avx2(void);

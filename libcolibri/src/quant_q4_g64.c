@@ -193,3 +193,160 @@ float col_vec_dot_q4_g64(const uint8_t *w, const float *x, int64_t n) {
     }
     return total;
 }
+
+/* ---- the same search, arranged for speed ------------------------------------------------
+ *
+ * col_quantize_row_q4_g64 above is the reference. col_quantize_row_q4_g64_with makes the
+ * same candidates in the same order with the same float operations, so it writes the same
+ * bytes (tests pin this on every level), but without the two serial dependency chains that
+ * bound the reference's speed, so that a level's SIMD helpers (col_q4_search_ops) can do the
+ * element work:
+ *   - the squared error: the reference sums 64 float terms in order. Here the same float terms
+ *     are summed in double in any order (within 1e-14 of their exact sum), and that sum decides
+ *     a comparison whenever two candidates differ by more than the float sums can err: an
+ *     in-order float sum of n non-negative terms is within (n - 1) 2^-24 (< 4e-6) of their
+ *     exact sum. Only near-ties compute the in-order float sums, and compare those.
+ *   - the least-squares sums: sum q and sum q^2 are integers (exact in any order); sum x is the
+ *     same for every candidate of a block and is computed once, in order; sum q x is summed in
+ *     order unless the block's exponent span makes every partial sum exact in double (then the
+ *     order cannot matter): the terms q x are multiples of 2^(Emin - 150) and sum to less than
+ *     2^(Emax - 116), so with Emax - Emin <= 19 every partial sum has fewer than 53 bits. */
+
+#define Q4_SSE_MARGIN 1e-5 /* > (64 - 1) * 2^-24 + the double sum's error, relative */
+#define Q4_EXACT_EXPONENT_SPAN 19
+
+typedef struct {
+    uint16_t d16, m16;
+    int within;
+    int sse_in_order_known;
+    float sse_in_order;          /* the reference's sse, once computed */
+    col_q4_sums sums;            /* sse_wide: the same terms summed in double, any order;
+                                    the least-squares sums of q */
+    uint8_t q[COL_QK4_G64];      /* (64) */
+} q4_fast_choice;
+
+typedef struct {
+    const col_q4_search_ops *ops;
+    const float *x;              /* (64) */
+    double sum_x;                /* in order, as the reference */
+    int sums_exact;              /* sum q x is exact in double in any order */
+} q4_fast_block;
+
+static void q4_fast_assign(const q4_fast_block *b, uint16_t d16, uint16_t m16, q4_fast_choice *c) {
+    const float d = col_f16_to_f32(d16), m = col_f16_to_f32(m16);
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    c->within = b->ops->assign(b->x, d, m, id, 0.5f * d, c->q, &c->sums);
+    c->d16 = d16;
+    c->m16 = m16;
+    c->sse_in_order_known = 0;
+}
+
+/* The reference's sse of c: its terms again, summed in order. */
+static float q4_fast_sse_in_order(const q4_fast_block *b, q4_fast_choice *c) {
+    if (!c->sse_in_order_known) {
+        const float d = col_f16_to_f32(c->d16), m = col_f16_to_f32(c->m16);
+        float sse = 0.0f;
+        for (int j = 0; j < COL_QK4_G64; j++) {
+            const float err = b->x[j] - (d * (float)c->q[j] + m);
+            sse += err * err;
+        }
+        c->sse_in_order = sse;
+        c->sse_in_order_known = 1;
+    }
+    return c->sse_in_order;
+}
+
+/* The reference's c->sse < best->sse. */
+static int q4_fast_lower_sse(const q4_fast_block *b, q4_fast_choice *c, q4_fast_choice *best) {
+    if (c->d16 == best->d16 && c->m16 == best->m16) return 0; /* the same candidate: the same sse */
+    const double sse_c = c->sums.sse_wide, sse_best = best->sums.sse_wide;
+    if (sse_c * (1.0 + Q4_SSE_MARGIN) < sse_best * (1.0 - Q4_SSE_MARGIN)) return 1;
+    if (sse_c * (1.0 - Q4_SSE_MARGIN) > sse_best * (1.0 + Q4_SSE_MARGIN)) return 0;
+    return q4_fast_sse_in_order(b, c) < q4_fast_sse_in_order(b, best);
+}
+
+static void q4_fast_keep_if_better(const q4_fast_block *b, q4_fast_choice *c, q4_fast_choice *best) {
+    if (c->within && q4_fast_lower_sse(b, c, best)) *best = *c;
+}
+
+static void q4_fast_refine(const q4_fast_block *b, const q4_fast_choice *start, q4_fast_choice *best) {
+    q4_fast_choice cur = *start, next;
+    for (int round = 0; round < Q4_LS_ROUNDS; round++) {
+        double sqx = cur.sums.sum_qx;
+        if (!b->sums_exact) {
+            sqx = 0;
+            for (int j = 0; j < COL_QK4_G64; j++) sqx += (double)cur.q[j] * b->x[j];
+        }
+        const double sq = cur.sums.sum_q, sqq = cur.sums.sum_qq, sx = b->sum_x;
+        const double n = COL_QK4_G64;
+        const double det = n * sqq - sq * sq;
+        if (det <= 0) return;
+        const double d = (n * sqx - sq * sx) / det;
+        const double m = (sx - d * sq) / n;
+        if (!(d > 0) || d > Q4_F16_MAX || fabs(m) > Q4_F16_MAX) return;
+        const uint16_t d16 = col_f32_to_f16((float)d), m16 = col_f32_to_f16((float)m);
+        if ((d16 & 0x7fffu) == 0) return;
+        q4_fast_assign(b, d16, m16, &next);
+        q4_fast_keep_if_better(b, &next, best);
+        if (memcmp(next.q, cur.q, sizeof cur.q) == 0) return;
+        cur = next;
+    }
+}
+
+static int q4_fast_quantize_block(const col_q4_search_ops *ops, const float *x /* (64) */, uint8_t *blk) {
+    float lo, hi;
+    int e_min, e_max;
+    q4_fast_block b = {ops, x, 0.0, 0};
+    if (!ops->scan(x, &lo, &hi, &e_min, &e_max, &b.sum_x)) return COL_ERANGE;
+    if (lo == 0.0f || hi == 0.0f) { /* +0 or -0: the reference keeps the first of equal values */
+        lo = hi = x[0];
+        for (int j = 1; j < COL_QK4_G64; j++) {
+            if (x[j] < lo) lo = x[j];
+            if (x[j] > hi) hi = x[j];
+        }
+    }
+    b.sums_exact = e_max - e_min <= Q4_EXACT_EXPONENT_SPAN; /* with q = 1: sum x is exact too */
+    if (!b.sums_exact) {
+        b.sum_x = 0.0;
+        for (int j = 0; j < COL_QK4_G64; j++) b.sum_x += x[j]; /* in order, as the reference */
+    }
+
+    q4_fast_choice best, cand;
+    if (hi == lo) {
+        q4_fast_assign(&b, 0, col_f32_to_f16(lo), &best);
+    } else {
+        const uint16_t m16 = f16_floor(lo);
+        const uint16_t d16 = f16_ceil((hi - col_f16_to_f32(m16)) / (float)(Q4_LEVELS - 1));
+        q4_fast_assign(&b, d16, m16, &best);
+        cand = best;
+        q4_fast_refine(&b, &cand, &best);
+
+        const float range = hi - lo, mid = 0.5f * (lo + hi);
+        for (int k = 1; k <= Q4_GRID_STEPS; k++) {
+            const float levels = (float)(Q4_LEVELS - 1) + (float)k / (float)Q4_GRID_STEPS;
+            const float d = range / levels;
+            const float m = mid - 0.5f * (float)(Q4_LEVELS - 1) * d;
+            const uint16_t dk = col_f32_to_f16(d), mk = col_f32_to_f16(m);
+            if ((dk & 0x7fffu) == 0) continue;
+            q4_fast_assign(&b, dk, mk, &cand);
+            q4_fast_keep_if_better(&b, &cand, &best);
+            q4_fast_refine(&b, &cand, &best);
+        }
+    }
+
+    col_store_u16(blk + offsetof(col_block_q4_g64, d), best.d16);
+    col_store_u16(blk + offsetof(col_block_q4_g64, m), best.m16);
+    uint8_t *qs = blk + offsetof(col_block_q4_g64, qs);
+    for (int j = 0; j < COL_QK4_G64 / 2; j++)
+        qs[j] = (uint8_t)(best.q[j] | (best.q[j + COL_QK4_G64 / 2] << 4));
+    return COL_OK;
+}
+
+int col_quantize_row_q4_g64_with(const col_q4_search_ops *ops, const float *x, uint8_t *dst, int64_t n) {
+    const int64_t nb = n / COL_QK4_G64;
+    for (int64_t b = 0; b < nb; b++) {
+        const int st = q4_fast_quantize_block(ops, x + b * COL_QK4_G64, dst + b * (int64_t)sizeof(col_block_q4_g64));
+        if (st != COL_OK) return st;
+    }
+    return COL_OK;
+}

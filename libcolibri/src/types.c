@@ -48,14 +48,20 @@ static int check_matrix(int type, int64_t rows, int64_t cols, const void *a, con
     return COL_OK;
 }
 
+col_quantize_row_fn col_quantize_row_active(int type) {
+    const col_quantize_row_fn fast = col_kernels_active()->quantize_row[type];
+    return fast ? fast : type_traits[type].quantize_row;
+}
+
 int col_quantize(int type, const float *src, int64_t rows, int64_t cols, void *dst) {
     const col_type_traits *tt;
     int64_t row_bytes;
     int st = check_matrix(type, rows, cols, src, dst, &tt, &row_bytes);
     if (st != COL_OK || cols == 0) return st;
+    const col_quantize_row_fn quantize_row = col_quantize_row_active(type);
     uint8_t *out = dst;
     for (int64_t r = 0; r < rows; r++) {
-        st = tt->quantize_row(src + r * cols, out + r * row_bytes, cols);
+        st = quantize_row(src + r * cols, out + r * row_bytes, cols);
         if (st != COL_OK) return st;
     }
     return COL_OK;

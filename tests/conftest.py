@@ -60,3 +60,14 @@ def kernel_level():
     before = native.kernels()
     yield native.set_kernels
     native.set_kernels(before)
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """libcolibri worker pools of 1, 2 and 3 threads, by size: results must not depend on the split."""
+    from colibrid import native
+
+    made = {n: native.ThreadPool(n) for n in (1, 2, 3)}
+    yield made
+    for pool in made.values():
+        pool.close()

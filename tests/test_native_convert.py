@@ -49,14 +49,6 @@ def awkward_rows(seed: int, rows: int, cols: int) -> np.ndarray:
     return x
 
 
-@pytest.fixture(scope="module")
-def pools():
-    made = {n: native.ThreadPool(n) for n in (1, 2, 3)}
-    yield made
-    for pool in made.values():
-        pool.close()
-
-
 @pytest.fixture
 def kernel_level():
     before = native.kernels()

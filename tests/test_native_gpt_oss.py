@@ -21,14 +21,6 @@ def kernel_level():
     native.set_kernels(before)
 
 
-@pytest.fixture(scope="module")
-def pools():
-    made = {n: native.ThreadPool(n) for n in (1, 2, 3)}
-    yield made
-    for pool in made.values():
-        pool.close()
-
-
 def gaussian(shape, seed, scale=1.0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 

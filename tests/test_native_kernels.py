@@ -29,16 +29,6 @@ QUANT_TYPES = [TensorType.Q8_0, TensorType.Q4_G64, TensorType.MXFP4]
 SHAPES = [(1, 1, 1), (7, 3, 1), (37, 5, 2), (100, 2, 3), (257, 7, 5), (33, 16, 1), (129, 32, 4)]
 
 
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made = {n: native.ThreadPool(n) for n in (1, 2, 3)}
-    yield made
-    for pool in made.values():
-        pool.close()
-
-
 def gaussian(shape, seed, scale=1.0):
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 

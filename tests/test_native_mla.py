@@ -22,14 +22,6 @@ D, H, C, N, R, VD = 64, 4, 64, 32, 16, 32
 L = C + R
 
 
-@pytest.fixture(scope="module")
-def pools():
-    made = {n: native.ThreadPool(n) for n in (1, 2, 3)}
-    yield made
-    for pool in made.values():
-        pool.close()
-
-
 def _gauss(shape, seed, scale=1.0):
     return (np.random.default_rng(seed).standard_normal(shape) * scale).astype(np.float32)
 

@@ -30,16 +30,6 @@ MODES = {
 E, TOP_K = 32, 4
 
 
-
-
-@pytest.fixture(scope="module")
-def pools():
-    made = {n: native.ThreadPool(n) for n in (1, 2)}
-    yield made
-    for pool in made.values():
-        pool.close()
-
-
 def reference_scores(logits: np.ndarray, scoring: str) -> np.ndarray:
     z = logits.astype(np.float64)
     if scoring == "sigmoid":

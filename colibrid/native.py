@@ -887,6 +887,13 @@ def _f32_out(a, name: str, shape: tuple) -> None:
         raise InvalidArgumentError(f"{name} must be a writable C-contiguous float32 array of shape {shape}")
 
 
+def _check_rope_tables(cos: np.ndarray, sin: np.ndarray, T: int, width: int) -> None:
+    """cos and sin of T positions for `width` rotated dims, as the attention calls read them."""
+    for name, table in (("cos", cos), ("sin", sin)):
+        if not isinstance(table, np.ndarray) or table.dtype != np.float32 or table.shape != (T, width) or not table.flags.c_contiguous:
+            raise InvalidArgumentError(f"{name} must be a C-contiguous float32 ({T}, {width}) array")
+
+
 def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
                     values: np.ndarray, n_past: int, pool: "ThreadPool | None" = None) -> None:
     """x += attention(rms_norm(x)) for T new tokens at positions n_past .., in place (see
@@ -901,9 +908,7 @@ def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: 
     T, Hd = x.shape[0], layer.head_dim
     Hr = layer.rotary_dim or Hd
     _f32_out(x, "x", (T, layer.dim))
-    for name, table in (("cos", cos), ("sin", sin)):
-        if not isinstance(table, np.ndarray) or table.dtype != np.float32 or table.shape != (T, Hr) or not table.flags.c_contiguous:
-            raise InvalidArgumentError(f"{name} must be a C-contiguous float32 ({T}, {Hr}) array")
+    _check_rope_tables(cos, sin, T, Hr)
     capacity = keys.shape[0] if isinstance(keys, np.ndarray) and keys.ndim == 3 else -1
     if capacity < n_past + T:
         raise InvalidArgumentError(f"keys must be a (>= {n_past + T}, K, Hd) array")
@@ -982,9 +987,7 @@ def mla_block(layer: MlaLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, 
         raise InvalidArgumentError("x must be a (T, D) float32 array")
     T, R, L = x.shape[0], layer.rope_dim, layer.kv_rank + layer.rope_dim
     _f32_out(x, "x", (T, layer.dim))
-    for name, table in (("cos", cos), ("sin", sin)):
-        if not isinstance(table, np.ndarray) or table.dtype != np.float32 or table.shape != (T, R) or not table.flags.c_contiguous:
-            raise InvalidArgumentError(f"{name} must be a C-contiguous float32 ({T}, {R}) array")
+    _check_rope_tables(cos, sin, T, R)
     capacity = cache.shape[0] if isinstance(cache, np.ndarray) and cache.ndim == 2 else -1
     if capacity < n_past + T:
         raise InvalidArgumentError(f"cache must be a (>= {n_past + T}, {L}) array")

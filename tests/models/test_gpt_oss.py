@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from colibrid.models import architecture_for
+from tests.pack.conftest import assert_refused_after
 from tests.tiny_checkpoints import CheckpointSpec, load_reference, reference_greedy, reference_logits
 
 SPECS = [
@@ -275,17 +276,8 @@ MANIFEST_CORRUPTIONS = [
 
 @pytest.mark.parametrize("mutate, fragments", [c[1:] for c in MANIFEST_CORRUPTIONS], ids=[c[0] for c in MANIFEST_CORRUPTIONS])
 def test_a_corrupt_gpt_oss_manifest_is_refused_naming_what(mutate, fragments, packs, tmp_path):
-    from colibrid.pack import Pack, PackError
-
     pack = shutil.copytree(packs.pack(SPECS[0], "q8_0"), tmp_path / "pack")
-    path = pack / "manifest.json"
-    manifest = json.loads(path.read_text())
-    mutate(manifest)
-    path.write_text(json.dumps(manifest))
-    with pytest.raises(PackError) as info:
-        Pack.open(pack)
-    for fragment in fragments:
-        assert fragment in str(info.value)
+    assert_refused_after(pack, mutate, fragments)
 
 
 def test_the_step_by_step_expert_path_computes_what_the_fused_one_does(packs):

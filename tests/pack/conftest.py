@@ -23,3 +23,20 @@ def flip_byte(path, offset: int, mask: int = 0x01) -> None:
         byte = f.read(1)[0]
         f.seek(offset)
         f.write(bytes([byte ^ mask]))
+
+
+def assert_refused_after(pack, mutate, fragments) -> None:
+    """Apply ``mutate`` to the pack's parsed manifest.json, write it back, and check that
+    Pack.open refuses the pack with an error containing every one of ``fragments``."""
+    import json
+
+    from colibrid.pack import Pack, PackError
+
+    path = pack / "manifest.json"
+    manifest = json.loads(path.read_text())
+    mutate(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(PackError) as info:
+        Pack.open(pack)
+    for fragment in fragments:
+        assert fragment in str(info.value)

@@ -118,20 +118,27 @@ static void block_task(void *arg, int ith, int nth) {
     }
     col_barrier_wait(&j->barrier, nth);
 
-    if (j->mo.integer) { /* 4. quantize a */
-        col_split(T, ith, nth, &b, &e);
-        for (int64_t t = b; t < e; t++) col_quantize_x(j->mo.type, j->a + t * j->Q, j->Q, j->aq + (size_t)t * j->aq_bytes);
-        col_barrier_wait(&j->barrier, nth);
-    }
+    /* 4. quantize a, 5. output product and residual */
+    col_attention_output(j->k, &j->mo, &j->barrier, ith, nth, T, D, j->Q, j->a, j->aq, j->aq_bytes, j->o, j->x, l->bo);
+}
 
-    col_split(D, ith, nth, &b, &e); /* 5. output product and residual */
+void col_attention_output(const col_kernel_set *k, const col_matrix *mo, col_barrier *barrier, int ith, int nth,
+                          int64_t T, int64_t D, int64_t A, const float *a, uint8_t *aq, size_t aq_bytes, float *o,
+                          float *x, const float *bo) {
+    int64_t b, e;
+    if (mo->integer) {
+        col_split(T, ith, nth, &b, &e);
+        for (int64_t t = b; t < e; t++) col_quantize_x(mo->type, a + t * A, A, aq + (size_t)t * aq_bytes);
+        col_barrier_wait(barrier, nth);
+    }
+    col_split(D, ith, nth, &b, &e);
     if (b >= e) return;
-    col_matrix_rows(j->k, &j->mo, b, e, j->a, j->aq, j->aq_bytes, T, j->o + b, D);
+    col_matrix_rows(k, mo, b, e, a, aq, aq_bytes, T, o + b, D);
     for (int64_t t = 0; t < T; t++) {
-        float *xt = j->x + t * D;
-        const float *ot = j->o + t * D;
-        if (l->bo)
-            for (int64_t r = b; r < e; r++) xt[r] += ot[r] + l->bo[r];
+        float *xt = x + t * D;
+        const float *ot = o + t * D;
+        if (bo)
+            for (int64_t r = b; r < e; r++) xt[r] += ot[r] + bo[r];
         else
             for (int64_t r = b; r < e; r++) xt[r] += ot[r];
     }

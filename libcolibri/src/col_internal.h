@@ -349,13 +349,13 @@ void col_matrix_rows(const col_kernel_set *k, const col_matrix *m, int64_t r_beg
                      const float *x, const uint8_t *xq, size_t xq_bytes, int64_t n_tok, float *y,
                      int64_t y_stride);
 
-/* One query head's attention over keys lo..hi (ops.c): ov (Hd) = softmax(scale * q.k_s) v_s,
- * keys/vals (S, K, Hd) read at kv head kh, sc (>= hi + 1) scratch; zeros if hi < lo. With a
- * sink (NULL: none), *sink is one more logit in the softmax denominator, with no value. */
 /* RoPE of one token's n_heads heads (n_heads, head_dim) in place: the first rotary_dim dims of
  * each head rotated (rotate-half within them) by c, s (rotary_dim), the rest untouched. */
 void col_rope_heads(float *x, int64_t n_heads, int64_t head_dim, int64_t rotary_dim, const float *c, const float *s);
 
+/* One query head's attention over keys lo..hi (ops.c): ov (Hd) = softmax(scale * q.k_s) v_s,
+ * keys/vals (S, K, Hd) read at kv head kh, sc (>= hi + 1) scratch; zeros if hi < lo. With a
+ * sink (NULL: none), *sink is one more logit in the softmax denominator, with no value. */
 void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys, const float *vals,
                      int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, float scale,
                      const float *sink, float *sc, float *ov);
@@ -378,6 +378,14 @@ typedef struct {
 } col_barrier;
 
 void col_barrier_wait(col_barrier *b, int nth);
+
+/* The last phases of a fused attention step (attention_block.c, mla_block.c), run by each of
+ * the job's nth threads: the attention output a (T, A) quantized for an integer wo (then a
+ * barrier), then this thread's rows of o = a @ wo^T added, with bo (NULL: none), into the
+ * residual x (T, D). aq (T, aq_bytes) and o (T, D) are scratch. */
+void col_attention_output(const col_kernel_set *k, const col_matrix *mo, col_barrier *barrier, int ith, int nth,
+                          int64_t T, int64_t D, int64_t A, const float *a, uint8_t *aq, size_t aq_bytes, float *o,
+                          float *x, const float *bo);
 
 /* [begin, end) of share ith of n items split as evenly as possible over nth. */
 static inline void col_split(int64_t n, int ith, int nth, int64_t *begin, int64_t *end) {

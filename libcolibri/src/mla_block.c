@@ -189,23 +189,8 @@ static void mla_task(void *arg, int ith, int nth) {
         attend_latent(j, item / H, item % H, th);
     col_barrier_wait(&j->barrier, nth);
 
-    if (j->m_o.integer) { /* 5. quantize a */
-        col_split(T, ith, nth, &b, &e);
-        for (int64_t t = b; t < e; t++) col_quantize_x(j->m_o.type, j->a + t * AV, AV, j->aq + (size_t)t * j->aq_bytes);
-        col_barrier_wait(&j->barrier, nth);
-    }
-
-    col_split(D, ith, nth, &b, &e); /* 6. output product and residual */
-    if (b >= e) return;
-    col_matrix_rows(j->k, &j->m_o, b, e, j->a, j->aq, j->aq_bytes, T, j->o + b, D);
-    for (int64_t t = 0; t < T; t++) {
-        float *xt = j->x + t * D;
-        const float *ot = j->o + t * D;
-        if (l->bo)
-            for (int64_t r = b; r < e; r++) xt[r] += ot[r] + l->bo[r];
-        else
-            for (int64_t r = b; r < e; r++) xt[r] += ot[r];
-    }
+    /* 5. quantize a, 6. output product and residual */
+    col_attention_output(j->k, &j->m_o, &j->barrier, ith, nth, T, D, AV, j->a, j->aq, j->aq_bytes, j->o, j->x, l->bo);
 }
 
 size_t col_mla_layer_size(void) { return sizeof(col_mla_layer); }

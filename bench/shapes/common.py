@@ -78,21 +78,50 @@ def _rng(name: str) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(name.encode()))
 
 
+CHUNK_VALUES = 1 << 24  # drawn at a time: a 579 M-value embedding never sits in RAM as float32
+
+
+def _chunked(shape: tuple[int, ...], dtype, draw: Callable[[int], np.ndarray]) -> np.ndarray:
+    """An array of ``shape`` filled CHUNK_VALUES at a time by draw(count)."""
+    out = np.empty(shape, dtype=dtype)
+    flat = out.reshape(-1)
+    for begin in range(0, flat.size, CHUNK_VALUES):
+        end = min(begin + CHUNK_VALUES, flat.size)
+        flat[begin:end] = draw(end - begin)
+    return out
+
+
 def to_bf16_bits(values: np.ndarray) -> np.ndarray:
-    bits = values.astype(np.float32).view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+    """float32 -> bf16 bits (uint16), rounded to nearest even; overwrites ``values``."""
+    bits = values.view(np.uint32)
+    bits += 0x7FFF + ((bits >> 16) & 1)
+    bits >>= 16
+    return bits.astype(np.uint16)
+
+
+def _normal_bf16(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """N(0, WEIGHT_STD) as bf16 bits. The normal draws in chunks give the stream one call
+    would (numpy's Generator), so OLMoE's checkpoint is the one earlier versions wrote."""
+    rng = _rng(name)
+
+    def draw(count: int) -> np.ndarray:
+        values = rng.standard_normal(count, dtype=np.float32)
+        values *= np.float32(WEIGHT_STD)
+        return to_bf16_bits(values)
+
+    return _chunked(shape, np.uint16, draw)
 
 
 def random_bf16(name: str, shape: tuple[int, ...]) -> np.ndarray:
     """N(0, WEIGHT_STD) as bf16 bits (uint16); 1-D tensors (norms) are ones."""
     if len(shape) == 1:
         return to_bf16_bits(np.ones(shape, np.float32))
-    return to_bf16_bits(_rng(name).standard_normal(shape, dtype=np.float32) * np.float32(WEIGHT_STD))
+    return _normal_bf16(name, shape)
 
 
 def random_bf16_vector(name: str, shape: tuple[int, ...]) -> np.ndarray:
     """N(0, WEIGHT_STD) as bf16 bits for vectors too (biases, sinks), where ones would hide them."""
-    return to_bf16_bits(_rng(name).standard_normal(shape, dtype=np.float32) * np.float32(WEIGHT_STD))
+    return _normal_bf16(name, shape)
 
 
 def random_f32_vector(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -127,7 +156,8 @@ def random_fp8(name: str, shape: tuple[int, ...]) -> np.ndarray:
     global _E4M3_LUT
     if _E4M3_LUT is None:
         _E4M3_LUT = _normal_e4m3_codes()
-    return _E4M3_LUT[_rng(name).integers(0, 65536, size=shape, dtype=np.uint16)]
+    rng, lut = _rng(name), _E4M3_LUT
+    return _chunked(shape, np.uint8, lambda count: lut[rng.integers(0, 65536, size=count, dtype=np.uint16)])
 
 
 def fp8_scale_inv(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -143,7 +173,8 @@ def fp8_weight(name: str, rows: int, cols: int, block: int = 128) -> dict[str, T
 
 def random_mxfp4_blocks(name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Uniform e2m1 codes, two per byte (RMS value 2.9)."""
-    return _rng(name).integers(0, 256, size=shape, dtype=np.uint8)
+    rng = _rng(name)
+    return _chunked(shape, np.uint8, lambda count: rng.integers(0, 256, size=count, dtype=np.uint8))
 
 
 def random_mxfp4_scales(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -188,7 +219,7 @@ def write_checkpoint(directory: Path, config: dict, tensors: dict[str, TensorSpe
             for name in names:
                 data = tensors[name].fill(name, tensors[name].shape)
                 assert data.nbytes == tensors[name].nbytes, name
-                f.write(data.tobytes())
+                f.write(np.ascontiguousarray(data).data)
         os.replace(directory / (file + ".tmp"), directory / file)
         log(f"checkpoint shard {i + 1}/{len(shards)}")
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

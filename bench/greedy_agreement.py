@@ -50,7 +50,7 @@ def llama_greedy(binary: Path, gguf_path: Path, prompt: list[int], n_tokens: int
     text = "".join(placeholder_piece(i) for i in prompt)
     cmd = [str(binary), "-m", str(gguf_path), "-p", text, "-n", str(n_tokens), "--temp", "0", "-t", str(threads),
            "-c", str(len(prompt) + n_tokens + 16), "-no-cnv", "--no-display-prompt", "--no-warmup", "--simple-io",
-           "--seed", "0"]
+           "--seed", "0", "--ignore-eos"]
     out = subprocess.run(cmd, check=True, capture_output=True).stdout.decode("utf-8", errors="replace")
     return [placeholder_id(ch) for ch in out if ord(ch) >= 0x10000]
 

@@ -313,13 +313,14 @@ def gguf_nbytes(shape: tuple[int, ...], qtype: str) -> int:
     return int(np.prod(byte_shape))
 
 
-FIRST_TEXT_ID = 259  # after <unk>, <s>, </s> and the 256 byte tokens
+FIRST_TEXT_ID = 3  # after <unk>, <s>, </s>
 FIRST_TEXT_CODE_POINT = 0x10000  # past the surrogates: every id maps to a valid character
 
 
 def placeholder_piece(token_id: int) -> str:
     """The text of a placeholder token: one code point of its own, so a string of them
-    tokenizes back to exactly those ids (bench/greedy_agreement.py relies on it)."""
+    tokenizes back to exactly those ids and any generated id reads back from the text
+    (bench/greedy_agreement.py relies on both)."""
     return chr(FIRST_TEXT_CODE_POINT + token_id - FIRST_TEXT_ID)
 
 
@@ -329,14 +330,14 @@ def placeholder_id(piece: str) -> int:
 
 def add_placeholder_vocab(writer, vocab_size: int) -> None:
     """A SentencePiece vocabulary of the model's size (llama-bench feeds random ids): ids
-    0, 1, 2 are <unk>, <s>, </s>, then the 256 byte tokens, then one character per id; no
-    BOS added, no space prefix, so a prompt of those characters is exactly its ids."""
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += [placeholder_piece(i) for i in range(len(tokens), vocab_size)]
+    0, 1, 2 are <unk>, <s>, </s>, then one character per id (no byte tokens: llama.cpp only
+    warns that it has no newline token); no BOS added, no space prefix, so a prompt of those
+    characters is exactly its ids."""
+    tokens = ["<unk>", "<s>", "</s>"] + [placeholder_piece(i) for i in range(FIRST_TEXT_ID, vocab_size)]
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * vocab_size)
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab_size - FIRST_TEXT_ID))
+    writer.add_token_types([2, 3, 3] + [1] * (vocab_size - FIRST_TEXT_ID))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(False)

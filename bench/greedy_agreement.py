@@ -48,11 +48,13 @@ def colibri_greedy(pack_dir: Path, prompt: list[int], n_tokens: int, threads: in
 
 def llama_greedy(binary: Path, gguf_path: Path, prompt: list[int], n_tokens: int, threads: int) -> list[int]:
     text = "".join(placeholder_piece(i) for i in prompt)
-    cmd = [str(binary), "-m", str(gguf_path), "-p", text, "-n", str(n_tokens), "--temp", "0", "-t", str(threads),
-           "-c", str(len(prompt) + n_tokens + 16), "-no-cnv", "--no-display-prompt", "--no-warmup", "--simple-io",
+    # llama-completion's last tokens sometimes never reach stdout before it exits: ask for more
+    extra = 8
+    cmd = [str(binary), "-m", str(gguf_path), "-p", text, "-n", str(n_tokens + extra), "--temp", "0", "-t", str(threads),
+           "-c", str(len(prompt) + n_tokens + extra + 16), "-no-cnv", "--no-display-prompt", "--no-warmup", "--simple-io",
            "--seed", "0", "--ignore-eos"]
     out = subprocess.run(cmd, check=True, capture_output=True).stdout.decode("utf-8", errors="replace")
-    return [placeholder_id(ch) for ch in out if ord(ch) >= 0x10000]
+    return [placeholder_id(ch) for ch in out if ord(ch) >= 0x10000][:n_tokens]
 
 
 def main() -> int:

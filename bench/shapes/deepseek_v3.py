@@ -106,7 +106,7 @@ def write_gguf(checkpoint: Path, out: Path, variant: Variant, c: dict) -> None:
         w.add_expert_weights_scale(c["routed_scaling_factor"])
         w.add_expert_weights_norm(c["norm_topk_prob"])
         w.add_rope_dimension_count(R)
-        w.add_file_type(getattr(gguf.LlamaFileType, f"MOSTLY_{q}"))
+        w.add_file_type(gguf.LlamaFileType.ALL_F32 if q == "F32" else getattr(gguf.LlamaFileType, f"MOSTLY_{q}"))
         add_placeholder_vocab(w, c["vocab_size"])
 
     def kv_b_part(layer: int, part: str):
@@ -150,7 +150,8 @@ SHAPE = Shape(
     description=f"DeepSeek-V3 shape: D 7168, MLA (H 128, q_lora 1536, kv_lora 512), 256 experts top-8 (F 2048) "
                 f"+ 1 shared, sigmoid routing in 8 groups keeping 4, first layer dense (18432), V {VOCAB}, FP8",
     default_layers=2,
-    variants=(Variant("q4_g64", "q4_g64", "Q4_0"), Variant("q8_0", "q8_0", "Q8_0")),
+    # f32: for greedy_agreement.py on small --layers (both sides compute in float32)
+    variants=(Variant("q4_g64", "q4_g64", "Q4_0"), Variant("q8_0", "q8_0", "Q8_0"), Variant("f32", "f32", "F32")),
     default_variants=("q4_g64",),
     hf_config=hf_config,
     checkpoint_tensors=checkpoint_tensors,

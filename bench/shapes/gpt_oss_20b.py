@@ -131,7 +131,9 @@ SHAPE = Shape(
                 "32 experts top-4 (F 2880) MXFP4, V 201088",
     default_layers=8,
     # the experts stay MXFP4 (not named in --quant); attention and embeddings q8_0 on both sides
-    variants=(Variant("mxfp4", "dense=q8_0,embeddings=q8_0", "Q8_0", gguf_name="MXFP4_Q8_0"),),
+    # mxfp4-f32: for greedy_agreement.py (the rest computes in float32 on both sides)
+    variants=(Variant("mxfp4", "dense=q8_0,embeddings=q8_0", "Q8_0", gguf_name="MXFP4_Q8_0"),
+              Variant("mxfp4-f32", "dense=f32,embeddings=f32", "F32", gguf_name="MXFP4_F32")),
     default_variants=("mxfp4",),
     hf_config=hf_config,
     checkpoint_tensors=checkpoint_tensors,

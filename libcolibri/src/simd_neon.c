@@ -75,7 +75,7 @@ static float dot_mxfp4_neon(const uint8_t *w, const col_xq_row *x, int64_t nb) {
     return total;
 }
 
-/* Y = s Y + X M (col_internal.h) in tiles of NR rows (1 or 4) by 16 columns (four vectors);
+/* Y = s Y + X M (col_internal.h) in tiles of NR rows (4, 2 or 1) by 16 columns (four vectors);
  * the columns past the last multiple of 16 one at a time with fmaf, which rounds as vfmaq
  * does: every element gets s * y (or 0), then one fused multiply-add per row of M in order,
  * whatever its tile. */
@@ -115,6 +115,10 @@ static void gemm_f32_neon(float *y, int64_t y_stride, float s, const float *x, i
         int64_t r = 0;
         for (; r + GEMM_TILE_ROWS <= n; r += GEMM_TILE_ROWS)
             gemm_tile_neon(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, GEMM_TILE_ROWS);
+        if (r + 2 <= n) { /* k and q of the recurrent step share their reads of S */
+            gemm_tile_neon(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, 2);
+            r += 2;
+        }
         for (; r < n; r++) gemm_tile_neon(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, 1);
     }
     for (int64_t r = 0; r < n; r++)

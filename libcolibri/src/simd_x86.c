@@ -921,7 +921,7 @@ static int quantize_row_q4_g64_avx512(const float *x, uint8_t *dst, int64_t n) {
 
 /* ---- small float products of the linear-attention layers (col_gemm_f32_fn) -------------- */
 
-/* Y = s Y + X M (col_internal.h): a tile of NR rows of Y (1 or 4) by one column block, the
+/* Y = s Y + X M (col_internal.h): a tile of NR rows of Y (4, 2 or 1) by one column block, the
  * block's partial vectors masked (masked lanes load zeros and are never stored), so every
  * element gets the same operations whatever the tile: s * y (or 0), then one fma per row of M
  * in order. always_inline: each NR becomes its own loop with the tile in registers. */
@@ -967,6 +967,10 @@ TARGET_AVX512 static void gemm_f32_avx512(float *y, int64_t y_stride, float s, c
         for (; r + GEMM_TILE_ROWS <= n; r += GEMM_TILE_ROWS)
             gemm_tile_avx512(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, mk,
                              GEMM_TILE_ROWS);
+        if (r + 2 <= n) { /* k and q of the recurrent step share their reads of S */
+            gemm_tile_avx512(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, mk, 2);
+            r += 2;
+        }
         for (; r < n; r++) gemm_tile_avx512(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, mk, 1);
     }
 }
@@ -1009,6 +1013,10 @@ TARGET_AVX2 static void gemm_f32_avx2(float *y, int64_t y_stride, float s, const
         for (; r + GEMM_TILE_ROWS <= n; r += GEMM_TILE_ROWS)
             gemm_tile_avx2(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, mk,
                            GEMM_TILE_ROWS);
+        if (r + 2 <= n) { /* k and q of the recurrent step share their reads of S */
+            gemm_tile_avx2(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, mk, 2);
+            r += 2;
+        }
         for (; r < n; r++) gemm_tile_avx2(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, mk, 1);
     }
 }

@@ -7,6 +7,7 @@ import numpy as np
 
 from colibrid import native
 from colibrid.engine.attention import Attention
+from colibrid.engine.deltanet import DeltaNet
 from colibrid.engine.experts import ExpertSource
 from colibrid.engine.kv_cache import SequenceCache
 from colibrid.engine.layers import linear, rms_norm
@@ -37,7 +38,10 @@ class Layer:
         self.attn_norm = _dense(pack, f"layers.{layer}.attn_norm")
         self.ffn_norm = _dense(pack, f"layers.{layer}.ffn_norm")
         attn_weights = _layer_weights(pack, layer, "attn.")
-        if c.mla is not None:
+        self.layer = layer
+        if c.layer_mixer(layer) == "deltanet":
+            self.attention = DeltaNet(c, layer, attn_weights, self.attn_norm)
+        elif c.mla is not None:
             self.attention = LatentAttention(c, layer, attn_weights, self.attn_norm)
         else:
             self.attention = Attention(c, layer, attn_weights, rotary, self.attn_norm)
@@ -46,7 +50,13 @@ class Layer:
 
     def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: SequenceCache) -> np.ndarray:
         """The residual stream x (T, D) after this layer; x itself may be updated in place."""
-        x = self.attention.residual(x, positions, cos, sin, kv)
+        if isinstance(self.attention, DeltaNet):
+            # Until the per-layer sequence state lands, a sequence's DeltaNet states ride on its cache.
+            states = kv.__dict__.setdefault("deltanet_states", {})
+            state = states.setdefault(self.layer, self.attention.new_state(kv.max_tokens))
+            x = self.attention.residual(x, positions, cos, sin, state, kv.length)
+        else:
+            x = self.attention.residual(x, positions, cos, sin, kv)
         x += self.ffn(rms_norm(x, self.ffn_norm, self.eps))
         return x
 

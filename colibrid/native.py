@@ -148,6 +148,10 @@ _SIGNATURES = {
     # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, R), sin (T, R), cache (>= S, C + R) f32, n_past)
     "col_mla_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
+    "col_deltanet_layer_size": (ctypes.c_size_t, []),
+    # (pool, layer, x (T, D) f32 in place, n_tok, conv_state (Kc - 1, C) f32, recurrent_state (Hv, Dk, Dv) f32)
+    "col_deltanet_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                          ctypes.c_void_p]),
     "col_moe_router_size": (ctypes.c_size_t, []),
     # (pool, router, x (T, D) f32, n_tok, experts (T, A) i32, weights (T, A) f32)
     "col_moe_router_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
@@ -398,6 +402,7 @@ def _check_struct_sizes(lib: ctypes.CDLL) -> None:
     for struct, size_fn in ((_PoolParams, lib.col_pool_params_size), (AttentionLayer, lib.col_attention_layer_size),
                             (MoeRouter, lib.col_moe_router_size), (MlaLayer, lib.col_mla_layer_size),
                             (ExpertFfn, lib.col_expert_ffn_size),
+                            (DeltaNetLayer, lib.col_deltanet_layer_size),
                             (_SourceMatrix, lib.col_source_matrix_size)):
         if ctypes.sizeof(struct) != size_fn():
             raise LibraryNotFoundError(
@@ -996,6 +1001,85 @@ def mla_block(layer: MlaLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, 
     _f32_out(cache, "cache", (capacity, L))
     check(_lib().col_mla_block(_pool_handle(pool), ctypes.addressof(layer), _ptr(x), T, _ptr(cos), _ptr(sin),
                                _ptr(cache), n_past), "mla_block")
+
+
+class DeltaNetLayer(ctypes.Structure):
+    """Mirror of col_deltanet_layer (colibri.h); its size is checked against C at load. Build it
+    with deltanet_layer(), which checks every size once and keeps the arrays it points into alive."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("dim", "n_k_heads", "n_v_heads", "k_head_dim", "v_head_dim", "conv_kernel")),
+        ("eps", ctypes.c_float), ("norm_eps", ctypes.c_float), ("in_type", ctypes.c_int32), ("o_type", ctypes.c_int32),
+        *((name, ctypes.c_void_p) for name in ("norm", "wqkv", "wz", "wb", "wa", "conv", "conv_bias", "A_log", "dt_bias",
+                                               "gate_norm", "wo")),
+    ]
+
+
+def deltanet_layer(dim: int, n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_dim: int, conv_kernel: int,
+                   input_norm: np.ndarray, weights: dict, eps: float, norm_eps: float) -> DeltaNetLayer:
+    """One Gated DeltaNet layer for deltanet_block() (see col_deltanet_layer). ``weights`` maps
+    "qkv" (C, D), "z" (Hv*Dv, D), "b" (Hv, D), "a" (Hv, D) -- one type -- and "o" (D, Hv*Dv)
+    to (type, encoded bytes), read in place, and the float32 arrays "conv" (C, Kc),
+    "conv_bias" (C) (optional), "A_log" (Hv), "dt_bias" (Hv), "norm" (Dv, the gated norm's
+    weight); ``input_norm`` (D) is the layer's input RMSNorm weight. C = 2*Hk*Dk + Hv*Dv."""
+    D, Hk, Hv, Dk, Dv, Kc = (_as_count(v, n) for v, n in (
+        (dim, "dim"), (n_k_heads, "n_k_heads"), (n_v_heads, "n_v_heads"), (k_head_dim, "k_head_dim"),
+        (v_head_dim, "v_head_dim"), (conv_kernel, "conv_kernel")))
+    if min(D, Hk, Hv, Dk, Dv, Kc) == 0 or Hv % Hk:
+        raise InvalidArgumentError(f"a DeltaNet layer needs sizes > 0 and value heads ({Hv}) a multiple of key heads ({Hk})")
+    C, Z = 2 * Hk * Dk + Hv * Dv, Hv * Dv
+    missing = sorted({"qkv", "z", "b", "a", "o", "conv", "A_log", "dt_bias", "norm"} - set(weights))
+    if missing:
+        raise InvalidArgumentError(f"DeltaNet weights lack {', '.join(missing)}")
+    in_types = {_as_type(weights[name][0]) for name in ("qkv", "z", "b", "a")}
+    if len(in_types) != 1:
+        raise InvalidArgumentError("qkv, z, b and a must have one type (one quantization of the input)")
+    keep = [_f32_vector(input_norm, "input_norm", D)]
+    layer = DeltaNetLayer(dim=D, n_k_heads=Hk, n_v_heads=Hv, k_head_dim=Dk, v_head_dim=Dv, conv_kernel=Kc, eps=float(eps),
+                          norm_eps=float(norm_eps), in_type=int(in_types.pop()), o_type=int(_as_type(weights["o"][0])),
+                          norm=_ptr(input_norm))
+    fields = {"qkv": "wqkv", "z": "wz", "b": "wb", "a": "wa", "o": "wo"}
+    for name, (rows, cols) in {"qkv": (C, D), "z": (Z, D), "b": (Hv, D), "a": (Hv, D), "o": (D, Z)}.items():
+        type_, data = weights[name]
+        t = _as_type(type_)
+        raw = _byte_view(data, name)
+        if raw.nbytes != rows * t.row_bytes(cols):
+            raise InvalidArgumentError(f"{name} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs "
+                                       f"{rows * t.row_bytes(cols)}")
+        keep.append(raw)
+        setattr(layer, fields[name], _ptr(raw))
+    conv = weights["conv"]
+    if not isinstance(conv, np.ndarray) or conv.dtype != np.float32 or conv.shape != (C, Kc) or not conv.flags.c_contiguous:
+        raise InvalidArgumentError(f"conv must be a C-contiguous float32 ({C}, {Kc}) array")
+    keep.append(conv)
+    layer.conv = _ptr(conv)
+    vectors = [("conv_bias", "conv_bias", C), ("A_log", "A_log", Hv), ("dt_bias", "dt_bias", Hv), ("norm", "gate_norm", Dv)]
+    for name, field, n in vectors:
+        vector = weights.get(name)
+        if vector is not None:
+            keep.append(_f32_vector(vector, name, n))
+            setattr(layer, field, _ptr(vector))
+    layer._keep = keep  # the buffers the pointers point into
+    return layer
+
+
+def deltanet_block(layer: DeltaNetLayer, x: np.ndarray, conv_state: np.ndarray, recurrent_state: np.ndarray,
+                   pool: "ThreadPool | None" = None) -> None:
+    """x += Gated DeltaNet(rms_norm(x)) for the T new tokens of one sequence, in place (see
+    col_deltanet_block): ``x`` (T, D); the sequence's ``conv_state`` (Kc - 1, C) and
+    ``recurrent_state`` (Hv, Dk, Dv), float32, zeros for a new sequence, updated in place."""
+    if not isinstance(layer, DeltaNetLayer) or not hasattr(layer, "_keep"):
+        raise InvalidArgumentError("layer must come from deltanet_layer()")
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise InvalidArgumentError("x must be a (T, D) float32 array")
+    Hk, Hv, Dk, Dv = layer.n_k_heads, layer.n_v_heads, layer.k_head_dim, layer.v_head_dim
+    C = 2 * Hk * Dk + Hv * Dv
+    _f32_out(x, "x", (x.shape[0], layer.dim))
+    _f32_out(conv_state, "conv_state", (layer.conv_kernel - 1, C))
+    _f32_out(recurrent_state, "recurrent_state", (Hv, Dk, Dv))
+    check(_lib().col_deltanet_block(_pool_handle(pool), ctypes.addressof(layer), _ptr(x), x.shape[0],
+                                    _ptr(conv_state) if conv_state.size else None, _ptr(recurrent_state)),
+          "deltanet_block")
 
 
 def moe_route(type_: TensorType | int | str, data, n_experts: int, dim: int, x: np.ndarray, top_k: int,

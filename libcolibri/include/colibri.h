@@ -516,6 +516,65 @@ COL_API size_t col_mla_layer_size(void);
 COL_API int col_mla_block(col_pool *pool, const col_mla_layer *layer, float *x, int64_t n_tok, const float *cos,
                           const float *sin, float *cache, int64_t n_past);
 
+/* One Gated DeltaNet layer (the linear-attention layers of Qwen3.5-MoE and Qwen3-Next), set up
+ * once and passed to every step. Weights are only read, during each call. Shapes: D dim, Hk
+ * n_k_heads, Hv n_v_heads, Dk k_head_dim, Dv v_head_dim, Kc conv_kernel, C = 2 Hk Dk + Hv Dv
+ * (the conv channels: q heads | k heads | v heads). */
+typedef struct col_deltanet_layer {
+    int64_t dim;             /* D */
+    int64_t n_k_heads;       /* Hk: q/k heads */
+    int64_t n_v_heads;       /* Hv: value heads, a multiple of Hk; value head h reads q/k head
+                                h / (Hv / Hk) (transformers' repeat_interleave) */
+    int64_t k_head_dim;      /* Dk */
+    int64_t v_head_dim;      /* Dv */
+    int64_t conv_kernel;     /* Kc >= 1: taps of the causal depthwise conv */
+    float eps;               /* epsilon of the input RMSNorm */
+    float norm_eps;          /* epsilon of the gated output RMSNorm */
+    int32_t in_type;         /* type of wqkv, wz, wb, wa (one activation quantization) */
+    int32_t o_type;          /* type of wo */
+    const float *norm;       /* (D) input RMSNorm weight (plain: y = norm * x / rms) */
+    const void *wqkv;        /* (C, row_bytes(in_type, D)) in_proj_qkv */
+    const void *wz;          /* (Hv * Dv, row_bytes(in_type, D)) in_proj_z: the output gate */
+    const void *wb;          /* (Hv, row_bytes(in_type, D)) in_proj_b: beta = sigmoid(b) */
+    const void *wa;          /* (Hv, row_bytes(in_type, D)) in_proj_a: the decay's input */
+    const float *conv;       /* (C, Kc) depthwise conv taps, the last one on the newest token */
+    const float *conv_bias;  /* (C) or NULL */
+    const float *A_log;      /* (Hv) */
+    const float *dt_bias;    /* (Hv) */
+    const float *gate_norm;  /* (Dv) weight of the gated RMSNorm */
+    const void *wo;          /* (D, row_bytes(o_type, Hv * Dv)) out_proj */
+} col_deltanet_layer;
+
+/* sizeof(col_deltanet_layer), for bindings that mirror the struct. */
+COL_API size_t col_deltanet_layer_size(void);
+
+/* A whole Gated DeltaNet step of n_tok new tokens of one sequence, residual included, in one
+ * pool job (see deltanet_block.c for the phases and the chunked form):
+ *     h = rms_norm(x) * norm
+ *     qkv = h wqkv^T (C),  z = h wz^T (Hv, Dv),  b = h wb^T (Hv),  a = h wa^T (Hv)
+ *     qkv = silu(conv_bias + sum_j conv[:, j] * qkv at token t - (Kc - 1) + j), the tokens
+ *           before this call taken from conv_state
+ *     per value head h (q, k of head h / (Hv / Hk)):
+ *         q = l2norm(q) * Dk^-0.5,  k = l2norm(k)   (l2norm(v) = v / sqrt(sum v^2 + 1e-6))
+ *         beta = sigmoid(b_h),  g = -exp(A_log_h) * softplus(a_h + dt_bias_h)
+ *         S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q      (S: (Dk, Dv))
+ *         o = rms_norm(o) * gate_norm * silu(z_h)      (norm_eps)
+ *     x += o wo^T
+ * n_tok == 1 runs that recurrence; n_tok > 1 its chunked form (chunks of 64 tokens, as
+ * transformers' torch_chunk_gated_delta_rule): the same function in another order of float
+ * operations, so a prompt and the same tokens one call each agree within float rounding, not
+ * bit for bit. The thread count never changes a result.
+ *   x:               (n_tok, D) float32, read and updated in place
+ *   conv_state:      (Kc - 1, C) float32, the pre-conv qkv rows of the sequence's last Kc - 1
+ *                    tokens, oldest first (zeros for a new sequence); updated in place. May be
+ *                    NULL when Kc == 1.
+ *   recurrent_state: (Hv, Dk, Dv) float32, S of every value head (zeros for a new sequence);
+ *                    updated in place
+ * COL_EINVAL: bad sizes, types or NULL pointers; nothing written. COL_ENOMEM: scratch
+ * allocation failed; nothing written. */
+COL_API int col_deltanet_block(col_pool *pool, const col_deltanet_layer *layer, float *x, int64_t n_tok,
+                               float *conv_state, float *recurrent_state);
+
 /* Router of a MoE layer step: logits = x @ router^T (as col_matmul), then per token a
  * float32 softmax over the n_experts logits, the top_k most probable experts (ties: the
  * lower index first) best first, and their probabilities, renormalised to sum to 1 if

@@ -397,4 +397,25 @@ static inline void col_split(int64_t n, int ith, int nth, int64_t *begin, int64_
 void *col_alloc(size_t bytes);
 void col_free(void *p);
 
+/* ---------------------------------------------------------------------------------------
+ * Small float matrix products of the linear-attention layers (deltanet_block.c)
+ * ------------------------------------------------------------------------------------ */
+
+/* Y = s Y + X M:  y[r * y_stride + j] = s * y[r * y_stride + j] + sum_i x[r * x_stride + i] * m[i * cols + j]
+ * for r < n, j < cols, i < rows (m is (rows, cols), contiguous). Per element the sum starts
+ * from s * y (from 0 when s == 0: y is then only written, so it may hold garbage) and adds
+ * the rows in increasing i, so a row's result does not depend on n nor on the other rows.
+ * Portable: a multiply and an add per term; SIMD levels: one fused multiply-add per term.
+ * y must not overlap x or m. */
+typedef void (*col_gemm_f32_fn)(float *y, int64_t y_stride, float s, const float *x, int64_t x_stride,
+                                const float *m, int64_t n, int64_t rows, int64_t cols);
+
+void col_gemm_f32_portable(float *y, int64_t y_stride, float s, const float *x, int64_t x_stride, const float *m,
+                           int64_t n, int64_t rows, int64_t cols);
+
+/* The SIMD versions of a level, NULL where the level has none or is not compiled in:
+ * AVX2, AVX512 and AVX512_VNNI (simd_x86.c), NEON (simd_neon.c). */
+col_gemm_f32_fn col_gemm_f32_x86(int level);
+col_gemm_f32_fn col_gemm_f32_neon(void);
+
 #endif /* COL_INTERNAL_H */

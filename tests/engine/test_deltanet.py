@@ -119,3 +119,26 @@ def test_state_is_fixed_size():
     c = _config()
     small, large = DeltaNetState(c.deltanet), _mixer(_reference_module()).new_state(1 << 20)
     assert small.nbytes == large.nbytes == 4 * ((KC - 1) * (2 * HK * DK + HV * DV) + HV * DK * DV)
+
+
+@pytest.mark.skipif(not hasattr(native, "deltanet_block"), reason="libcolibri without col_deltanet_block")
+@pytest.mark.parametrize("type_", [native.TensorType.F32, native.TensorType.Q8_0])
+def test_the_fused_step_gives_the_numpy_reference(type_):
+    """The mixer's libcolibri step (what the engine runs) and its numpy reference, on the same
+    packed weights: a prompt longer than a chunk, then decode steps, states carried along."""
+    module = _reference_module()
+    reference = _mixer(module)
+    if type_ is not native.TensorType.F32:
+        for name in ("qkv", "z", "b", "a", "o"):
+            t = reference.w[name]
+            reference.w[name] = PackedTensor(type_, t.shape, native.quantize(type_, t.data))
+    fused = DeltaNet(reference.c, 0, reference.w, reference.input_norm)
+    assert fused.fused is not None
+    x = _inputs(CHUNK + 9)
+    states = fused.new_state(4096), reference.new_state(4096)
+    for step in (x[:CHUNK + 3], *(x[t : t + 1] for t in range(CHUNK + 3, len(x)))):
+        got = fused.residual(step.copy(), None, None, None, states[0], 0)
+        want = reference.residual(step.copy(), None, None, None, states[1], 0)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert np.abs(states[0].recurrent - states[1].recurrent).max() <= 1e-5 * np.abs(states[1].recurrent).max()
+    np.testing.assert_allclose(states[0].conv, states[1].conv, rtol=0, atol=1e-6 * np.abs(states[1].conv).max())

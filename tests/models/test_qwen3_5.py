@@ -116,7 +116,12 @@ def test_decode_with_state_equals_a_full_forward(packs):
     and recurrent states, the attention layer's KV cache): the logits of the full forward."""
     from colibrid.engine import load
 
+    from colibrid import native
+    from colibrid.engine.deltanet import DeltaNet
+
     engine = load(packs.pack(SPECS[0], "f32"))
+    mixers = [layer.attention for layer in engine.model.layers if isinstance(layer.attention, DeltaNet)]
+    assert len(mixers) == 3 and all((m.fused is not None) == hasattr(native, "deltanet_block") for m in mixers)
     ids = _prompt(engine.config.vocab_size)
     full = engine.forward(ids)
     session = engine.new_session()

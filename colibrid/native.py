@@ -131,16 +131,17 @@ _SIGNATURES = {
     "col_rope_partial": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                         ctypes.c_void_p, ctypes.c_void_p]),
     # (pool, q (Tq, H, Hd), keys (S, K, Hd), vals (S, K, Hd), n_q, n_keys, H, K, Hd, positions (Tq) i64,
-    #  window, scale, out (Tq, H*Hd))
+    #  window, chunk, ring, scale, out (Tq, H*Hd))
     "col_attention": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
-                                     ctypes.c_void_p]),
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]),
     # (g (n) f32, u (n) f32, h (n) f32 out, n)
     "col_silu_mul": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
     "col_attention_layer_size": (ctypes.c_size_t, []),
-    # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, Hd), sin (T, Hd), keys (>= S, K, Hd), vals, n_past)
+    # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, Hd), sin (T, Hd), keys (>= S or ring_rows, K, Hd), vals, n_past,
+    #  ring_rows (0: a flat cache))
     "col_attention_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]),
     # (pool, type, router (E, row_bytes(D)), E, D, x (T, D) f32, n_tok, top_k, normalize, experts (T, A) i32, weights (T, A) f32)
     "col_moe_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]),
@@ -790,9 +791,12 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, window: int | None,
-              scale: float, pool: "ThreadPool | None" = None) -> np.ndarray:
-    """Causal (optionally sliding-window) GQA: ``q`` (Tq, H, Hd), ``keys``/``values``
-    (S, K, Hd) float32, ``positions`` (Tq) ints; returns (Tq, H*Hd) float32."""
+              scale: float, pool: "ThreadPool | None" = None, *, chunk: int | None = None,
+              ring: bool = False) -> np.ndarray:
+    """Causal GQA, optionally sliding-window (``window``) or chunked-local (``chunk``):
+    ``q`` (Tq, H, Hd), ``keys``/``values`` (S, K, Hd) float32, ``positions`` (Tq) ints; returns
+    (Tq, H*Hd) float32. ``ring``: keys/values are a ring buffer of S rows holding key position
+    p in row p % S (see col_attention)."""
     for name, a in (("q", q), ("keys", keys), ("values", values)):
         if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != 3:
             raise InvalidArgumentError(f"{name} must be a 3-D float32 array")
@@ -806,7 +810,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np
     q, keys, values = np.ascontiguousarray(q), np.ascontiguousarray(keys), np.ascontiguousarray(values)
     out = np.empty((Tq, H * Hd), dtype=np.float32)
     check(_lib().col_attention(_pool_handle(pool), _ptr(q), _ptr(keys), _ptr(values), Tq, S, H, K, Hd, _ptr(pos),
-                               int(window or 0), float(scale), _ptr(out)), "attention")
+                               int(window or 0), int(chunk or 0), S if ring else 0, float(scale), _ptr(out)),
+          "attention")
     return out
 
 
@@ -828,7 +833,7 @@ class AttentionLayer(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("clip_qkv", ctypes.c_float),
         ("qk_norm", ctypes.c_int32), ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32),
         *((name, ctypes.c_void_p) for name in ("norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")),
-        ("rotary_dim", ctypes.c_int64), ("sinks", ctypes.c_void_p), ("wg", ctypes.c_void_p),
+        ("rotary_dim", ctypes.c_int64), ("sinks", ctypes.c_void_p), ("chunk", ctypes.c_int64), ("wg", ctypes.c_void_p),
     ]
 
 
@@ -844,13 +849,14 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
                     qk_norm: str = "none", q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
                     bq: np.ndarray | None = None, bk: np.ndarray | None = None, bv: np.ndarray | None = None,
                     bo: np.ndarray | None = None, rotary_dim: int = 0, sinks: np.ndarray | None = None,
-                    wg=None) -> AttentionLayer:
+                    chunk: int | None = None, wg=None) -> AttentionLayer:
     """One layer's attention for attention_block(): ``wq`` (H*Hd, D), ``wk``/``wv`` (K*Hd, D)
     encoded as ``qkv_type``, ``wo`` (D, H*Hd) as ``o_type`` (contiguous buffers, read in place);
     ``norm`` (D) the input RMSNorm; biases and q/k norm weights float32 or None; ``rotary_dim``
     the leading dims of each head RoPE rotates (0: all); ``sinks`` (H) float32 per-head sink
-    logits or None; ``wg`` (H*Hd, D) as ``qkv_type``: an output gate, the attention output
-    times sigmoid(h wg^T) (Qwen3.5, Qwen3-Next), or None."""
+    logits or None; ``chunk`` the chunked-local attention span (None: none); ``wg`` (H*Hd, D) as
+    ``qkv_type``: an output gate, the attention output times sigmoid(h wg^T) (Qwen3.5,
+    Qwen3-Next), or None."""
     dim, n_heads, n_kv_heads, head_dim = (_as_count(v, n) for v, n in (
         (dim, "dim"), (n_heads, "n_heads"), (n_kv_heads, "n_kv_heads"), (head_dim, "head_dim")))
     if min(dim, n_heads, n_kv_heads, head_dim) == 0 or n_heads % n_kv_heads or head_dim % 2:
@@ -866,7 +872,7 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
     layer = AttentionLayer(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, window=int(window or 0),
                            eps=float(eps), scale=float(scale), clip_qkv=float(clip_qkv or 0.0),
                            qk_norm=QK_NORM_CODES[qk_norm], qkv_type=int(t_qkv), o_type=int(t_o), norm=_ptr(norm),
-                           rotary_dim=rotary_dim)
+                           rotary_dim=rotary_dim, chunk=_as_count(chunk or 0, "chunk"))
     matrices = [("wq", wq, t_qkv, Q, dim), ("wk", wk, t_qkv, KV, dim), ("wv", wv, t_qkv, KV, dim), ("wo", wo, t_o, dim, Q)]
     for field, data, t, rows, cols in matrices + ([("wg", wg, t_qkv, Q, dim)] if wg is not None else []):
         raw = _byte_view(data, field)
@@ -902,11 +908,12 @@ def _check_rope_tables(cos: np.ndarray, sin: np.ndarray, T: int, width: int) -> 
 
 
 def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
-                    values: np.ndarray, n_past: int, pool: "ThreadPool | None" = None) -> None:
+                    values: np.ndarray, n_past: int, pool: "ThreadPool | None" = None, *, ring: bool = False) -> None:
     """x += attention(rms_norm(x)) for T new tokens at positions n_past .., in place (see
     col_attention_block): ``x`` (T, D), ``cos``/``sin`` (T, Hr) (Hr = the layer's rotary_dim or Hd), ``keys``/``values`` the
-    layer's whole cache buffers (capacity >= n_past + T, K, Hd), float32; rows n_past ..
-    n_past + T - 1 of the cache are written."""
+    layer's whole cache buffers, float32: (capacity >= n_past + T, K, Hd), rows n_past ..
+    n_past + T - 1 written; or with ``ring`` a ring buffer of (rows, K, Hd) holding key position
+    p in row p % rows, rows >= the layer's window or chunk + T - 1."""
     if not isinstance(layer, AttentionLayer) or not hasattr(layer, "_keep"):
         raise InvalidArgumentError("layer must come from attention_layer()")
     n_past = _as_count(n_past, "n_past")
@@ -917,12 +924,16 @@ def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: 
     _f32_out(x, "x", (T, layer.dim))
     _check_rope_tables(cos, sin, T, Hr)
     capacity = keys.shape[0] if isinstance(keys, np.ndarray) and keys.ndim == 3 else -1
-    if capacity < n_past + T:
-        raise InvalidArgumentError(f"keys must be a (>= {n_past + T}, K, Hd) array")
+    spans = [s for s in (layer.window, layer.chunk) if s > 0]
+    needed = min(spans) + T - 1 if ring and spans else n_past + T
+    if ring and not spans:
+        raise InvalidArgumentError("a ring-buffer cache needs a layer with a window or a chunk")
+    if capacity < needed:
+        raise InvalidArgumentError(f"keys must be a (>= {needed}, K, Hd) array")
     _f32_out(keys, "keys", (capacity, layer.n_kv_heads, Hd))
     _f32_out(values, "values", (capacity, layer.n_kv_heads, Hd))
     check(_lib().col_attention_block(_pool_handle(pool), ctypes.addressof(layer), _ptr(x), T, _ptr(cos), _ptr(sin),
-                                     _ptr(keys), _ptr(values), n_past), "attention_block")
+                                     _ptr(keys), _ptr(values), n_past, capacity if ring else 0), "attention_block")
 
 
 class MlaLayer(ctypes.Structure):

@@ -76,8 +76,8 @@ class DeltaNet:
                                      d.value_head_dim, d.conv_kernel, self.input_norm.data, weights,
                                      eps=self.c.rms_norm_eps, norm_eps=self.c.rms_norm_eps)
 
-    def new_state(self, max_tokens: int) -> DeltaNetState:
-        """A fresh sequence's state; its size does not depend on ``max_tokens``."""
+    def new_state(self, max_tokens: int, max_step_tokens: int) -> DeltaNetState:
+        """A fresh sequence's state; its size depends on neither the context nor the step."""
         return DeltaNetState(self.d)
 
     def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,

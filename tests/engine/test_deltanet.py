@@ -66,7 +66,7 @@ def test_prefill_longer_than_a_chunk_matches_transformers():
     h = _inputs(CHUNK + 37)
     with torch.no_grad():
         expected = module(torch.from_numpy(h)[None])[0].numpy()
-    actual = mixer(h, mixer.new_state(4096))
+    actual = mixer(h, mixer.new_state(4096, 512))
     assert np.abs(actual - expected).max() <= 1e-5 * np.abs(expected).max()
 
 
@@ -77,7 +77,7 @@ def test_decode_after_prefill_matches_transformers_with_its_cache():
     h = _inputs(CHUNK + 13)
     prompt, rest = h[:CHUNK + 5], h[CHUNK + 5:]
     cache = transformers.DynamicCache(config=_text_config())
-    state = mixer.new_state(4096)
+    state = mixer.new_state(4096, 512)
     with torch.no_grad():
         expected = [module(torch.from_numpy(prompt)[None], cache=cache)[0].numpy()]
         expected += [module(torch.from_numpy(row)[None, None], cache=cache)[0].numpy() for row in rest]
@@ -92,7 +92,7 @@ def test_chunked_prefill_equals_token_by_token_decode(split):
     time: the outputs and the final states agree to float32 rounding."""
     mixer = _mixer(_reference_module())
     h = _inputs(CHUNK + 20)
-    whole_state, stepped_state = mixer.new_state(4096), mixer.new_state(4096)
+    whole_state, stepped_state = mixer.new_state(4096, 512), mixer.new_state(4096, 512)
     whole = mixer(h, whole_state)
     stepped = [mixer(h[:split], stepped_state)] + [mixer(h[t : t + 1], stepped_state) for t in range(split, len(h))]
     stepped = np.concatenate(stepped)
@@ -117,7 +117,7 @@ def test_chunked_and_recurrent_forms_agree_from_a_nonzero_state():
 
 def test_state_is_fixed_size():
     c = _config()
-    small, large = DeltaNetState(c.deltanet), _mixer(_reference_module()).new_state(1 << 20)
+    small, large = DeltaNetState(c.deltanet), _mixer(_reference_module()).new_state(1 << 20, 512)
     assert small.nbytes == large.nbytes == 4 * ((KC - 1) * (2 * HK * DK + HV * DV) + HV * DK * DV)
 
 
@@ -135,7 +135,7 @@ def test_the_fused_step_gives_the_numpy_reference(type_):
     fused = DeltaNet(reference.c, 0, reference.w, reference.input_norm)
     assert fused.fused is not None
     x = _inputs(CHUNK + 9)
-    states = fused.new_state(4096), reference.new_state(4096)
+    states = fused.new_state(4096, 512), reference.new_state(4096, 512)
     for step in (x[:CHUNK + 3], *(x[t : t + 1] for t in range(CHUNK + 3, len(x)))):
         got = fused.residual(step.copy(), None, None, None, states[0], 0)
         want = reference.residual(step.copy(), None, None, None, states[1], 0)

@@ -120,7 +120,7 @@ def test_decode_with_state_equals_a_full_forward(packs):
     from colibrid.engine.deltanet import DeltaNet
 
     engine = load(packs.pack(SPECS[0], "f32"))
-    mixers = [layer.attention for layer in engine.model.layers if isinstance(layer.attention, DeltaNet)]
+    mixers = [layer.mixer for layer in engine.model.layers if isinstance(layer.mixer, DeltaNet)]
     assert len(mixers) == 3 and all((m.fused is not None) == hasattr(native, "deltanet_block") for m in mixers)
     ids = _prompt(engine.config.vocab_size)
     full = engine.forward(ids)
@@ -139,7 +139,7 @@ def test_fused_gated_attention_gives_the_logits_of_the_numpy_path(packs):
     from colibrid.pack import Pack
 
     fused, stepwise = (Engine(Pack.open(packs.pack(SPECS[1], "f32"))) for _ in range(2))
-    attention = [layer.attention for layer in stepwise.model.layers if isinstance(layer.attention, Attention)]
+    attention = [layer.mixer for layer in stepwise.model.layers if isinstance(layer.mixer, Attention)]
     assert len(attention) == 2 and all(a.fused is not None and "gate" in a.w for a in attention)
     for a in attention:
         a.fused = None

@@ -1,6 +1,6 @@
 """Grouped-query causal self-attention with RoPE (optionally partial: the leading dims of
-each head only), optional q/k RMSNorm, qkv clipping, sliding windows and per-head sink
-logits; keys and values go through the sequence's KV cache."""
+each head only), optional q/k RMSNorm, qkv clipping, sliding windows, per-head sink logits
+and an output gate; keys and values go through the sequence's KV cache."""
 
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ class Attention:
         """The whole step as one libcolibri call (col_attention_block, the same numbers as the
         numpy path below), or None where it does not apply: q, k and v of different types."""
         c, w = self.c, self.w
-        if len({w["q"].type, w["k"].type, w["v"].type}) != 1:
-            log.info("layer %d: q, k and v have different types; attention runs step by step", self.layer)
+        if len({w[name].type for name in ("q", "k", "v", "gate") if name in w}) != 1:
+            log.info("layer %d: q, k, v (and gate) have different types; attention runs step by step", self.layer)
             return None
         bias = lambda name: w[name].data if name in w else None  # noqa: E731
         return native.attention_layer(
@@ -47,7 +47,8 @@ class Attention:
             w["q"].data, w["k"].data, w["v"].data, w["o"].type, w["o"].data, eps=c.rms_norm_eps,
             scale=float(self.scale), window=self.window, clip_qkv=c.clip_qkv, qk_norm=c.qk_norm,
             q_norm=bias("q_norm"), k_norm=bias("k_norm"), bq=bias("q_bias"), bk=bias("k_bias"), bv=bias("v_bias"),
-            bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"), chunk=self.chunk)
+            bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"), chunk=self.chunk,
+            wg=w["gate"].data if "gate" in w else None)
 
     def new_state(self, max_tokens: int, max_step_tokens: int) -> KVCache | RingKVCache:
         """A sequence's cache for this layer: a ring of the keys a window or chunk can still
@@ -90,4 +91,7 @@ class Attention:
         # its own, so decode and prefill give the same numbers
         out = native.attention(q, keys, values, positions, self.window, float(self.scale), chunk=self.chunk,
                                ring=kv.ring)  # (T, H*Hd)
-        return linear(out, w["o"], w.get("o_bias"))
+        if "gate" in w:  # the output gate (Qwen3.5, Qwen3-Next): per head and dim, sigmoid of its own projection
+            with np.errstate(over="ignore"):
+                out = out * (np.float32(1.0) / (np.float32(1.0) + np.exp(-linear(x, w["gate"]))))
+        return linear(out.astype(np.float32), w["o"], w.get("o_bias"))

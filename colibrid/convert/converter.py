@@ -112,6 +112,7 @@ class Converter:
         except (KeyError, TypeError, ValueError) as exc:
             raise ConversionError(f"{src / 'config.json'}: cannot read the model configuration ({exc!r})") from None
         self.checkpoint = self._open_checkpoint()
+        self.arch = self.arch.for_checkpoint(self.config, self.checkpoint.has)
         self.dense_names = self.arch.dense_tensor_names(self.config)
         self.quant = self._experts_as_published(quant)
         self.report = ConversionReport(out, self.arch.name, quantization=self.quant.to_json())

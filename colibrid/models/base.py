@@ -9,7 +9,7 @@ engine runs every architecture through the same code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from colibrid.convert.safetensors import TensorRef
 from colibrid.models.config import ModelConfig, RopeConfig
@@ -43,10 +43,16 @@ class Architecture:
     attention_sinks_name = "self_attn.sinks"  # under model.layers.{l}., when config.attention_sinks
     shared_expert_prefix = "mlp.shared_expert"  # under model.layers.{l}.
     experts_prefix = "mlp.experts"  # under model.layers.{l}.
+    dense_mlp_prefix = "mlp"  # under model.layers.{l}., a dense layer's gate_proj / up_proj / down_proj
     expert_projections = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
 
     def model_config(self, hf: dict[str, Any]) -> ModelConfig:
         raise NotImplementedError
+
+    def for_checkpoint(self, config: ModelConfig, has_tensor: Callable[[str], bool]) -> "Architecture":
+        """This architecture as the checkpoint at hand lays it out (a family published in two
+        layouts returns the variant that names the tensors ``has_tensor`` finds)."""
+        return self
 
     def conversion_notes(self, hf: dict[str, Any]) -> list[str]:
         """What the converter leaves out of the pack on purpose (logged, one line each)."""
@@ -83,7 +89,7 @@ class Architecture:
             names[pk + "attn.o_bias"] = hf + "self_attn.o_proj.bias"
         if config.attention_sinks:
             names[pk + "attn.sinks"] = hf + self.attention_sinks_name
-        if config.qk_norm != "none":
+        if config.qk_norm in ("full", "head"):  # "l2" has no weight
             names[pk + "attn.q_norm"] = hf + "self_attn.q_norm.weight"
             names[pk + "attn.k_norm"] = hf + "self_attn.k_norm.weight"
         if config.moe_layers[layer]:
@@ -99,7 +105,7 @@ class Architecture:
                 names[pk + "shared_gate"] = hf + "mlp.shared_expert_gate.weight"
         else:
             for part in ("gate", "up", "down"):
-                names[pk + f"mlp.{part}"] = hf + f"mlp.{part}_proj.weight"
+                names[pk + f"mlp.{part}"] = hf + f"{self.dense_mlp_prefix}.{part}_proj.weight"
         return names
 
 
@@ -153,7 +159,20 @@ def rope_config(hf: dict[str, Any], default_theta: float) -> RopeConfig:
             attention_factor=params.get("attention_factor"),
             truncate=bool(params.get("truncate", True)),
         )
-    raise UnsupportedConfig(f"rope type {rope_type!r} is not supported (supported: default, linear, yarn)")
+    if rope_type == "llama3":
+        missing = [k for k in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")
+                   if params.get(k) is None]
+        if missing:
+            raise UnsupportedConfig(f"rope type llama3 needs {', '.join(missing)}")
+        return RopeConfig(
+            theta=float(theta),
+            type="llama3",
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+        )
+    raise UnsupportedConfig(f"rope type {rope_type!r} is not supported (supported: default, linear, yarn, llama3)")
 
 
 def partial_rotary_factor(hf: dict[str, Any], default: float = 1.0) -> float:

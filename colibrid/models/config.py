@@ -18,9 +18,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-QK_NORM_KINDS = ("none", "full", "head")
-ROPE_TYPES = ("default", "linear", "yarn")
-ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+QK_NORM_KINDS = ("none", "full", "head", "l2")
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 GROUP_SCORES = ("max", "top2_sum")
 
@@ -30,11 +30,13 @@ class RopeConfig:
     theta: float = 10000.0
     type: str = "default"  # one of ROPE_TYPES
     factor: float = 1.0  # linear / yarn scaling factor
-    original_max_position_embeddings: int | None = None  # yarn
+    original_max_position_embeddings: int | None = None  # yarn, llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     attention_factor: float | None = None  # yarn; None = derived from factor
     truncate: bool = True  # yarn
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original / low_freq_factor are divided by factor,
+    high_freq_factor: float = 4.0  # those below original / high_freq_factor kept, those between interpolated
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,8 @@ class ModelConfig:
     # Attention features.
     qkv_bias: bool = False  # biases on q, k, v projections
     o_bias: bool = False  # bias on the output projection
-    qk_norm: str = "none"  # "full": RMSNorm over all heads (OLMoE); "head": per head (Qwen3)
+    qk_norm: str = "none"  # "full": RMSNorm over all heads (OLMoE); "head": per head (Qwen3); "l2": per head
+    # without a weight, after RoPE, on the layers with RoPE only (Llama 4's L2 norm)
     clip_qkv: float | None = None  # clamp q, k, v to +-clip_qkv (OLMoE option)
     sliding_window: tuple[int | None, ...] = ()  # per layer: window in tokens, None = full causal
     rotary_dim: int = 0  # leading dims of each head that RoPE rotates (partial rotary); 0 = all Hd
@@ -84,7 +87,8 @@ class ModelConfig:
     shared_expert_gated: bool = False  # shared expert output scaled by sigmoid(x . w)
     # Routing beyond softmax top-k (DeepSeek-V2/V3, GLM-4.5); the defaults are plain softmax top-k.
     router_scoring: str = "softmax"  # "softmax" over all E, "sigmoid" of each logit, or "topk_softmax":
-    # the top A logits first, then a softmax over those A (gpt-oss)
+    # the top A logits first, then a softmax over those A (gpt-oss), or "topk_sigmoid": the top A logits,
+    # then the sigmoid of each (Llama 4)
     router_choice_bias: bool = False  # a per-expert bias (E) added to the scores for choosing only
     router_groups: int = 1  # experts split into this many groups of E / groups for the group limit
     router_groups_kept: int = 1  # experts are chosen from the best this-many groups only
@@ -97,6 +101,13 @@ class ModelConfig:
     expert_activation: str = "swiglu"  # "swiglu": silu(g) * u; "clamped_swiglu": see swiglu_limit
     swiglu_alpha: float = 1.0  # clamped_swiglu: h = (clamp(u, +-limit) + 1) * g' * sigmoid(alpha * g'),
     swiglu_limit: float = 0.0  # g' = min(g, limit)
+    # Llama 4: interleaved-pair RoPE, NoPE layers with attention temperature tuning, the routing weight on the
+    # expert's input.
+    rope_interleaved: bool = False  # RoPE turns pairs (x0, x1), (x2, x3) ... of each head (complex rotary)
+    nope_layers: tuple[bool, ...] = ()  # per layer: True = no RoPE (a NoPE layer); () = RoPE on every layer
+    attn_temperature_floor: int = 0  # > 0: on NoPE layers the query of position p is multiplied by
+    attn_temperature_scale: float = 0.0  # log1p(floor((p + 1) / floor)) * scale + 1
+    router_weight_on_input: bool = False  # an expert runs on weight * x and its output is added unweighted
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -108,6 +119,8 @@ class ModelConfig:
             raise ValueError(f"rope type must be one of {ROPE_TYPES}, got {self.rope.type!r}")
         if len(self.moe_layers) != self.num_layers or len(self.sliding_window) != self.num_layers:
             raise ValueError("moe_layers and sliding_window need one entry per layer")
+        if len(self.nope_layers) not in (0, self.num_layers):
+            raise ValueError("nope_layers needs one entry per layer, or none")
         if self.router_scoring not in ROUTER_SCORINGS or self.router_group_score not in GROUP_SCORES:
             raise ValueError(f"router_scoring must be one of {ROUTER_SCORINGS} and router_group_score one of "
                              f"{GROUP_SCORES}, got {self.router_scoring!r}, {self.router_group_score!r}")
@@ -128,6 +141,10 @@ class ModelConfig:
             return self.mla.qk_rope_head_dim
         return self.rotary_dim or self.head_dim
 
+    def is_nope(self, layer: int) -> bool:
+        """True when ``layer`` has no RoPE (Llama 4's NoPE layers)."""
+        return bool(self.nope_layers) and self.nope_layers[layer]
+
     @property
     def moe_layer_ids(self) -> list[int]:
         return [layer for layer, is_moe in enumerate(self.moe_layers) if is_moe]
@@ -145,7 +162,7 @@ class ModelConfig:
         data["rope"] = RopeConfig(**data["rope"])
         if data.get("mla") is not None:
             data["mla"] = MlaConfig(**data["mla"])
-        for key in ("sliding_window", "moe_layers", "eos_token_ids"):
+        for key in ("sliding_window", "moe_layers", "eos_token_ids", "nope_layers"):
             data[key] = tuple(data.get(key, ()))
         return cls(**data)
 

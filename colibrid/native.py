@@ -828,7 +828,7 @@ class AttentionLayer(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("clip_qkv", ctypes.c_float),
         ("qk_norm", ctypes.c_int32), ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32),
         *((name, ctypes.c_void_p) for name in ("norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")),
-        ("rotary_dim", ctypes.c_int64), ("sinks", ctypes.c_void_p),
+        ("rotary_dim", ctypes.c_int64), ("sinks", ctypes.c_void_p), ("chunk", ctypes.c_int64),
         ("rope_interleaved", ctypes.c_int32), ("no_rope", ctypes.c_int32),
         ("temp_floor", ctypes.c_float), ("temp_scale", ctypes.c_float),
     ]
@@ -846,13 +846,13 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
                     qk_norm: str = "none", q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
                     bq: np.ndarray | None = None, bk: np.ndarray | None = None, bv: np.ndarray | None = None,
                     bo: np.ndarray | None = None, rotary_dim: int = 0, sinks: np.ndarray | None = None,
-                    rope_interleaved: bool = False, no_rope: bool = False,
+                    chunk: int | None = None, rope_interleaved: bool = False, no_rope: bool = False,
                     temperature: tuple[float, float] | None = None) -> AttentionLayer:
     """One layer's attention for attention_block(): ``wq`` (H*Hd, D), ``wk``/``wv`` (K*Hd, D)
     encoded as ``qkv_type``, ``wo`` (D, H*Hd) as ``o_type`` (contiguous buffers, read in place);
     ``norm`` (D) the input RMSNorm; biases and q/k norm weights float32 or None; ``rotary_dim``
     the leading dims of each head RoPE rotates (0: all); ``sinks`` (H) float32 per-head sink
-    logits or None; ``rope_interleaved``: RoPE turns pairs (x0, x1), (x2, x3) ...; ``no_rope``:
+    logits or None; ``chunk`` the chunked-local attention span (None: none); ``rope_interleaved``: RoPE turns pairs (x0, x1), (x2, x3) ...; ``no_rope``:
     none at all; ``temperature`` (floor, scale): queries scaled by attention temperature tuning
     (see col_attention_layer), or None."""
     dim, n_heads, n_kv_heads, head_dim = (_as_count(v, n) for v, n in (
@@ -870,7 +870,8 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
     layer = AttentionLayer(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, window=int(window or 0),
                            eps=float(eps), scale=float(scale), clip_qkv=float(clip_qkv or 0.0),
                            qk_norm=QK_NORM_CODES[qk_norm], qkv_type=int(t_qkv), o_type=int(t_o), norm=_ptr(norm),
-                           rotary_dim=rotary_dim, rope_interleaved=int(bool(rope_interleaved)),
+                           rotary_dim=rotary_dim, chunk=_as_count(chunk or 0, "chunk"),
+                           rope_interleaved=int(bool(rope_interleaved)),
                            no_rope=int(bool(no_rope)))
     if temperature is not None:
         floor, scale_ = (float(v) for v in temperature)

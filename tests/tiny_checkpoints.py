@@ -7,6 +7,7 @@ bf16), with a small byte-level BPE tokenizer and a ChatML template.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ ARCH_CLASSES = {
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM),
 }
 
 # Sizes keep every matrix row a multiple of 64 so every quantized type applies.
@@ -59,6 +61,12 @@ _DEEPSEEK = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_siz
                  first_k_dense_replace=1, n_shared_experts=1, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=64,
                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_group=4, topk_group=2)
 EXPERTS.update(deepseek_v2=_DEEPSEEK, deepseek_v3=_DEEPSEEK)
+# Llama 4: 4 layers, MoE on layers 1 and 3 (dense MLPs of width 128 on 0 and 2), top-1 of 8 experts plus a
+# shared expert; layer 3 is a NoPE layer (full attention, temperature tuning that moves every 4 tokens),
+# layers 0-2 rotate interleaved pairs and attend in chunks of 8 tokens, shorter than the test prompts.
+EXPERTS["llama4"] = dict(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=1, intermediate_size=64,
+                         intermediate_size_mlp=128, interleave_moe_layer_step=2, head_dim=16,
+                         attention_chunk_size=8, floor_scale=4, attn_scale=0.5)
 
 
 @dataclass(frozen=True)
@@ -138,7 +146,8 @@ def build_checkpoint(spec: CheckpointSpec, directory: Path, init_std: float = 0.
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(directory)
     config_cls, model_cls = ARCH_CLASSES[spec.arch]
-    kwargs = {**BASE, **EXPERTS[spec.arch], **spec.overrides}
+    # a deep copy: transformers fills nested dicts (rope_parameters) in place, which would rename the spec
+    kwargs = copy.deepcopy({**BASE, **EXPERTS[spec.arch], **spec.overrides})
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = config_cls(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=eos, bos_token_id=None, **kwargs)
     torch.manual_seed(spec.seed)

@@ -32,6 +32,7 @@ class Attention:
         self.rotary = rotary
         self.input_norm = input_norm  # (D)
         self.window = config.sliding_window[layer]
+        self.chunk = config.attention_chunk[layer] if config.attention_chunk else None  # Llama 4
         self.scale = np.float32(config.head_dim ** -0.5)
         self.no_rope = config.is_nope(layer)
         self.qk_norm, self.q_norm, self.k_norm = self._qk_norm()
@@ -67,7 +68,7 @@ class Attention:
             scale=float(self.scale), window=self.window, clip_qkv=c.clip_qkv, qk_norm=self.qk_norm,
             q_norm=self.q_norm, k_norm=self.k_norm, bq=bias("q_bias"), bk=bias("k_bias"), bv=bias("v_bias"),
             bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"), rope_interleaved=c.rope_interleaved,
-            no_rope=self.no_rope, temperature=self.temperature)
+            no_rope=self.no_rope, temperature=self.temperature, chunk=self.chunk)
 
     def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
         """x + attention(rms_norm(x)) for tokens at ``positions`` = kv.length, kv.length + 1 ...;
@@ -103,8 +104,22 @@ class Attention:
         keys, values = kv.append(self.layer, k, v)  # (S, K, Hd)
         # libcolibri, (token, head) pairs split across the pool; each query row is computed on
         # its own, so decode and prefill give the same numbers
-        out = native.attention(q, keys, values, positions, self.window, float(self.scale))  # (T, H*Hd)
+        out = self._attend(q, keys, values, positions)  # (T, H*Hd)
         return linear(out, w["o"], w.get("o_bias"))
+
+    def _attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """native.attention, chunk by chunk with chunked-local attention: the queries of one chunk
+        see the keys from the chunk's first position on (one call per chunk the step touches)."""
+        if not self.chunk:
+            return native.attention(q, keys, values, positions, self.window, float(self.scale))
+        out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), np.float32)  # (T, H*Hd)
+        chunk_of = positions // self.chunk
+        for c in np.unique(chunk_of):
+            rows = np.nonzero(chunk_of == c)[0]
+            first = int(c) * self.chunk
+            out[rows] = native.attention(q[rows], keys[first:], values[first:], positions[rows] - first, self.window,
+                                         float(self.scale))
+        return out
 
     def _rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """RoPE over x (T, heads, Hd): rotate-half, or on interleaved pairs (de-interleaved,

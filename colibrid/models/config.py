@@ -74,6 +74,8 @@ class ModelConfig:
     # without a weight, after RoPE, on the layers with RoPE only (Llama 4's L2 norm)
     clip_qkv: float | None = None  # clamp q, k, v to +-clip_qkv (OLMoE option)
     sliding_window: tuple[int | None, ...] = ()  # per layer: window in tokens, None = full causal
+    attention_chunk: tuple[int | None, ...] = ()  # per layer: chunked-local attention span (a token
+    # sees its own chunk of this many tokens only), None = none; () = none on every layer
     rotary_dim: int = 0  # leading dims of each head that RoPE rotates (partial rotary); 0 = all Hd
     mla: MlaConfig | None = None  # multi-head latent attention instead of grouped-query attention
     # Mixture of experts.
@@ -119,6 +121,8 @@ class ModelConfig:
             raise ValueError(f"rope type must be one of {ROPE_TYPES}, got {self.rope.type!r}")
         if len(self.moe_layers) != self.num_layers or len(self.sliding_window) != self.num_layers:
             raise ValueError("moe_layers and sliding_window need one entry per layer")
+        if self.attention_chunk and len(self.attention_chunk) != self.num_layers:
+            raise ValueError("attention_chunk needs one entry per layer, or none at all")
         if len(self.nope_layers) not in (0, self.num_layers):
             raise ValueError("nope_layers needs one entry per layer, or none")
         if self.router_scoring not in ROUTER_SCORINGS or self.router_group_score not in GROUP_SCORES:
@@ -162,7 +166,7 @@ class ModelConfig:
         data["rope"] = RopeConfig(**data["rope"])
         if data.get("mla") is not None:
             data["mla"] = MlaConfig(**data["mla"])
-        for key in ("sliding_window", "moe_layers", "eos_token_ids", "nope_layers"):
+        for key in ("sliding_window", "attention_chunk", "moe_layers", "eos_token_ids", "nope_layers"):
             data[key] = tuple(data.get(key, ()))
         return cls(**data)
 

@@ -435,6 +435,8 @@ typedef struct col_attention_layer {
     int64_t rotary_dim;   /* Hr: leading dims of each head RoPE rotates, even, <= Hd; 0: all Hd */
     const float *sinks;   /* (H) learned per-head sink logits (gpt-oss), or NULL: none. A sink is
                              one more logit in its head's softmax denominator, with no value */
+    int64_t chunk;        /* chunked local attention (Llama 4): a query at position p sees keys
+                             from p - p % chunk on; <= 0: none */
     /* Llama 4; all 0 (off) for the other families */
     int32_t rope_interleaved; /* 1: RoPE turns interleaved pairs (x0, x1), (x2, x3) ... of each head's
                                  rotated dims (Llama 4's complex rotary) instead of (x_i, x_i+Hr/2);
@@ -460,7 +462,7 @@ COL_API size_t col_attention_layer_size(void);
  *     HEAD_AFTER_ROPE: each head of q, k = rms_norm(head) * q_norm / k_norm
  *     temperature: q[t] *= log1p(floor((n_past + t + 1) / temp_floor)) * temp_scale + 1
  *     keys[n_past + t], vals[n_past + t] = k[t], v[t]
- *     a = attention(q, keys[0 : n_past + n_tok], vals, positions n_past + t, window, scale)
+ *     a = attention(q, keys[0 : n_past + n_tok], vals, positions n_past + t, window, chunk, scale)
  *         with sinks: head h's softmax also holds the logit sinks[h] (unscaled, never masked):
  *         m = max(max_s scale q.k_s, sinks[h]), p_s = exp(scale q.k_s - m) /
  *         (sum_s exp(scale q.k_s - m) + exp(sinks[h] - m)), a = sum_s p_s v_s

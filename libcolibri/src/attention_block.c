@@ -12,7 +12,7 @@
  *   0. h[t] = rms_norm(x[t]) * norm, quantized for the q/k/v type          tokens split
  *   1. qkv[t] = h[t] @ [wq; wk; wv]^T + [bq; bk; bv]                       R rows split
  *   2. q/k norms, clamp, RoPE, temperature; k, v stored at n_past + t      tokens split
- *   3. a[t, head] = attention over keys 0 .. n_past + t (window, sink)      (t, head) dealt
+ *   3. a[t, head] = attention over keys 0 .. n_past + t (window, chunk, sink) (t, head) dealt
  *   4. a[t] quantized for wo's type (integer kernels only)                  tokens split
  *   5. x[t] += a[t] @ wo^T + bo                                             D rows split
  * Each phase calls the code of the separate entry points (col_rms_norm, col_matrix_rows as in
@@ -144,6 +144,7 @@ static void block_task(void *arg, int ith, int nth) {
         const int64_t t = item / H, head = item % H, pos = j->n_past + t;
         int64_t lo = 0;
         if (l->window > 0 && pos - l->window + 1 > lo) lo = pos - l->window + 1;
+        if (l->chunk > 0 && pos - pos % l->chunk > lo) lo = pos - pos % l->chunk; /* its own chunk only */
         col_attend_head(j->k, j->qkv + t * j->R + head * Hd, j->keys, j->vals, l->n_kv_heads, head / group, Hd, lo,
                         pos, l->scale, l->sinks ? l->sinks + head : NULL, sc, j->a + item * Hd);
     }
@@ -182,7 +183,7 @@ static int layer_valid(const col_attention_layer *l) {
         l->n_heads % l->n_kv_heads != 0)
         return 0;
     if (l->rotary_dim < 0 || l->rotary_dim % 2 != 0 || l->rotary_dim > l->head_dim) return 0;
-    if (l->qk_norm < COL_QK_NORM_NONE || l->qk_norm > COL_QK_NORM_HEAD_AFTER_ROPE) return 0;
+    if (l->qk_norm < COL_QK_NORM_NONE || l->qk_norm > COL_QK_NORM_HEAD_AFTER_ROPE || l->chunk < 0) return 0;
     if (l->qk_norm != COL_QK_NORM_NONE && (!l->q_norm || !l->k_norm)) return 0;
     if (!l->norm || !l->wq || !l->wk || !l->wv || !l->wo) return 0;
     if ((l->rope_interleaved != 0 && l->rope_interleaved != 1) || (l->no_rope != 0 && l->no_rope != 1)) return 0;

@@ -64,8 +64,11 @@ GPT_OSS_SPEC = CheckpointSpec("gpt_oss", {"swiglu_limit": 0.15})
 # DeepSeek-V3's: latent attention (its latent cache), sigmoid routing with groups, a shared
 # expert, a dense first layer (8 experts, top-2, MoE layers 1 and 2).
 DEEPSEEK_SPEC = CheckpointSpec("deepseek_v3", {"num_hidden_layers": 3})
+# Llama 4's: top-1 by logit with the sigmoid weight on the expert's input, a shared expert, dense MLPs on
+# layers 0 and 2, chunked attention, a NoPE layer (8 experts, MoE layers 1 and 3).
+LLAMA4_SPEC = CheckpointSpec("llama4")
 FAMILIES = {"qwen2_moe": (SPEC, MOE_LAYERS), "glm4_moe": (GLM_SPEC, [1, 2]), "deepseek_v3": (DEEPSEEK_SPEC, [1, 2]),
-            "gpt_oss": (GPT_OSS_SPEC, [0, 1])}
+            "gpt_oss": (GPT_OSS_SPEC, [0, 1]), "llama4": (LLAMA4_SPEC, [1, 3])}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

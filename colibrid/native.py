@@ -131,16 +131,17 @@ _SIGNATURES = {
     "col_rope_partial": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                         ctypes.c_void_p, ctypes.c_void_p]),
     # (pool, q (Tq, H, Hd), keys (S, K, Hd), vals (S, K, Hd), n_q, n_keys, H, K, Hd, positions (Tq) i64,
-    #  window, scale, out (Tq, H*Hd))
+    #  window, chunk, ring, scale, out (Tq, H*Hd))
     "col_attention": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
-                                     ctypes.c_void_p]),
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]),
     # (g (n) f32, u (n) f32, h (n) f32 out, n)
     "col_silu_mul": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
     "col_attention_layer_size": (ctypes.c_size_t, []),
-    # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, Hd), sin (T, Hd), keys (>= S, K, Hd), vals, n_past)
+    # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, Hd), sin (T, Hd), keys (>= S or ring_rows, K, Hd), vals, n_past,
+    #  ring_rows (0: a flat cache))
     "col_attention_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]),
     # (pool, type, router (E, row_bytes(D)), E, D, x (T, D) f32, n_tok, top_k, normalize, experts (T, A) i32, weights (T, A) f32)
     "col_moe_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]),
@@ -790,9 +791,12 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, window: int | None,
-              scale: float, pool: "ThreadPool | None" = None) -> np.ndarray:
-    """Causal (optionally sliding-window) GQA: ``q`` (Tq, H, Hd), ``keys``/``values``
-    (S, K, Hd) float32, ``positions`` (Tq) ints; returns (Tq, H*Hd) float32."""
+              scale: float, pool: "ThreadPool | None" = None, *, chunk: int | None = None,
+              ring: bool = False) -> np.ndarray:
+    """Causal GQA, optionally sliding-window (``window``) or chunked-local (``chunk``):
+    ``q`` (Tq, H, Hd), ``keys``/``values`` (S, K, Hd) float32, ``positions`` (Tq) ints; returns
+    (Tq, H*Hd) float32. ``ring``: keys/values are a ring buffer of S rows holding key position
+    p in row p % S (see col_attention)."""
     for name, a in (("q", q), ("keys", keys), ("values", values)):
         if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != 3:
             raise InvalidArgumentError(f"{name} must be a 3-D float32 array")
@@ -806,7 +810,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np
     q, keys, values = np.ascontiguousarray(q), np.ascontiguousarray(keys), np.ascontiguousarray(values)
     out = np.empty((Tq, H * Hd), dtype=np.float32)
     check(_lib().col_attention(_pool_handle(pool), _ptr(q), _ptr(keys), _ptr(values), Tq, S, H, K, Hd, _ptr(pos),
-                               int(window or 0), float(scale), _ptr(out)), "attention")
+                               int(window or 0), int(chunk or 0), S if ring else 0, float(scale), _ptr(out)),
+          "attention")
     return out
 
 
@@ -852,9 +857,10 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
     encoded as ``qkv_type``, ``wo`` (D, H*Hd) as ``o_type`` (contiguous buffers, read in place);
     ``norm`` (D) the input RMSNorm; biases and q/k norm weights float32 or None; ``rotary_dim``
     the leading dims of each head RoPE rotates (0: all); ``sinks`` (H) float32 per-head sink
-    logits or None; ``chunk`` the chunked-local attention span (None: none); ``rope_interleaved``: RoPE turns pairs (x0, x1), (x2, x3) ...; ``no_rope``:
-    none at all; ``temperature`` (floor, scale): queries scaled by attention temperature tuning
-    (see col_attention_layer), or None."""
+    logits or None; ``chunk`` the chunked-local attention span (None: none);
+    ``rope_interleaved``: RoPE turns pairs (x0, x1), (x2, x3) ...; ``no_rope``: none at all;
+    ``temperature`` (floor, scale): queries scaled by attention temperature tuning (see
+    col_attention_layer), or None."""
     dim, n_heads, n_kv_heads, head_dim = (_as_count(v, n) for v, n in (
         (dim, "dim"), (n_heads, "n_heads"), (n_kv_heads, "n_kv_heads"), (head_dim, "head_dim")))
     if min(dim, n_heads, n_kv_heads, head_dim) == 0 or n_heads % n_kv_heads or head_dim % 2:
@@ -913,11 +919,12 @@ def _check_rope_tables(cos: np.ndarray, sin: np.ndarray, T: int, width: int) -> 
 
 
 def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
-                    values: np.ndarray, n_past: int, pool: "ThreadPool | None" = None) -> None:
+                    values: np.ndarray, n_past: int, pool: "ThreadPool | None" = None, *, ring: bool = False) -> None:
     """x += attention(rms_norm(x)) for T new tokens at positions n_past .., in place (see
     col_attention_block): ``x`` (T, D), ``cos``/``sin`` (T, Hr) (Hr = the layer's rotary_dim or Hd), ``keys``/``values`` the
-    layer's whole cache buffers (capacity >= n_past + T, K, Hd), float32; rows n_past ..
-    n_past + T - 1 of the cache are written."""
+    layer's whole cache buffers, float32: (capacity >= n_past + T, K, Hd), rows n_past ..
+    n_past + T - 1 written; or with ``ring`` a ring buffer of (rows, K, Hd) holding key position
+    p in row p % rows, rows >= the layer's window or chunk + T - 1."""
     if not isinstance(layer, AttentionLayer) or not hasattr(layer, "_keep"):
         raise InvalidArgumentError("layer must come from attention_layer()")
     n_past = _as_count(n_past, "n_past")
@@ -928,12 +935,16 @@ def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: 
     _f32_out(x, "x", (T, layer.dim))
     _check_rope_tables(cos, sin, T, Hr)
     capacity = keys.shape[0] if isinstance(keys, np.ndarray) and keys.ndim == 3 else -1
-    if capacity < n_past + T:
-        raise InvalidArgumentError(f"keys must be a (>= {n_past + T}, K, Hd) array")
+    spans = [s for s in (layer.window, layer.chunk) if s > 0]
+    needed = min(spans) + T - 1 if ring and spans else n_past + T
+    if ring and not spans:
+        raise InvalidArgumentError("a ring-buffer cache needs a layer with a window or a chunk")
+    if capacity < needed:
+        raise InvalidArgumentError(f"keys must be a (>= {needed}, K, Hd) array")
     _f32_out(keys, "keys", (capacity, layer.n_kv_heads, Hd))
     _f32_out(values, "values", (capacity, layer.n_kv_heads, Hd))
     check(_lib().col_attention_block(_pool_handle(pool), ctypes.addressof(layer), _ptr(x), T, _ptr(cos), _ptr(sin),
-                                     _ptr(keys), _ptr(values), n_past), "attention_block")
+                                     _ptr(keys), _ptr(values), n_past, capacity if ring else 0), "attention_block")
 
 
 class MlaLayer(ctypes.Structure):

@@ -11,7 +11,7 @@ import logging
 import numpy as np
 
 from colibrid import native
-from colibrid.engine.kv_cache import KVCache
+from colibrid.engine.kv_cache import KVCache, RingKVCache
 from colibrid.engine.layers import linear, rms_norm
 from colibrid.engine.rope import Rotary
 from colibrid.models.config import ModelConfig
@@ -70,16 +70,26 @@ class Attention:
             bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"), rope_interleaved=c.rope_interleaved,
             no_rope=self.no_rope, temperature=self.temperature, chunk=self.chunk)
 
-    def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
-        """x + attention(rms_norm(x)) for tokens at ``positions`` = kv.length, kv.length + 1 ...;
-        ``x`` (T, D) is updated in place on the fused path."""
-        if self.fused is not None:
-            keys, values = kv.buffers(self.layer, x.shape[0])
-            native.attention_block(self.fused, x, cos, sin, keys, values, kv.length)
-            return x
-        return x + self(rms_norm(x, self.input_norm, self.c.rms_norm_eps), positions, cos, sin, kv)
+    def new_state(self, max_tokens: int, max_step_tokens: int) -> KVCache | RingKVCache:
+        """A sequence's cache for this layer: a ring of the keys a window or chunk can still
+        see, when that is smaller than the whole context; else every key."""
+        spans = [span for span in (self.window, self.chunk) if span]
+        if spans and min(spans) + max_step_tokens - 1 < max_tokens:
+            return RingKVCache(self.c.num_kv_heads, self.c.head_dim, min(spans), max_step_tokens)
+        return KVCache(self.c.num_kv_heads, self.c.head_dim, max_tokens)
 
-    def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
+    def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                 kv: KVCache | RingKVCache, start: int) -> np.ndarray:
+        """x + attention(rms_norm(x)) for tokens at ``positions`` = start, start + 1 ... after
+        the ``start`` tokens in ``kv``; ``x`` (T, D) is updated in place on the fused path."""
+        if self.fused is not None:
+            keys, values = kv.buffers(start, x.shape[0])
+            native.attention_block(self.fused, x, cos, sin, keys, values, start, ring=kv.ring)
+            return x
+        return x + self(rms_norm(x, self.input_norm, self.c.rms_norm_eps), positions, cos, sin, kv, start)
+
+    def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                 kv: KVCache | RingKVCache, start: int) -> np.ndarray:
         c, w = self.c, self.w
         if c.attention_sinks:
             raise NotImplementedError(f"layer {self.layer}: attention sinks are computed by the fused attention step only, "
@@ -101,25 +111,12 @@ class Attention:
             q, k = native.rms_norm(q, self.q_norm, c.rms_norm_eps), native.rms_norm(k, self.k_norm, c.rms_norm_eps)
         if self.temperature is not None:
             q = q * temperature_gain(positions, *self.temperature)[:, None, None]
-        keys, values = kv.append(self.layer, k, v)  # (S, K, Hd)
+        keys, values = kv.write(start, k, v)  # (S or ring rows, K, Hd)
         # libcolibri, (token, head) pairs split across the pool; each query row is computed on
         # its own, so decode and prefill give the same numbers
-        out = self._attend(q, keys, values, positions)  # (T, H*Hd)
+        out = native.attention(q, keys, values, positions, self.window, float(self.scale), chunk=self.chunk,
+                               ring=kv.ring)  # (T, H*Hd)
         return linear(out, w["o"], w.get("o_bias"))
-
-    def _attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """native.attention, chunk by chunk with chunked-local attention: the queries of one chunk
-        see the keys from the chunk's first position on (one call per chunk the step touches)."""
-        if not self.chunk:
-            return native.attention(q, keys, values, positions, self.window, float(self.scale))
-        out = np.empty((q.shape[0], q.shape[1] * q.shape[2]), np.float32)  # (T, H*Hd)
-        chunk_of = positions // self.chunk
-        for c in np.unique(chunk_of):
-            rows = np.nonzero(chunk_of == c)[0]
-            first = int(c) * self.chunk
-            out[rows] = native.attention(q[rows], keys[first:], values[first:], positions[rows] - first, self.window,
-                                         float(self.scale))
-        return out
 
     def _rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """RoPE over x (T, heads, Hd): rotate-half, or on interleaved pairs (de-interleaved,

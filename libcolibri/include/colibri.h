@@ -386,15 +386,18 @@ COL_API int col_silu_mul(const float *g, const float *u, float *h, int64_t n);
  *   q:         (n_q, n_heads, head_dim) float32
  *   keys, vals:(n_keys, n_kv_heads, head_dim) float32 (the KV cache, new tokens included)
  *   positions: (n_q) int64; query t sees key j iff j <= positions[t] and (window <= 0 or
- *              positions[t] - j < window)
+ *              positions[t] - j < window) and (chunk <= 0 or j >= positions[t] - positions[t] % chunk)
+ *   ring:      0: key j is row j of keys/vals (n_keys rows); > 0: keys/vals are a ring buffer
+ *              of ring == n_keys rows, key j in row j % ring, and query t sees at most the last
+ *              ring keys up to positions[t] (the caller keeps those in the ring)
  *   out:       (n_q, n_heads * head_dim) float32
  * softmax(scale * q k^T) v in float32 with a max-shifted softmax. n_heads must be a
  * multiple of n_kv_heads. A query that sees no key gets zeros.
  * COL_EINVAL: bad sizes or NULL buffers; out untouched. COL_ENOMEM: scratch; out untouched. */
 COL_API int col_attention(col_pool *pool, const float *q, const float *keys, const float *vals,
                           int64_t n_q, int64_t n_keys, int64_t n_heads, int64_t n_kv_heads,
-                          int64_t head_dim, const int64_t *positions, int64_t window, float scale,
-                          float *out);
+                          int64_t head_dim, const int64_t *positions, int64_t window, int64_t chunk,
+                          int64_t ring, float scale, float *out);
 
 /* ---------------------------------------------------------------------------------------
  * Fused decoder steps: one call per attention step, one per routing decision
@@ -461,7 +464,7 @@ COL_API size_t col_attention_layer_size(void);
  *         with rope_interleaved; not at all with no_rope)
  *     HEAD_AFTER_ROPE: each head of q, k = rms_norm(head) * q_norm / k_norm
  *     temperature: q[t] *= log1p(floor((n_past + t + 1) / temp_floor)) * temp_scale + 1
- *     keys[n_past + t], vals[n_past + t] = k[t], v[t]
+ *     keys[n_past + t], vals[n_past + t] = k[t], v[t]   (row (n_past + t) % ring_rows of a ring)
  *     a = attention(q, keys[0 : n_past + n_tok], vals, positions n_past + t, window, chunk, scale)
  *         with sinks: head h's softmax also holds the logit sinks[h] (unscaled, never masked):
  *         m = max(max_s scale q.k_s, sinks[h]), p_s = exp(scale q.k_s - m) /
@@ -471,13 +474,16 @@ COL_API size_t col_attention_layer_size(void);
  * the result equals that sequence of calls (and numpy's float32 adds and clamps) bit for bit.
  *   x:          (n_tok, D) float32, read and updated in place
  *   cos, sin:   (n_tok, Hr) float32, the rotary tables of the new tokens (Hr = rotary_dim or Hd)
- *   keys, vals: (>= n_past + n_tok, K, Hd) float32, the layer's KV cache; rows n_past ..
- *               n_past + n_tok - 1 are written, rows before are read
+ *   keys, vals: the layer's KV cache, float32: (>= n_past + n_tok, K, Hd) with ring_rows 0, rows
+ *               n_past .. n_past + n_tok - 1 written and rows before read; or a ring buffer of
+ *               (ring_rows, K, Hd), key position p in row p % ring_rows. A ring must hold every
+ *               key a new token sees after the new keys are written: ring_rows >= span + n_tok
+ *               - 1, span the layer's window or chunk (COL_EINVAL otherwise, or without either)
  * COL_EINVAL: bad sizes, types or NULL pointers; nothing written. COL_ENOMEM: scratch
  * allocation failed; nothing written. */
 COL_API int col_attention_block(col_pool *pool, const col_attention_layer *layer, float *x, int64_t n_tok,
                                 const float *cos, const float *sin, float *keys, float *vals,
-                                int64_t n_past);
+                                int64_t n_past, int64_t ring_rows);
 
 /* One layer's multi-head latent attention (DeepSeek-V2/V3, Kimi K2), set up once and passed
  * to every step. Weights are only read, during each call. Shapes: D dim, H n_heads, Cq q_rank,

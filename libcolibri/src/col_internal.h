@@ -353,12 +353,19 @@ void col_matrix_rows(const col_kernel_set *k, const col_matrix *m, int64_t r_beg
  * each head rotated (rotate-half within them) by c, s (rotary_dim), the rest untouched. */
 void col_rope_heads(float *x, int64_t n_heads, int64_t head_dim, int64_t rotary_dim, const float *c, const float *s);
 
-/* One query head's attention over keys lo..hi (ops.c): ov (Hd) = softmax(scale * q.k_s) v_s,
- * keys/vals (S, K, Hd) read at kv head kh, sc (>= hi + 1) scratch; zeros if hi < lo. With a
- * sink (NULL: none), *sink is one more logit in the softmax denominator, with no value. */
+/* One query head's attention over the keys at positions lo..hi (ops.c): ov (Hd) =
+ * softmax(scale * q.k_s) v_s, keys/vals read at kv head kh from rows of K * Hd floats: position
+ * s in row s % ring of a ring buffer (ring > 0) or row s (ring 0); sc (>= hi - lo + 1) scratch;
+ * zeros if hi < lo. With a sink (NULL: none), *sink is one more logit in the softmax
+ * denominator, with no value. */
 void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys, const float *vals,
-                     int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, float scale,
+                     int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, int64_t ring, float scale,
                      const float *sink, float *sc, float *ov);
+
+/* The first key position a query at pos sees: the start of its sliding window (window > 0),
+ * of its attention chunk (chunk > 0: pos - pos % chunk) and of what a ring of `ring` rows
+ * still holds (ring > 0), whichever is latest; 0 when none applies. */
+int64_t col_first_visible_key(int64_t pos, int64_t window, int64_t chunk, int64_t ring);
 
 /* ---------------------------------------------------------------------------------------
  * Running work on the pool

@@ -86,13 +86,35 @@ def test_fused_attention_equals_the_step_by_step_path(spec, packs):
     path = packs.pack(spec, "q8_0")
     fused, stepwise = Engine(Pack.open(path)), Engine(Pack.open(path))
     for layer in stepwise.model.layers:
-        layer.attention.fused = None
+        layer.mixer.fused = None
     ids = _prompt(fused.config.vocab_size)[:20]
     np.testing.assert_array_equal(fused.forward(ids), stepwise.forward(ids))
     sessions = fused.new_session(), stepwise.new_session()
     for part in (ids[:7], ids[7:8], ids[8:9], ids[9:17], ids[17:]):
         a, b = (s.forward(part) for s in sessions)
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_chunked_layers_keep_a_ring_and_stay_token_exact(spec, packs):
+    """In steps of 3 tokens the chunked layers keep a ring of chunk + 2 rows (the NoPE layer every
+    key): the logits of a flat cache bit for bit, and transformers' greedy tokens, past many wraps."""
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.kv_cache import KVCache, RingKVCache
+    from colibrid.pack.reader import Pack
+
+    path = packs.pack(spec, "f32")
+    stepped, whole = Engine(Pack.open(path), max_context=80), Engine(Pack.open(path), max_context=80)
+    stepped.model.max_step_tokens = 3
+    ringed, flat = stepped.new_session(), whole.new_session()
+    chunks = stepped.config.attention_chunk
+    assert [isinstance(s, RingKVCache) for s in ringed.state.layers] == [c is not None for c in chunks]
+    assert all(s.nbytes == 10 * 2 * 2 * 16 * 4 for s in ringed.state.layers if isinstance(s, RingKVCache))
+    assert all(isinstance(s, KVCache) for s in flat.state.layers)
+    ids = _prompt(stepped.config.vocab_size)
+    np.testing.assert_array_equal(ringed.forward(ids), flat.forward(ids))
+    reference = load_reference(packs.checkpoint(spec))
+    assert stepped.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)
 
 
 def test_decode_across_chunks_equals_prefill(packs):

@@ -7,6 +7,7 @@ bf16), with a small byte-level BPE tokenizer and a ChatML template.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ ARCH_CLASSES = {
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
     "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+    "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM),
     # the published multimodal layout: text_config, model.language_model.*, a vision tower
     "qwen3_5_moe_vl": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration),
 }
@@ -75,6 +77,12 @@ _QWEN3_5 = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear
                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
                 num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 EXPERTS.update(qwen3_5_moe=_QWEN3_5, qwen3_next={**_QWEN3_5, "intermediate_size": 128})
+# Llama 4: 4 layers, MoE on layers 1 and 3 (dense MLPs of width 128 on 0 and 2), top-1 of 8 experts plus a
+# shared expert; layer 3 is a NoPE layer (full attention, temperature tuning that moves every 4 tokens),
+# layers 0-2 rotate interleaved pairs and attend in chunks of 8 tokens, shorter than the test prompts.
+EXPERTS["llama4"] = dict(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=1, intermediate_size=64,
+                         intermediate_size_mlp=128, interleave_moe_layer_step=2, head_dim=16,
+                         attention_chunk_size=8, floor_scale=4, attn_scale=0.5)
 
 
 @dataclass(frozen=True)
@@ -157,11 +165,12 @@ def build_checkpoint(spec: CheckpointSpec, directory: Path, init_std: float = 0.
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     if spec.arch in WRAPPED:
         text_arch, wrapper = WRAPPED[spec.arch]
-        text = {**BASE, **EXPERTS[text_arch], **spec.overrides}
+        # deep copies: transformers fills nested dicts (rope_parameters) in place, which would rename the spec
+        text = copy.deepcopy({**BASE, **EXPERTS[text_arch], **spec.overrides})
         config = config_cls(text_config=dict(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=eos,
                                              bos_token_id=None, **text), **wrapper)
     else:
-        kwargs = {**BASE, **EXPERTS[spec.arch], **spec.overrides}
+        kwargs = copy.deepcopy({**BASE, **EXPERTS[spec.arch], **spec.overrides})
         config = config_cls(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=eos, bos_token_id=None, **kwargs)
     torch.manual_seed(spec.seed)
     model = model_cls(config)

@@ -43,6 +43,7 @@ class Architecture:
     attention_sinks_name = "self_attn.sinks"  # under model.layers.{l}., when config.attention_sinks
     shared_expert_prefix = "mlp.shared_expert"  # under model.layers.{l}.
     experts_prefix = "mlp.experts"  # under model.layers.{l}.
+    dense_mlp_prefix = "mlp"  # under model.layers.{l}., a dense layer's gate_proj / up_proj / down_proj
     expert_projections = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
 
     def model_config(self, hf: dict[str, Any]) -> ModelConfig:
@@ -93,7 +94,7 @@ class Architecture:
             names[pk + "attn.o_bias"] = hf + "self_attn.o_proj.bias"
         if config.attention_sinks and attention:
             names[pk + "attn.sinks"] = hf + self.attention_sinks_name
-        if config.qk_norm != "none" and attention:
+        if config.qk_norm in ("full", "head") and attention:  # "l2" has no weight
             names[pk + "attn.q_norm"] = hf + "self_attn.q_norm.weight"
             names[pk + "attn.k_norm"] = hf + "self_attn.k_norm.weight"
         if config.moe_layers[layer]:
@@ -109,7 +110,7 @@ class Architecture:
                 names[pk + "shared_gate"] = hf + "mlp.shared_expert_gate.weight"
         else:
             for part in ("gate", "up", "down"):
-                names[pk + f"mlp.{part}"] = hf + f"mlp.{part}_proj.weight"
+                names[pk + f"mlp.{part}"] = hf + f"{self.dense_mlp_prefix}.{part}_proj.weight"
         return names
 
     def deltanet_tensor_names(self, config: ModelConfig, layer: int) -> dict[str, "str | TensorRef"]:
@@ -186,7 +187,20 @@ def rope_config(hf: dict[str, Any], default_theta: float) -> RopeConfig:
             attention_factor=params.get("attention_factor"),
             truncate=bool(params.get("truncate", True)),
         )
-    raise UnsupportedConfig(f"rope type {rope_type!r} is not supported (supported: default, linear, yarn)")
+    if rope_type == "llama3":
+        missing = [k for k in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")
+                   if params.get(k) is None]
+        if missing:
+            raise UnsupportedConfig(f"rope type llama3 needs {', '.join(missing)}")
+        return RopeConfig(
+            theta=float(theta),
+            type="llama3",
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+        )
+    raise UnsupportedConfig(f"rope type {rope_type!r} is not supported (supported: default, linear, yarn, llama3)")
 
 
 def partial_rotary_factor(hf: dict[str, Any], default: float = 1.0) -> float:

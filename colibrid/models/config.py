@@ -20,9 +20,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-QK_NORM_KINDS = ("none", "full", "head")
-ROPE_TYPES = ("default", "linear", "yarn")
-ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+QK_NORM_KINDS = ("none", "full", "head", "l2")
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 GROUP_SCORES = ("max", "top2_sum")
 LAYER_MIXERS = ("attention", "deltanet")  # a layer's token mixer: softmax attention, or Gated DeltaNet
@@ -33,11 +33,13 @@ class RopeConfig:
     theta: float = 10000.0
     type: str = "default"  # one of ROPE_TYPES
     factor: float = 1.0  # linear / yarn scaling factor
-    original_max_position_embeddings: int | None = None  # yarn
+    original_max_position_embeddings: int | None = None  # yarn, llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     attention_factor: float | None = None  # yarn; None = derived from factor
     truncate: bool = True  # yarn
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original / low_freq_factor are divided by factor,
+    high_freq_factor: float = 4.0  # those below original / high_freq_factor kept, those between interpolated
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ class ModelConfig:
     # Attention features.
     qkv_bias: bool = False  # biases on q, k, v projections
     o_bias: bool = False  # bias on the output projection
-    qk_norm: str = "none"  # "full": RMSNorm over all heads (OLMoE); "head": per head (Qwen3)
+    qk_norm: str = "none"  # "full": RMSNorm over all heads (OLMoE); "head": per head (Qwen3); "l2": per head
+    # without a weight, after RoPE, on the layers with RoPE only (Llama 4's L2 norm)
     clip_qkv: float | None = None  # clamp q, k, v to +-clip_qkv (OLMoE option)
     sliding_window: tuple[int | None, ...] = ()  # per layer: window in tokens, None = full causal
     attention_chunk: tuple[int | None, ...] = ()  # per layer: chunked-local attention span (a token
@@ -112,7 +115,8 @@ class ModelConfig:
     shared_expert_gated: bool = False  # shared expert output scaled by sigmoid(x . w)
     # Routing beyond softmax top-k (DeepSeek-V2/V3, GLM-4.5); the defaults are plain softmax top-k.
     router_scoring: str = "softmax"  # "softmax" over all E, "sigmoid" of each logit, or "topk_softmax":
-    # the top A logits first, then a softmax over those A (gpt-oss)
+    # the top A logits first, then a softmax over those A (gpt-oss), or "topk_sigmoid": the top A logits,
+    # then the sigmoid of each (Llama 4)
     router_choice_bias: bool = False  # a per-expert bias (E) added to the scores for choosing only
     router_groups: int = 1  # experts split into this many groups of E / groups for the group limit
     router_groups_kept: int = 1  # experts are chosen from the best this-many groups only
@@ -125,6 +129,13 @@ class ModelConfig:
     expert_activation: str = "swiglu"  # "swiglu": silu(g) * u; "clamped_swiglu": see swiglu_limit
     swiglu_alpha: float = 1.0  # clamped_swiglu: h = (clamp(u, +-limit) + 1) * g' * sigmoid(alpha * g'),
     swiglu_limit: float = 0.0  # g' = min(g, limit)
+    # Llama 4: interleaved-pair RoPE, NoPE layers with attention temperature tuning, the routing weight on the
+    # expert's input.
+    rope_interleaved: bool = False  # RoPE turns pairs (x0, x1), (x2, x3) ... of each head (complex rotary)
+    nope_layers: tuple[bool, ...] = ()  # per layer: True = no RoPE (a NoPE layer); () = RoPE on every layer
+    attn_temperature_floor: int = 0  # > 0: on NoPE layers the query of position p is multiplied by
+    attn_temperature_scale: float = 0.0  # log1p(floor((p + 1) / floor)) * scale + 1
+    router_weight_on_input: bool = False  # an expert runs on weight * x and its output is added unweighted
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -138,6 +149,8 @@ class ModelConfig:
             raise ValueError("moe_layers and sliding_window need one entry per layer")
         if self.attention_chunk and len(self.attention_chunk) != self.num_layers:
             raise ValueError("attention_chunk needs one entry per layer, or none at all")
+        if len(self.nope_layers) not in (0, self.num_layers):
+            raise ValueError("nope_layers needs one entry per layer, or none")
         if self.router_scoring not in ROUTER_SCORINGS or self.router_group_score not in GROUP_SCORES:
             raise ValueError(f"router_scoring must be one of {ROUTER_SCORINGS} and router_group_score one of "
                              f"{GROUP_SCORES}, got {self.router_scoring!r}, {self.router_group_score!r}")
@@ -167,6 +180,10 @@ class ModelConfig:
         """The token mixer of ``layer``: "attention" or "deltanet"."""
         return self.layer_mixers[layer] if self.layer_mixers else "attention"
 
+    def is_nope(self, layer: int) -> bool:
+        """True when ``layer`` has no RoPE (Llama 4's NoPE layers)."""
+        return bool(self.nope_layers) and self.nope_layers[layer]
+
     @property
     def moe_layer_ids(self) -> list[int]:
         return [layer for layer, is_moe in enumerate(self.moe_layers) if is_moe]
@@ -186,7 +203,8 @@ class ModelConfig:
             data["mla"] = MlaConfig(**data["mla"])
         if data.get("deltanet") is not None:
             data["deltanet"] = DeltaNetConfig(**data["deltanet"])
-        for key in ("sliding_window", "attention_chunk", "moe_layers", "eos_token_ids", "layer_mixers"):
+        for key in ("sliding_window", "attention_chunk", "moe_layers", "eos_token_ids", "layer_mixers",
+                    "nope_layers"):
             data[key] = tuple(data.get(key, ()))
         return cls(**data)
 

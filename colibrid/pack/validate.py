@@ -43,7 +43,8 @@ POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "
                        "max_position_embeddings", "num_experts", "num_experts_per_tok", "expert_ffn")
 COUNT_FIELDS = ("dense_ffn", "shared_expert_ffn")
 BOOL_FIELDS = ("tie_word_embeddings", "qkv_bias", "o_bias", "norm_topk_prob", "shared_expert_gated",
-               "router_choice_bias", "attention_sinks", "router_bias", "expert_bias", "attention_output_gate")
+               "router_choice_bias", "attention_sinks", "router_bias", "expert_bias", "attention_output_gate",
+               "rope_interleaved", "router_weight_on_input")
 
 
 def check_manifest(m: Manifest) -> None:
@@ -81,6 +82,7 @@ def check_model_config(c: ModelConfig) -> None:
         raise ValueError("model.sliding_window must hold null or a window of >= 1 tokens per layer")
     if not all(w is None or (type(w) is int and 1 <= w <= MAX_DIM) for w in c.attention_chunk):
         raise ValueError("model.attention_chunk must hold null or a chunk of >= 1 tokens per layer")
+    _check_nope_layers(c)
     for name, needed in (("dense_ffn", not all(c.moe_layers)), ("shared_expert_ffn", c.shared_expert_gated)):
         if needed and getattr(c, name) == 0:
             raise ValueError(f"model.{name} is 0 but the model needs it")
@@ -116,6 +118,14 @@ def _check_router(c: ModelConfig) -> None:
     _positive_float(c.routed_scaling_factor, "model.routed_scaling_factor")
 
 
+def _check_nope_layers(c: ModelConfig) -> None:
+    """Llama 4's NoPE layers and the temperature tuning of their queries."""
+    if not all(type(flag) is bool for flag in c.nope_layers):
+        raise ValueError("model.nope_layers must hold true or false per layer")
+    _config_int(c, "attn_temperature_floor", 0)
+    _finite_float(c.attn_temperature_scale, "model.attn_temperature_scale")
+
+
 def _check_expert_activation(c: ModelConfig) -> None:
     """gpt-oss's clamped SwiGLU needs a clamp > 0 and a finite gain (libcolibri refuses others)."""
     if c.expert_activation == "clamped_swiglu":
@@ -141,6 +151,9 @@ def _check_mla(c: ModelConfig) -> None:
                          "num_heads and rotary_dim 0")
     if c.qkv_bias or c.qk_norm != "none" or c.clip_qkv is not None or any(c.sliding_window) or any(c.attention_chunk):
         raise ValueError("latent attention has no q/k/v biases, q/k norms, clipping or sliding windows")
+    if c.rope_interleaved or any(c.nope_layers) or c.attn_temperature_floor:
+        raise ValueError("latent attention has its own rope layout (mla.rope_interleaved), no NoPE layers and no "
+                         "temperature tuning")
 
 
 def _check_layer_mixers(c: ModelConfig) -> None:
@@ -178,6 +191,10 @@ def _check_rope(c: ModelConfig) -> None:
         raise ValueError(f"model.rope.original_max_position_embeddings must be an integer >= 1, got {original!r:.40}")
     if type(rope.truncate) is not bool:
         raise ValueError("model.rope.truncate must be true or false")
+    _positive_float(rope.low_freq_factor, "model.rope.low_freq_factor")
+    _positive_float(rope.high_freq_factor, "model.rope.high_freq_factor")
+    if rope.type == "llama3" and original is None:
+        raise ValueError("model.rope of type llama3 needs original_max_position_embeddings")
 
 
 def _config_int(c: ModelConfig, name: str, low: int) -> None:

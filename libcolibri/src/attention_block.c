@@ -12,7 +12,7 @@
  * Phases, with a barrier between each two:
  *   0. h[t] = rms_norm(x[t]) * norm, quantized for the q/k/v type          tokens split
  *   1. qkv[t] = h[t] @ [wq; wk; wv; wg]^T + [bq; bk; bv; 0]                R rows split
- *   2. q/k norms, clamp, RoPE (partial); k, v stored in the cache at n_past + t  tokens split
+ *   2. q/k norms, clamp, RoPE, temperature; k, v stored at n_past + t      tokens split
  *   3. a[t, head] = attention over keys 0 .. n_past + t (window, chunk, sink),
  *      times sigmoid(g[t, head]) with an output gate                       (t, head) dealt
  *   4. a[t] quantized for wo's type (integer kernels only)                  tokens split
@@ -70,6 +70,22 @@ static void gate_head(float *a, const float *g, int64_t Hd) {
     for (int64_t i = 0; i < Hd; i++) a[i] *= 1.0f / (1.0f + expf(-g[i]));
 }
 
+/* RoPE on interleaved pairs (x0, x1), (x2, x3) ... of the first Hr dims of each head, in
+ * place (Llama 4's complex rotary): pair i turns by the angle of col_rope_heads' dims i and
+ * i + Hr / 2, with the same products and sums, so the result is col_rope_heads' on the evens
+ * followed by the odds, left in pair order. */
+static void rope_pairs(float *x, int64_t n_heads, int64_t head_dim, int64_t rotary_dim, const float *c, const float *s) {
+    const int64_t half = rotary_dim / 2;
+    for (int64_t h = 0; h < n_heads; h++) {
+        float *v = x + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[2 * i], b = v[2 * i + 1];
+            v[2 * i] = a * c[i] - b * s[i];
+            v[2 * i + 1] = b * c[i + half] + a * s[i + half];
+        }
+    }
+}
+
 /* Phase 2 for token t: the order of colibrid/engine/attention.py. */
 static void finish_qkv(const block_job *j, int64_t t) {
     const col_attention_layer *l = j->l;
@@ -88,9 +104,22 @@ static void finish_qkv(const block_job *j, int64_t t) {
         col_rms_norm(q, l->q_norm, H, Hd, l->eps, q);
         col_rms_norm(kt, l->k_norm, K, Hd, l->eps, kt);
     }
-    const int64_t Hr = l->rotary_dim > 0 ? l->rotary_dim : Hd; /* rotated dims of each head */
-    col_rope_heads(q, H, Hd, Hr, j->cos + t * Hr, j->sin + t * Hr);
-    col_rope_heads(kt, K, Hd, Hr, j->cos + t * Hr, j->sin + t * Hr);
+    if (!l->no_rope) {
+        const int64_t Hr = l->rotary_dim > 0 ? l->rotary_dim : Hd; /* rotated dims of each head */
+        void (*rope)(float *, int64_t, int64_t, int64_t, const float *, const float *) =
+            l->rope_interleaved ? rope_pairs : col_rope_heads;
+        rope(q, H, Hd, Hr, j->cos + t * Hr, j->sin + t * Hr);
+        rope(kt, K, Hd, Hr, j->cos + t * Hr, j->sin + t * Hr);
+    }
+    if (l->qk_norm == COL_QK_NORM_HEAD_AFTER_ROPE) {
+        col_rms_norm(q, l->q_norm, H, Hd, l->eps, q);
+        col_rms_norm(kt, l->k_norm, K, Hd, l->eps, kt);
+    }
+    if (l->temp_floor > 0.0f) { /* float32 throughout, in transformers' order */
+        const float p = (float)(j->n_past + t);
+        const float gain = log1pf(floorf((p + 1.0f) / l->temp_floor)) * l->temp_scale + 1.0f;
+        for (int64_t i = 0; i < j->Q; i++) q[i] *= gain;
+    }
     const int64_t pos = j->n_past + t, row = j->ring > 0 ? pos % j->ring : pos;
     memcpy(j->keys + row * j->KV, kt, (size_t)j->KV * sizeof(float));
     memcpy(j->vals + row * j->KV, vt, (size_t)j->KV * sizeof(float));
@@ -164,9 +193,11 @@ static int layer_valid(const col_attention_layer *l) {
         l->n_heads % l->n_kv_heads != 0)
         return 0;
     if (l->rotary_dim < 0 || l->rotary_dim % 2 != 0 || l->rotary_dim > l->head_dim) return 0;
-    if (l->qk_norm < COL_QK_NORM_NONE || l->qk_norm > COL_QK_NORM_HEAD || l->chunk < 0) return 0;
+    if (l->qk_norm < COL_QK_NORM_NONE || l->qk_norm > COL_QK_NORM_HEAD_AFTER_ROPE || l->chunk < 0) return 0;
     if (l->qk_norm != COL_QK_NORM_NONE && (!l->q_norm || !l->k_norm)) return 0;
     if (!l->norm || !l->wq || !l->wk || !l->wv || !l->wo) return 0;
+    if ((l->rope_interleaved != 0 && l->rope_interleaved != 1) || (l->no_rope != 0 && l->no_rope != 1)) return 0;
+    if (!isfinite(l->temp_floor) || l->temp_floor < 0.0f || !isfinite(l->temp_scale)) return 0;
     return 1;
 }
 

@@ -67,8 +67,12 @@ DEEPSEEK_SPEC = CheckpointSpec("deepseek_v3", {"num_hidden_layers": 3})
 # Qwen3.5-MoE's: three Gated DeltaNet layers (their conv and recurrent states), a gated
 # full-attention layer, a sigmoid-gated shared expert (8 experts, top-2, every layer MoE).
 QWEN3_5_SPEC = CheckpointSpec("qwen3_5_moe")
+# Llama 4's: top-1 by logit with the sigmoid weight on the expert's input, a shared expert, dense MLPs on
+# layers 0 and 2, chunked attention, a NoPE layer (8 experts, MoE layers 1 and 3).
+LLAMA4_SPEC = CheckpointSpec("llama4")
 FAMILIES = {"qwen2_moe": (SPEC, MOE_LAYERS), "glm4_moe": (GLM_SPEC, [1, 2]), "deepseek_v3": (DEEPSEEK_SPEC, [1, 2]),
-            "gpt_oss": (GPT_OSS_SPEC, [0, 1]), "qwen3_5_moe": (QWEN3_5_SPEC, [0, 1, 2, 3])}
+            "gpt_oss": (GPT_OSS_SPEC, [0, 1]), "qwen3_5_moe": (QWEN3_5_SPEC, [0, 1, 2, 3]),
+            "llama4": (LLAMA4_SPEC, [1, 3])}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

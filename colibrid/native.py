@@ -663,12 +663,13 @@ class ExpertFfn(ctypes.Structure):
 
     _fields_ = [("activation", ctypes.c_int32), ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
                 ("reserved", ctypes.c_int32), ("gate_bias", ctypes.c_void_p), ("up_bias", ctypes.c_void_p),
-                ("down_bias", ctypes.c_void_p)]
+                ("down_bias", ctypes.c_void_p), ("weight_on_input", ctypes.c_int32), ("reserved2", ctypes.c_int32)]
 
 
 def moe_experts(type_: TensorType | int | str, gates, ups, downs, dim: int, ffn: int, x: np.ndarray,
                 expert_of: np.ndarray, weight: np.ndarray, out: np.ndarray, pool: "ThreadPool | None" = None,
-                biases=None, activation: str = "swiglu", alpha: float = 1.0, limit: float = 0.0) -> None:
+                biases=None, activation: str = "swiglu", alpha: float = 1.0, limit: float = 0.0,
+                weight_on_input: bool = False) -> None:
     """One fused MoE layer step, accumulated into ``out`` (T, D) float32 in place:
     for every (t, a) with e = expert_of[t, a] >= 0,
     out[t] += weight[t, a] * down_e(silu(gate_e x[t]) * up_e x[t]).
@@ -682,15 +683,18 @@ def moe_experts(type_: TensorType | int | str, gates, ups, downs, dim: int, ffn:
     biases = biases if biases is not None else [None] * len(gates)
     experts = [ExpertBuffers(type_, g, u, d, dim, ffn, b) for g, u, d, b in zip(gates, ups, downs, biases)]
     moe_experts_of(experts, x, expert_of, weight, out, pool, type_=type_, dim=dim, ffn=ffn, activation=activation,
-                   alpha=alpha, limit=limit)
+                   alpha=alpha, limit=limit, weight_on_input=weight_on_input)
 
 
 def moe_experts_of(experts: "list[ExpertBuffers]", x: np.ndarray, expert_of: np.ndarray, weight: np.ndarray,
                    out: np.ndarray, pool: "ThreadPool | None" = None, type_=None, dim: int | None = None,
-                   ffn: int | None = None, activation: str = "swiglu", alpha: float = 1.0, limit: float = 0.0) -> None:
+                   ffn: int | None = None, activation: str = "swiglu", alpha: float = 1.0, limit: float = 0.0,
+                   weight_on_input: bool = False) -> None:
     """moe_experts over prepared ExpertBuffers (all of one type and shape; ``type_``, ``dim``
     and ``ffn`` are needed only when ``experts`` is empty). ``activation`` "clamped_swiglu"
-    (with ``alpha`` and ``limit``) and experts carrying biases run col_moe_experts_ffn."""
+    (with ``alpha`` and ``limit``), experts carrying biases and ``weight_on_input`` (the
+    weight scales each expert's input, its output is added unweighted: Llama 4) run
+    col_moe_experts_ffn."""
     if experts:
         first = experts[0]
         t, dim, ffn = first.type, first.dim, first.ffn
@@ -713,7 +717,7 @@ def moe_experts_of(experts: "list[ExpertBuffers]", x: np.ndarray, expert_of: np.
     ptrs[:3 * n_experts] = [e.gate for e in experts] + [e.up for e in experts] + [e.down for e in experts]
     base = ctypes.addressof(ptrs)
     size = ctypes.sizeof(ctypes.c_void_p) * n_experts
-    kind = _expert_ffn(experts, activation, alpha, limit)
+    kind = _expert_ffn(experts, activation, alpha, limit, weight_on_input)
     if kind is None:
         status = _lib().col_moe_experts(_pool_handle(pool), int(t), n_experts, base, base + size, base + 2 * size, dim, ffn,
                                         _ptr(x), n_tok, _ptr(expert_of), _ptr(weight), expert_of.shape[1], _ptr(out))
@@ -725,17 +729,18 @@ def moe_experts_of(experts: "list[ExpertBuffers]", x: np.ndarray, expert_of: np.
         check(status, f"moe_experts {t.name_in_pack}")
 
 
-def _expert_ffn(experts: "list[ExpertBuffers]", activation: str, alpha: float, limit: float):
+def _expert_ffn(experts: "list[ExpertBuffers]", activation: str, alpha: float, limit: float, weight_on_input: bool):
     """(col_expert_ffn, the bias pointer arrays it points into), or None for plain SwiGLU
-    experts without biases (col_moe_experts)."""
+    experts without biases, weighted at the output (col_moe_experts)."""
     if activation not in EXPERT_ACTIVATION_CODES:
         raise InvalidArgumentError(f"activation must be one of {', '.join(EXPERT_ACTIVATION_CODES)}, got {activation!r}")
     with_bias = [e.gate_bias is not None for e in experts]
     if any(with_bias) and not all(with_bias):
         raise InvalidArgumentError("either every expert of a call has biases or none has")
-    if activation == "swiglu" and not any(with_bias):
+    if activation == "swiglu" and not any(with_bias) and not weight_on_input:
         return None
-    kind = ExpertFfn(activation=EXPERT_ACTIVATION_CODES[activation], alpha=float(alpha), limit=float(limit))
+    kind = ExpertFfn(activation=EXPERT_ACTIVATION_CODES[activation], alpha=float(alpha), limit=float(limit),
+                     weight_on_input=int(bool(weight_on_input)))
     arrays = []
     if any(with_bias):
         for field in ("gate_bias", "up_bias", "down_bias"):
@@ -819,7 +824,7 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np
 # Fused decoder steps
 # --------------------------------------------------------------------------------------------
 
-QK_NORM_CODES = {"none": 0, "full": 1, "head": 2}  # enum col_qk_norm
+QK_NORM_CODES = {"none": 0, "full": 1, "head": 2, "head_after_rope": 3}  # enum col_qk_norm
 
 
 class AttentionLayer(ctypes.Structure):
@@ -833,7 +838,9 @@ class AttentionLayer(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("clip_qkv", ctypes.c_float),
         ("qk_norm", ctypes.c_int32), ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32),
         *((name, ctypes.c_void_p) for name in ("norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")),
-        ("rotary_dim", ctypes.c_int64), ("sinks", ctypes.c_void_p), ("chunk", ctypes.c_int64),
+        ("rotary_dim", ctypes.c_int64), ("sinks", ctypes.c_void_p), ("chunk", ctypes.c_int64), ("wg", ctypes.c_void_p),
+        ("rope_interleaved", ctypes.c_int32), ("no_rope", ctypes.c_int32),
+        ("temp_floor", ctypes.c_float), ("temp_scale", ctypes.c_float),
     ]
 
 
@@ -849,12 +856,17 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
                     qk_norm: str = "none", q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
                     bq: np.ndarray | None = None, bk: np.ndarray | None = None, bv: np.ndarray | None = None,
                     bo: np.ndarray | None = None, rotary_dim: int = 0, sinks: np.ndarray | None = None,
-                    chunk: int | None = None) -> AttentionLayer:
+                    chunk: int | None = None, wg=None, rope_interleaved: bool = False, no_rope: bool = False,
+                    temperature: tuple[float, float] | None = None) -> AttentionLayer:
     """One layer's attention for attention_block(): ``wq`` (H*Hd, D), ``wk``/``wv`` (K*Hd, D)
     encoded as ``qkv_type``, ``wo`` (D, H*Hd) as ``o_type`` (contiguous buffers, read in place);
     ``norm`` (D) the input RMSNorm; biases and q/k norm weights float32 or None; ``rotary_dim``
     the leading dims of each head RoPE rotates (0: all); ``sinks`` (H) float32 per-head sink
-    logits or None; ``chunk`` the chunked-local attention span (None: none)."""
+    logits or None; ``chunk`` the chunked-local attention span (None: none); ``wg`` (H*Hd, D) as
+    ``qkv_type``: an output gate, the attention output times sigmoid(h wg^T) (Qwen3.5,
+    Qwen3-Next), or None; ``rope_interleaved``: RoPE turns pairs (x0, x1), (x2, x3) ...;
+    ``no_rope``: none at all; ``temperature`` (floor, scale): queries scaled by attention
+    temperature tuning (see col_attention_layer), or None."""
     dim, n_heads, n_kv_heads, head_dim = (_as_count(v, n) for v, n in (
         (dim, "dim"), (n_heads, "n_heads"), (n_kv_heads, "n_kv_heads"), (head_dim, "head_dim")))
     if min(dim, n_heads, n_kv_heads, head_dim) == 0 or n_heads % n_kv_heads or head_dim % 2:
@@ -870,15 +882,22 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
     layer = AttentionLayer(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, window=int(window or 0),
                            eps=float(eps), scale=float(scale), clip_qkv=float(clip_qkv or 0.0),
                            qk_norm=QK_NORM_CODES[qk_norm], qkv_type=int(t_qkv), o_type=int(t_o), norm=_ptr(norm),
-                           rotary_dim=rotary_dim, chunk=_as_count(chunk or 0, "chunk"))
-    for field, data, t, rows, cols in (("wq", wq, t_qkv, Q, dim), ("wk", wk, t_qkv, KV, dim), ("wv", wv, t_qkv, KV, dim),
-                                       ("wo", wo, t_o, dim, Q)):
+                           rotary_dim=rotary_dim, chunk=_as_count(chunk or 0, "chunk"),
+                           rope_interleaved=int(bool(rope_interleaved)),
+                           no_rope=int(bool(no_rope)))
+    if temperature is not None:
+        floor, scale_ = (float(v) for v in temperature)
+        if not (np.isfinite(floor) and floor > 0 and np.isfinite(scale_)):
+            raise InvalidArgumentError(f"temperature needs a floor > 0 and a finite scale, got {temperature}")
+        layer.temp_floor, layer.temp_scale = floor, scale_
+    matrices = [("wq", wq, t_qkv, Q, dim), ("wk", wk, t_qkv, KV, dim), ("wv", wv, t_qkv, KV, dim), ("wo", wo, t_o, dim, Q)]
+    for field, data, t, rows, cols in matrices + ([("wg", wg, t_qkv, Q, dim)] if wg is not None else []):
         raw = _byte_view(data, field)
         if raw.nbytes != rows * t.row_bytes(cols):
             raise InvalidArgumentError(f"{field} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs {rows * t.row_bytes(cols)}")
         keep.append(raw)
         setattr(layer, field, _ptr(raw))
-    norm_width = {"none": None, "full": (Q, KV), "head": (head_dim, head_dim)}[qk_norm]
+    norm_width = {"none": None, "full": (Q, KV), "head": (head_dim, head_dim), "head_after_rope": (head_dim, head_dim)}[qk_norm]
     vectors = [("bq", bq, Q), ("bk", bk, KV), ("bv", bv, KV), ("bo", bo, dim), ("sinks", sinks, n_heads)]
     if norm_width is not None:
         if q_norm is None or k_norm is None:
@@ -1118,7 +1137,7 @@ def moe_route(type_: TensorType | int | str, data, n_experts: int, dim: int, x: 
     return experts, weights
 
 
-ROUTER_SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}  # enum col_router_scoring
+ROUTER_SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2, "topk_sigmoid": 3}  # enum col_router_scoring
 GROUP_SCORE_CODES = {"max": 0, "top2_sum": 1}  # enum col_group_score
 
 

@@ -112,7 +112,9 @@ class Converter:
         except (KeyError, TypeError, ValueError) as exc:
             raise ConversionError(f"{src / 'config.json'}: cannot read the model configuration ({exc!r})") from None
         self.checkpoint = self._open_checkpoint()
+        self.arch = self.arch.for_checkpoint(self.config, self.checkpoint.has)
         self.dense_names = self.arch.dense_tensor_names(self.config)
+        self.zero_centred = set(self.arch.zero_centred_norms(self.config))  # stored as 1 + w
         self.quant = self._experts_as_published(quant)
         self.report = ConversionReport(out, self.arch.name, quantization=self.quant.to_json())
 
@@ -286,6 +288,9 @@ class Converter:
             loaded = next(tensors)
             wanted = requested_type(pack_name, len(self.checkpoint.shape_of(hf_name)), self.quant.to_json())
             type_, shape, data = self._encode(pack_name, loaded, wanted)
+            if pack_name in self.zero_centred:
+                # the model scales by (1 + w) computed in float32: the same float32 factor, once
+                data = (data + np.float32(1.0)).astype(np.float32)
             writes.submit(writer.add_dense, pack_name, type_, shape, data)
             progress.advance(self._source_params(hf_name), pack_name)
 

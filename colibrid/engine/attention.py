@@ -1,6 +1,8 @@
 """Grouped-query causal self-attention with RoPE (optionally partial: the leading dims of
-each head only), optional q/k RMSNorm, qkv clipping, sliding windows and per-head sink
-logits; keys and values go through the sequence's KV cache."""
+each head only; or on interleaved pairs; or none, on NoPE layers), optional q/k RMSNorm
+(before RoPE, or Llama 4's unweighted one after it), qkv clipping, sliding windows, per-head
+sink logits, attention temperature tuning and an output gate; keys and values go through the
+sequence's KV cache."""
 
 from __future__ import annotations
 
@@ -32,22 +34,42 @@ class Attention:
         self.window = config.sliding_window[layer]
         self.chunk = config.attention_chunk[layer] if config.attention_chunk else None  # Llama 4
         self.scale = np.float32(config.head_dim ** -0.5)
+        self.no_rope = config.is_nope(layer)
+        self.qk_norm, self.q_norm, self.k_norm = self._qk_norm()
+        # Llama 4 tunes the temperature of the NoPE layers only, whose queries know no position
+        self.temperature = (config.attn_temperature_floor, config.attn_temperature_scale) \
+            if self.no_rope and config.attn_temperature_floor > 0 else None
         self.fused = self._fused_layer()
+
+    def _qk_norm(self) -> tuple[str, np.ndarray | None, np.ndarray | None]:
+        """(kind, q weight, k weight) as libcolibri names them: Llama 4's "l2" is a per-head
+        RMSNorm after RoPE with weights of ones, on the layers with RoPE only."""
+        c, w = self.c, self.w
+        if c.qk_norm == "l2":
+            if self.no_rope:
+                return "none", None, None
+            ones = np.ones(c.head_dim, np.float32)
+            return "head_after_rope", ones, ones
+        if c.qk_norm == "none":
+            return "none", None, None
+        return c.qk_norm, w["q_norm"].data, w["k_norm"].data
 
     def _fused_layer(self) -> native.AttentionLayer | None:
         """The whole step as one libcolibri call (col_attention_block, the same numbers as the
         numpy path below), or None where it does not apply: q, k and v of different types."""
         c, w = self.c, self.w
-        if len({w["q"].type, w["k"].type, w["v"].type}) != 1:
-            log.info("layer %d: q, k and v have different types; attention runs step by step", self.layer)
+        if len({w[name].type for name in ("q", "k", "v", "gate") if name in w}) != 1:
+            log.info("layer %d: q, k, v (and gate) have different types; attention runs step by step", self.layer)
             return None
         bias = lambda name: w[name].data if name in w else None  # noqa: E731
         return native.attention_layer(
             c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, self.input_norm.data, w["q"].type,
             w["q"].data, w["k"].data, w["v"].data, w["o"].type, w["o"].data, eps=c.rms_norm_eps,
-            scale=float(self.scale), window=self.window, clip_qkv=c.clip_qkv, qk_norm=c.qk_norm,
-            q_norm=bias("q_norm"), k_norm=bias("k_norm"), bq=bias("q_bias"), bk=bias("k_bias"), bv=bias("v_bias"),
-            bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"), chunk=self.chunk)
+            scale=float(self.scale), window=self.window, clip_qkv=c.clip_qkv, qk_norm=self.qk_norm,
+            q_norm=self.q_norm, k_norm=self.k_norm, bq=bias("q_bias"), bk=bias("k_bias"), bv=bias("v_bias"),
+            bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"), rope_interleaved=c.rope_interleaved,
+            no_rope=self.no_rope, temperature=self.temperature, chunk=self.chunk,
+            wg=w["gate"].data if "gate" in w else None)
 
     def new_state(self, max_tokens: int, max_step_tokens: int) -> KVCache | RingKVCache:
         """A sequence's cache for this layer: a ring of the keys a window or chunk can still
@@ -77,17 +99,45 @@ class Attention:
         q = linear(x, w["q"], w.get("q_bias"))  # (T, H*Hd)
         k = linear(x, w["k"], w.get("k_bias"))  # (T, K*Hd)
         v = linear(x, w["v"], w.get("v_bias"))  # (T, K*Hd)
-        if c.qk_norm == "full":
-            q, k = rms_norm(q, w["q_norm"], c.rms_norm_eps), rms_norm(k, w["k_norm"], c.rms_norm_eps)
+        if self.qk_norm == "full":
+            q, k = native.rms_norm(q, self.q_norm, c.rms_norm_eps), native.rms_norm(k, self.k_norm, c.rms_norm_eps)
         if c.clip_qkv is not None:
             q, k, v = (np.clip(t, -c.clip_qkv, c.clip_qkv) for t in (q, k, v))
         q, k, v = q.reshape(T, H, Hd), k.reshape(T, K, Hd), v.reshape(T, K, Hd)
-        if c.qk_norm == "head":
-            q, k = rms_norm(q, w["q_norm"], c.rms_norm_eps), rms_norm(k, w["k_norm"], c.rms_norm_eps)
-        q, k = native.rope(q, cos, sin), native.rope(k, cos, sin)
+        if self.qk_norm == "head":
+            q, k = native.rms_norm(q, self.q_norm, c.rms_norm_eps), native.rms_norm(k, self.k_norm, c.rms_norm_eps)
+        if not self.no_rope:
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        if self.qk_norm == "head_after_rope":
+            q, k = native.rms_norm(q, self.q_norm, c.rms_norm_eps), native.rms_norm(k, self.k_norm, c.rms_norm_eps)
+        if self.temperature is not None:
+            q = q * temperature_gain(positions, *self.temperature)[:, None, None]
         keys, values = kv.write(start, k, v)  # (S or ring rows, K, Hd)
         # libcolibri, (token, head) pairs split across the pool; each query row is computed on
         # its own, so decode and prefill give the same numbers
         out = native.attention(q, keys, values, positions, self.window, float(self.scale), chunk=self.chunk,
                                ring=kv.ring)  # (T, H*Hd)
-        return linear(out, w["o"], w.get("o_bias"))
+        if "gate" in w:  # the output gate (Qwen3.5, Qwen3-Next): per head and dim, sigmoid of its own projection
+            with np.errstate(over="ignore"):
+                out = out * (np.float32(1.0) / (np.float32(1.0) + np.exp(-linear(x, w["gate"]))))
+        return linear(out.astype(np.float32), w["o"], w.get("o_bias"))
+
+    def _rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """RoPE over x (T, heads, Hd): rotate-half, or on interleaved pairs (de-interleaved,
+        rotated, interleaved again: the arithmetic of libcolibri's pair rotation)."""
+        if not self.c.rope_interleaved:
+            return native.rope(x, cos, sin)
+        Hr = cos.shape[1]
+        pairs = np.concatenate([x[..., 0:Hr:2], x[..., 1:Hr:2], x[..., Hr:]], axis=-1)
+        turned = native.rope(np.ascontiguousarray(pairs), cos, sin)
+        out = np.array(x, dtype=np.float32, copy=True)
+        out[..., 0:Hr:2], out[..., 1:Hr:2] = turned[..., : Hr // 2], turned[..., Hr // 2 : Hr]
+        return out
+
+
+def temperature_gain(positions: np.ndarray, floor: int, scale: float) -> np.ndarray:
+    """(T,) float32 factors of attention temperature tuning for the queries at ``positions``:
+    log1p(floor((p + 1) / floor)) * scale + 1, in float32 as transformers computes them."""
+    f32 = np.float32
+    p = positions.astype(f32)
+    return (np.log1p(np.floor((p + f32(1)) / f32(floor))) * f32(scale) + f32(1)).astype(f32)

@@ -2,8 +2,8 @@
 router (optionally with a logit bias) -> scores (softmax, or sigmoid with a choice-only bias)
 -> optional group limit -> top-k (or top-k logits, then a softmax over them) -> optional
 renormalisation and scaling, then each selected expert runs once over all the tokens routed
-to it (batch-union), with optional biases and the config's activation, plus an optional
-shared expert with an optional sigmoid gate."""
+to it (batch-union), with optional biases and the config's activation, its output weighted
+(or its input, Llama 4), plus an optional shared expert with an optional sigmoid gate."""
 
 from __future__ import annotations
 
@@ -135,13 +135,17 @@ class MoeBlock:
         if None in buffers or len({b.type for b in buffers}) != 1:  # mixed types (not from the converter): one at a time
             for expert, ew in zip(wave, weights):
                 tokens, slots = np.nonzero(routing.experts == expert)
-                y = _expert_ffn(self.c, x[tokens], ew)  # (n, D)
-                out[tokens] += y * routing.weights[tokens, slots][:, None]
+                w = routing.weights[tokens, slots][:, None]  # (n, 1)
+                if self.c.router_weight_on_input:
+                    out[tokens] += _expert_ffn(self.c, x[tokens] * w, ew)
+                else:
+                    out[tokens] += _expert_ffn(self.c, x[tokens], ew) * w  # (n, D)
             return
         index_in_wave = np.full(self.c.num_experts, -1, dtype=np.int32)
         index_in_wave[wave] = np.arange(len(wave), dtype=np.int32)
         native.moe_experts_of(buffers, x, index_in_wave[routing.experts], routing.weights, out,
-                              activation=self.c.expert_activation, alpha=self.c.swiglu_alpha, limit=self.c.swiglu_limit)
+                              activation=self.c.expert_activation, alpha=self.c.swiglu_alpha, limit=self.c.swiglu_limit,
+                              weight_on_input=self.c.router_weight_on_input)
 
 
 def _expert_ffn(c: ModelConfig, x: np.ndarray, ew) -> np.ndarray:

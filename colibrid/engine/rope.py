@@ -35,6 +35,21 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), float(attention)
 
 
+def _llama3_inv_freq(rope: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:
+    """Llama 3.1's (and Llama 4's) frequency scaling, in float32 as transformers computes it:
+    long wavelengths divided by the factor, short ones kept, a smooth blend between."""
+    f32 = np.float32
+    original, factor = rope.original_max_position_embeddings, f32(rope.factor)
+    low_freq_wavelen, high_freq_wavelen = original / rope.low_freq_factor, original / rope.high_freq_factor
+    wavelen = f32(2 * math.pi) / inv_freq
+    scaled = np.where(wavelen > f32(low_freq_wavelen), inv_freq / factor, inv_freq).astype(f32)
+    with np.errstate(divide="ignore", invalid="ignore"):  # equal factors (Scout): no medium band, the NaNs unused
+        smooth = (f32(original) / wavelen - f32(rope.low_freq_factor)) / f32(rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (f32(1) - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < f32(high_freq_wavelen)) & ~(wavelen > f32(low_freq_wavelen))
+    return np.where(medium, smoothed, scaled).astype(f32)
+
+
 class Rotary:
     """cos/sin tables for the rotated dims of a head: all Hd, or the leading Hr with partial
     rotary (whose frequencies transformers computes over Hr, as here)."""
@@ -48,6 +63,8 @@ class Rotary:
             self.inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)  # (Hd/2,)
             if rope.type == "linear":
                 self.inv_freq = (self.inv_freq / np.float32(rope.factor)).astype(np.float32)
+            elif rope.type == "llama3":
+                self.inv_freq = _llama3_inv_freq(rope, self.inv_freq)
             self.scale = 1.0
 
     def cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ engine runs every architecture through the same code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from colibrid.convert.safetensors import TensorRef
 from colibrid.models.config import ModelConfig, RopeConfig
@@ -43,10 +43,16 @@ class Architecture:
     attention_sinks_name = "self_attn.sinks"  # under model.layers.{l}., when config.attention_sinks
     shared_expert_prefix = "mlp.shared_expert"  # under model.layers.{l}.
     experts_prefix = "mlp.experts"  # under model.layers.{l}.
+    dense_mlp_prefix = "mlp"  # under model.layers.{l}., a dense layer's gate_proj / up_proj / down_proj
     expert_projections = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
 
     def model_config(self, hf: dict[str, Any]) -> ModelConfig:
         raise NotImplementedError
+
+    def for_checkpoint(self, config: ModelConfig, has_tensor: Callable[[str], bool]) -> "Architecture":
+        """This architecture as the checkpoint at hand lays it out (a family published in two
+        layouts returns the variant that names the tensors ``has_tensor`` finds)."""
+        return self
 
     def conversion_notes(self, hf: dict[str, Any]) -> list[str]:
         """What the converter leaves out of the pack on purpose (logged, one line each)."""
@@ -72,18 +78,23 @@ class Architecture:
             pk + "attn_norm": hf + "input_layernorm.weight",
             pk + "ffn_norm": hf + "post_attention_layernorm.weight",
         }
-        if config.mla is not None:
+        attention = config.layer_mixer(layer) == "attention"  # else Gated DeltaNet: none of the attention tensors
+        if not attention:
+            names.update(self.deltanet_tensor_names(config, layer))
+        elif config.mla is not None:
             names.update(mla_tensor_names(config, hf, pk))
-        for proj in "qkvo" if config.mla is None else "":
+        for proj in "qkvo" if config.mla is None and attention else "":
             names[pk + f"attn.{proj}"] = hf + f"self_attn.{proj}_proj.weight"
-        if config.qkv_bias:
+        if config.attention_output_gate and attention:
+            names.update(self.gated_query_names(config, layer))
+        if config.qkv_bias and attention:
             for proj in "qkv":
                 names[pk + f"attn.{proj}_bias"] = hf + f"self_attn.{proj}_proj.bias"
-        if config.o_bias:
+        if config.o_bias and attention:
             names[pk + "attn.o_bias"] = hf + "self_attn.o_proj.bias"
-        if config.attention_sinks:
+        if config.attention_sinks and attention:
             names[pk + "attn.sinks"] = hf + self.attention_sinks_name
-        if config.qk_norm != "none":
+        if config.qk_norm in ("full", "head") and attention:  # "l2" has no weight
             names[pk + "attn.q_norm"] = hf + "self_attn.q_norm.weight"
             names[pk + "attn.k_norm"] = hf + "self_attn.k_norm.weight"
         if config.moe_layers[layer]:
@@ -99,8 +110,31 @@ class Architecture:
                 names[pk + "shared_gate"] = hf + "mlp.shared_expert_gate.weight"
         else:
             for part in ("gate", "up", "down"):
-                names[pk + f"mlp.{part}"] = hf + f"mlp.{part}_proj.weight"
+                names[pk + f"mlp.{part}"] = hf + f"{self.dense_mlp_prefix}.{part}_proj.weight"
         return names
+
+    def deltanet_tensor_names(self, config: ModelConfig, layer: int) -> dict[str, "str | TensorRef"]:
+        """A Gated DeltaNet layer's tensors (Qwen3.5 naming: q | k | v in one projection, z, b
+        and a apart), pack name -> checkpoint name."""
+        hf, pk = f"model.layers.{layer}.linear_attn.", f"layers.{layer}.attn."
+        names = {"qkv": "in_proj_qkv.weight", "z": "in_proj_z.weight", "b": "in_proj_b.weight",
+                 "a": "in_proj_a.weight", "conv": "conv1d.weight", "A_log": "A_log", "dt_bias": "dt_bias",
+                 "norm": "norm.weight", "o": "out_proj.weight"}
+        return {pk + name: hf + source for name, source in names.items()}
+
+    def gated_query_names(self, config: ModelConfig, layer: int) -> dict[str, "str | TensorRef"]:
+        """attn.q and attn.gate when q's projection also gives the output gate: per head, Hd
+        query rows then Hd gate rows (Qwen3.5 / Qwen3-Next q_proj, (2 * H * Hd, D))."""
+        H, Hd = config.num_heads, config.head_dim
+        q_proj = f"model.layers.{layer}.self_attn.q_proj.weight"
+        query_rows = tuple(h * 2 * Hd + i for h in range(H) for i in range(Hd))
+        return {f"layers.{layer}.attn.q": TensorRef(q_proj, rows=query_rows),
+                f"layers.{layer}.attn.gate": TensorRef(q_proj, rows=tuple(r + Hd for r in query_rows))}
+
+    def zero_centred_norms(self, config: ModelConfig) -> list[str]:
+        """Pack names of the norms the checkpoint stores zero-centred (the model scales by
+        1 + w): the converter stores 1 + w, so the engine runs a plain RMSNorm."""
+        return []
 
 
 def mla_tensor_names(config: ModelConfig, hf: str, pk: str) -> dict[str, str]:
@@ -153,7 +187,20 @@ def rope_config(hf: dict[str, Any], default_theta: float) -> RopeConfig:
             attention_factor=params.get("attention_factor"),
             truncate=bool(params.get("truncate", True)),
         )
-    raise UnsupportedConfig(f"rope type {rope_type!r} is not supported (supported: default, linear, yarn)")
+    if rope_type == "llama3":
+        missing = [k for k in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")
+                   if params.get(k) is None]
+        if missing:
+            raise UnsupportedConfig(f"rope type llama3 needs {', '.join(missing)}")
+        return RopeConfig(
+            theta=float(theta),
+            type="llama3",
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+        )
+    raise UnsupportedConfig(f"rope type {rope_type!r} is not supported (supported: default, linear, yarn, llama3)")
 
 
 def partial_rotary_factor(hf: dict[str, Any], default: float = 1.0) -> float:

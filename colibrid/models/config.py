@@ -9,7 +9,9 @@ Dimension legend used across the engine:
   T tokens, S context length, D hidden, H query heads, K kv heads, Hd head dim,
   E experts, A active experts per token, F expert ffn, V vocabulary;
   latent attention (MlaConfig): Cq q rank, C kv rank (latent), N nope dims, R rope dims,
-  Vd value dims per head, L = C + R latent-cache floats per token.
+  Vd value dims per head, L = C + R latent-cache floats per token;
+  Gated DeltaNet (DeltaNetConfig): Hk key heads, Hv value heads, Dk key head dim, Dv value
+  head dim, Kc conv kernel, C = 2 * Hk * Dk + Hv * Dv conv channels (q | k | v).
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-QK_NORM_KINDS = ("none", "full", "head")
-ROPE_TYPES = ("default", "linear", "yarn")
-ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+QK_NORM_KINDS = ("none", "full", "head", "l2")
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 GROUP_SCORES = ("max", "top2_sum")
+LAYER_MIXERS = ("attention", "deltanet")  # a layer's token mixer: softmax attention, or Gated DeltaNet
 
 
 @dataclass(frozen=True)
@@ -30,11 +33,13 @@ class RopeConfig:
     theta: float = 10000.0
     type: str = "default"  # one of ROPE_TYPES
     factor: float = 1.0  # linear / yarn scaling factor
-    original_max_position_embeddings: int | None = None  # yarn
+    original_max_position_embeddings: int | None = None  # yarn, llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     attention_factor: float | None = None  # yarn; None = derived from factor
     truncate: bool = True  # yarn
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original / low_freq_factor are divided by factor,
+    high_freq_factor: float = 4.0  # those below original / high_freq_factor kept, those between interpolated
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,25 @@ class MlaConfig:
 
 
 @dataclass(frozen=True)
+class DeltaNetConfig:
+    """Gated DeltaNet linear attention (Qwen3.5 / Qwen3-Next "linear_attention" layers): a
+    causal depthwise conv over q | k | v, L2-normalised q and k, a gated delta-rule recurrence
+    over a (Dk, Dv) state per value head, then an RMSNorm gated by silu(z). Each sequence keeps
+    a conv state (Kc - 1, C) and a recurrent state (Hv, Dk, Dv) instead of a KV cache."""
+
+    num_key_heads: int  # Hk; each serves Hv / Hk consecutive value heads
+    num_value_heads: int  # Hv, a multiple of Hk
+    key_head_dim: int  # Dk
+    value_head_dim: int  # Dv
+    conv_kernel: int  # Kc
+
+    @property
+    def conv_channels(self) -> int:
+        """C: the conv runs over q (Hk * Dk), k (Hk * Dk) and v (Hv * Dv) together."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # registry name of the source architecture (informational)
     vocab_size: int  # V
@@ -68,13 +92,18 @@ class ModelConfig:
     # Attention features.
     qkv_bias: bool = False  # biases on q, k, v projections
     o_bias: bool = False  # bias on the output projection
-    qk_norm: str = "none"  # "full": RMSNorm over all heads (OLMoE); "head": per head (Qwen3)
+    qk_norm: str = "none"  # "full": RMSNorm over all heads (OLMoE); "head": per head (Qwen3); "l2": per head
+    # without a weight, after RoPE, on the layers with RoPE only (Llama 4's L2 norm)
     clip_qkv: float | None = None  # clamp q, k, v to +-clip_qkv (OLMoE option)
     sliding_window: tuple[int | None, ...] = ()  # per layer: window in tokens, None = full causal
     attention_chunk: tuple[int | None, ...] = ()  # per layer: chunked-local attention span (a token
     # sees its own chunk of this many tokens only), None = none; () = none on every layer
     rotary_dim: int = 0  # leading dims of each head that RoPE rotates (partial rotary); 0 = all Hd
     mla: MlaConfig | None = None  # multi-head latent attention instead of grouped-query attention
+    attention_output_gate: bool = False  # q's projection also gives a gate per head: o(a * sigmoid(gate))
+    # Hybrid models: per layer, its token mixer (LAYER_MIXERS); () = attention on every layer.
+    layer_mixers: tuple[str, ...] = ()
+    deltanet: DeltaNetConfig | None = None  # the dims of the "deltanet" layers
     # Mixture of experts.
     num_experts: int = 0  # E
     num_experts_per_tok: int = 0  # A
@@ -86,7 +115,8 @@ class ModelConfig:
     shared_expert_gated: bool = False  # shared expert output scaled by sigmoid(x . w)
     # Routing beyond softmax top-k (DeepSeek-V2/V3, GLM-4.5); the defaults are plain softmax top-k.
     router_scoring: str = "softmax"  # "softmax" over all E, "sigmoid" of each logit, or "topk_softmax":
-    # the top A logits first, then a softmax over those A (gpt-oss)
+    # the top A logits first, then a softmax over those A (gpt-oss), or "topk_sigmoid": the top A logits,
+    # then the sigmoid of each (Llama 4)
     router_choice_bias: bool = False  # a per-expert bias (E) added to the scores for choosing only
     router_groups: int = 1  # experts split into this many groups of E / groups for the group limit
     router_groups_kept: int = 1  # experts are chosen from the best this-many groups only
@@ -99,6 +129,13 @@ class ModelConfig:
     expert_activation: str = "swiglu"  # "swiglu": silu(g) * u; "clamped_swiglu": see swiglu_limit
     swiglu_alpha: float = 1.0  # clamped_swiglu: h = (clamp(u, +-limit) + 1) * g' * sigmoid(alpha * g'),
     swiglu_limit: float = 0.0  # g' = min(g, limit)
+    # Llama 4: interleaved-pair RoPE, NoPE layers with attention temperature tuning, the routing weight on the
+    # expert's input.
+    rope_interleaved: bool = False  # RoPE turns pairs (x0, x1), (x2, x3) ... of each head (complex rotary)
+    nope_layers: tuple[bool, ...] = ()  # per layer: True = no RoPE (a NoPE layer); () = RoPE on every layer
+    attn_temperature_floor: int = 0  # > 0: on NoPE layers the query of position p is multiplied by
+    attn_temperature_scale: float = 0.0  # log1p(floor((p + 1) / floor)) * scale + 1
+    router_weight_on_input: bool = False  # an expert runs on weight * x and its output is added unweighted
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -112,6 +149,8 @@ class ModelConfig:
             raise ValueError("moe_layers and sliding_window need one entry per layer")
         if self.attention_chunk and len(self.attention_chunk) != self.num_layers:
             raise ValueError("attention_chunk needs one entry per layer, or none at all")
+        if len(self.nope_layers) not in (0, self.num_layers):
+            raise ValueError("nope_layers needs one entry per layer, or none")
         if self.router_scoring not in ROUTER_SCORINGS or self.router_group_score not in GROUP_SCORES:
             raise ValueError(f"router_scoring must be one of {ROUTER_SCORINGS} and router_group_score one of "
                              f"{GROUP_SCORES}, got {self.router_scoring!r}, {self.router_group_score!r}")
@@ -122,6 +161,11 @@ class ModelConfig:
             raise ValueError(f"rotary_dim must be even and at most head_dim {self.head_dim}, got {self.rotary_dim}")
         if self.expert_activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert_activation must be one of {EXPERT_ACTIVATIONS}, got {self.expert_activation!r}")
+        if self.layer_mixers and (len(self.layer_mixers) != self.num_layers
+                                  or any(m not in LAYER_MIXERS for m in self.layer_mixers)):
+            raise ValueError(f"layer_mixers must name one of {LAYER_MIXERS} per layer, got {self.layer_mixers!r}")
+        if ("deltanet" in self.layer_mixers) != (self.deltanet is not None):
+            raise ValueError("deltanet dims are needed exactly when a layer's mixer is deltanet")
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
 
@@ -131,6 +175,14 @@ class ModelConfig:
         if self.mla is not None:
             return self.mla.qk_rope_head_dim
         return self.rotary_dim or self.head_dim
+
+    def layer_mixer(self, layer: int) -> str:
+        """The token mixer of ``layer``: "attention" or "deltanet"."""
+        return self.layer_mixers[layer] if self.layer_mixers else "attention"
+
+    def is_nope(self, layer: int) -> bool:
+        """True when ``layer`` has no RoPE (Llama 4's NoPE layers)."""
+        return bool(self.nope_layers) and self.nope_layers[layer]
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -149,7 +201,10 @@ class ModelConfig:
         data["rope"] = RopeConfig(**data["rope"])
         if data.get("mla") is not None:
             data["mla"] = MlaConfig(**data["mla"])
-        for key in ("sliding_window", "attention_chunk", "moe_layers", "eos_token_ids"):
+        if data.get("deltanet") is not None:
+            data["deltanet"] = DeltaNetConfig(**data["deltanet"])
+        for key in ("sliding_window", "attention_chunk", "moe_layers", "eos_token_ids", "layer_mixers",
+                    "nope_layers"):
             data[key] = tuple(data.get(key, ()))
         return cls(**data)
 
@@ -165,10 +220,12 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     embed = V * D * (1 if config.tie_word_embeddings else 2) + D
     expert = 3 * D * config.expert_ffn + ((2 * config.expert_ffn + D) if config.expert_bias else 0)
     shared = 3 * D * config.shared_expert_ffn + (D if config.shared_expert_gated else 0)
+    attn += D * config.num_heads * config.head_dim if config.attention_output_gate else 0
     total = active = embed
-    for is_moe in config.moe_layers:
-        total += attn + norms
-        active += attn + norms
+    for layer, is_moe in enumerate(config.moe_layers):
+        mixer = _deltanet_parameters(config) if config.layer_mixer(layer) == "deltanet" else attn
+        total += mixer + norms
+        active += mixer + norms
         if is_moe:
             router = config.num_experts * (D + int(config.router_choice_bias) + int(config.router_bias))
             total += router + shared + config.num_experts * expert
@@ -178,6 +235,15 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
             active += 3 * D * config.dense_ffn
     return total, active
 
+
+
+def _deltanet_parameters(config: ModelConfig) -> int:
+    """Parameters of one Gated DeltaNet layer: qkv, z, b, a and out projections, the conv,
+    A_log, dt_bias and the gated norm."""
+    d, D = config.deltanet, config.hidden_size
+    Hv, value_width = d.num_value_heads, d.num_value_heads * d.value_head_dim
+    C = d.conv_channels
+    return D * (C + value_width + 2 * Hv) + C * d.conv_kernel + 2 * Hv + d.value_head_dim + value_width * D
 
 
 def _mla_parameters(config: ModelConfig) -> int:

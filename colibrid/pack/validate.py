@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from colibrid.models.config import ModelConfig
+from colibrid.models.config import LAYER_MIXERS, ModelConfig
 from colibrid.native import TensorType
 from colibrid.pack.layout import (
     dense_tensor_names,
@@ -43,7 +43,8 @@ POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "
                        "max_position_embeddings", "num_experts", "num_experts_per_tok", "expert_ffn")
 COUNT_FIELDS = ("dense_ffn", "shared_expert_ffn")
 BOOL_FIELDS = ("tie_word_embeddings", "qkv_bias", "o_bias", "norm_topk_prob", "shared_expert_gated",
-               "router_choice_bias", "attention_sinks", "router_bias", "expert_bias")
+               "router_choice_bias", "attention_sinks", "router_bias", "expert_bias", "attention_output_gate",
+               "rope_interleaved", "router_weight_on_input")
 
 
 def check_manifest(m: Manifest) -> None:
@@ -81,6 +82,7 @@ def check_model_config(c: ModelConfig) -> None:
         raise ValueError("model.sliding_window must hold null or a window of >= 1 tokens per layer")
     if not all(w is None or (type(w) is int and 1 <= w <= MAX_DIM) for w in c.attention_chunk):
         raise ValueError("model.attention_chunk must hold null or a chunk of >= 1 tokens per layer")
+    _check_nope_layers(c)
     for name, needed in (("dense_ffn", not all(c.moe_layers)), ("shared_expert_ffn", c.shared_expert_gated)):
         if needed and getattr(c, name) == 0:
             raise ValueError(f"model.{name} is 0 but the model needs it")
@@ -90,6 +92,7 @@ def check_model_config(c: ModelConfig) -> None:
         raise ValueError(f"model.rotary_dim must be an integer in [0, head_dim {c.head_dim}], got {c.rotary_dim!r:.40}")
     if c.mla is not None:
         _check_mla(c)
+    _check_layer_mixers(c)
     _positive_float(c.rms_norm_eps, "model.rms_norm_eps")
     if c.clip_qkv is not None:
         _positive_float(c.clip_qkv, "model.clip_qkv")
@@ -113,6 +116,14 @@ def _check_router(c: ModelConfig) -> None:
     if c.router_group_score == "top2_sum" and groups > 1 and c.num_experts // groups < 2:
         raise ValueError("model.router_group_score top2_sum needs at least 2 experts per group")
     _positive_float(c.routed_scaling_factor, "model.routed_scaling_factor")
+
+
+def _check_nope_layers(c: ModelConfig) -> None:
+    """Llama 4's NoPE layers and the temperature tuning of their queries."""
+    if not all(type(flag) is bool for flag in c.nope_layers):
+        raise ValueError("model.nope_layers must hold true or false per layer")
+    _config_int(c, "attn_temperature_floor", 0)
+    _finite_float(c.attn_temperature_scale, "model.attn_temperature_scale")
 
 
 def _check_expert_activation(c: ModelConfig) -> None:
@@ -140,6 +151,31 @@ def _check_mla(c: ModelConfig) -> None:
                          "num_heads and rotary_dim 0")
     if c.qkv_bias or c.qk_norm != "none" or c.clip_qkv is not None or any(c.sliding_window) or any(c.attention_chunk):
         raise ValueError("latent attention has no q/k/v biases, q/k norms, clipping or sliding windows")
+    if c.rope_interleaved or any(c.nope_layers) or c.attn_temperature_floor:
+        raise ValueError("latent attention has its own rope layout (mla.rope_interleaved), no NoPE layers and no "
+                         "temperature tuning")
+
+
+def _check_layer_mixers(c: ModelConfig) -> None:
+    """Hybrid models: one known mixer per layer, and the Gated DeltaNet dims the engine sizes
+    its states and libcolibri its buffers by."""
+    if not isinstance(c.layer_mixers, tuple) or (c.layer_mixers and len(c.layer_mixers) != c.num_layers) \
+            or not all(m in LAYER_MIXERS for m in c.layer_mixers):
+        raise ValueError(f"model.layer_mixers must be empty or name one of {list(LAYER_MIXERS)} per layer")
+    if ("deltanet" in c.layer_mixers) != (c.deltanet is not None):
+        raise ValueError("model.deltanet must be given exactly when a layer's mixer is deltanet")
+    if c.deltanet is None:
+        return
+    d = c.deltanet
+    for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+        value = getattr(d, name)
+        if type(value) is not int or not 1 <= value <= MAX_DIM:
+            raise ValueError(f"model.deltanet.{name} must be an integer in [1, {MAX_DIM}], got {value!r:.40}")
+    if d.num_value_heads % d.num_key_heads:
+        raise ValueError(f"model.deltanet.num_value_heads {d.num_value_heads} is not a multiple of num_key_heads "
+                         f"{d.num_key_heads}")
+    if c.mla is not None:
+        raise ValueError("Gated DeltaNet layers do not mix with latent attention")
 
 
 def _check_rope(c: ModelConfig) -> None:
@@ -155,6 +191,10 @@ def _check_rope(c: ModelConfig) -> None:
         raise ValueError(f"model.rope.original_max_position_embeddings must be an integer >= 1, got {original!r:.40}")
     if type(rope.truncate) is not bool:
         raise ValueError("model.rope.truncate must be true or false")
+    _positive_float(rope.low_freq_factor, "model.rope.low_freq_factor")
+    _positive_float(rope.high_freq_factor, "model.rope.high_freq_factor")
+    if rope.type == "llama3" and original is None:
+        raise ValueError("model.rope of type llama3 needs original_max_position_embeddings")
 
 
 def _config_int(c: ModelConfig, name: str, low: int) -> None:

@@ -325,6 +325,10 @@ typedef struct col_expert_ffn {
     const float *const *gate_bias; /* (n_experts) pointers, each (F) float32; or NULL: no biases */
     const float *const *up_bias;   /* (n_experts) each (F); NULL exactly when gate_bias is */
     const float *const *down_bias; /* (n_experts) each (D); NULL exactly when gate_bias is */
+    int32_t weight_on_input;       /* 1: the routing weight scales the expert's input, and its
+                                      output is added unweighted (Llama 4):
+                                      out[t] += ffn_e(weight[t, a] * x[t]); 0: as below */
+    int32_t reserved2;             /* 0 */
 } col_expert_ffn;
 
 /* sizeof(col_expert_ffn), for bindings that mirror the struct. */
@@ -335,6 +339,8 @@ COL_API size_t col_expert_ffn_size(void);
  *     g = x[t] @ gate_e^T + gate_bias_e,  u = x[t] @ up_e^T + up_bias_e      (F)
  *     h = activation(g, u)                                                    (F)
  *     out[t] += weight[t, a] * (h @ down_e^T + down_bias_e)                   (D)
+ * With weight_on_input, x[t] above is the float32 product weight[t, a] * x[t] (quantized per
+ * assignment on the integer levels, as any input row) and the output is added with weight 1.
  * The activation is computed elementwise in float32 on every level (expf). Arguments and
  * errors as col_moe_experts; also COL_EINVAL for an unknown activation, a limit that is not
  * > 0 or finite, a non-finite alpha, or bias pointers missing for some expert. */
@@ -401,6 +407,7 @@ enum col_qk_norm {
     COL_QK_NORM_NONE = 0, /* no q/k normalisation */
     COL_QK_NORM_FULL = 1, /* RMSNorm over all heads of a token: q (H * Hd), k (K * Hd) */
     COL_QK_NORM_HEAD = 2, /* RMSNorm over each head: q and k (Hd) */
+    COL_QK_NORM_HEAD_AFTER_ROPE = 3, /* as HEAD, but after RoPE (Llama 4's L2 norm: weights of ones) */
 };
 
 /* One layer's attention weights and shape, set up once and passed to every step. Weights
@@ -433,6 +440,16 @@ typedef struct col_attention_layer {
                              one more logit in its head's softmax denominator, with no value */
     int64_t chunk;        /* chunked local attention (Llama 4): a query at position p sees keys
                              from p - p % chunk on; <= 0: none */
+    const void *wg;       /* (H * Hd, row_bytes(qkv_type, D)) output gate (Qwen3.5, Qwen3-Next), or
+                             NULL: none. The attention output is multiplied by sigmoid(h wg^T) */
+    /* Llama 4; all 0 (off) for the other families */
+    int32_t rope_interleaved; /* 1: RoPE turns interleaved pairs (x0, x1), (x2, x3) ... of each head's
+                                 rotated dims (Llama 4's complex rotary) instead of (x_i, x_i+Hr/2);
+                                 pair i by the angle of cos/sin column i */
+    int32_t no_rope;      /* 1: no RoPE on this layer (a NoPE layer); cos and sin are not read */
+    float temp_floor;     /* > 0: attention temperature tuning: the query of position p is multiplied by
+                             log1p(floor((p + 1) / temp_floor)) * temp_scale + 1; 0: off */
+    float temp_scale;
 } col_attention_layer;
 
 /* sizeof(col_attention_layer), for bindings that mirror the struct. */
@@ -445,12 +462,16 @@ COL_API size_t col_attention_layer_size(void);
  *     FULL: q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm
  *     clip: q, k, v clamped to [-clip_qkv, clip_qkv]
  *     HEAD: each head of q, k = rms_norm(head) * q_norm / k_norm
- *     q, k = rope(q, cos, sin), rope(k, cos, sin)   (the first Hr dims of each head)
+ *     q, k = rope(q, cos, sin), rope(k, cos, sin)   (the first Hr dims of each head, in pairs
+ *         with rope_interleaved; not at all with no_rope)
+ *     HEAD_AFTER_ROPE: each head of q, k = rms_norm(head) * q_norm / k_norm
+ *     temperature: q[t] *= log1p(floor((n_past + t + 1) / temp_floor)) * temp_scale + 1
  *     keys[n_past + t], vals[n_past + t] = k[t], v[t]   (row (n_past + t) % ring_rows of a ring)
  *     a = attention(q, keys[0 : n_past + n_tok], vals, positions n_past + t, window, chunk, scale)
  *         with sinks: head h's softmax also holds the logit sinks[h] (unscaled, never masked):
  *         m = max(max_s scale q.k_s, sinks[h]), p_s = exp(scale q.k_s - m) /
  *         (sum_s exp(scale q.k_s - m) + exp(sinks[h] - m)), a = sum_s p_s v_s
+ *     gate: a = a * sigmoid(h wg^T)     (1 / (1 + expf(-g)), elementwise)
  *     x += a wo^T + bo
  * each step with the arithmetic of col_rms_norm, col_matmul, col_rope and col_attention, so
  * the result equals that sequence of calls (and numpy's float32 adds and clamps) bit for bit.
@@ -599,6 +620,8 @@ enum col_router_scoring {
     COL_ROUTER_SIGMOID = 1, /* sigmoid of each logit on its own (DeepSeek-V3, GLM-4.5) */
     COL_ROUTER_TOPK_SOFTMAX = 2, /* the top_k logits chosen first, then a softmax over those
                                     only (gpt-oss): the weights sum to 1 without `normalize` */
+    COL_ROUTER_TOPK_SIGMOID = 3, /* the top_k logits chosen first, then the sigmoid of each
+                                    chosen one (Llama 4) */
 };
 
 /* How a group of experts is scored for the group limit (col_moe_router.group_score). */
@@ -633,7 +656,8 @@ COL_API size_t col_moe_router_size(void);
  * + logit_bias (if given), then per token
  *     s      = softmax(logits) or sigmoid(logits)                 (E)
  *              (TOPK_SOFTMAX: s = logits; the weights below are then the softmax of the
- *              chosen experts' s, before normalize and scaling)
+ *              chosen experts' s, before normalize and scaling; TOPK_SIGMOID: s = logits,
+ *              the weights the sigmoid of each chosen s)
  *     c      = s + choice_bias (or s)                             (E)
  *     if groups_kept < G: keep the groups_kept best groups by group_score of c; the experts
  *            of the other groups cannot be chosen

@@ -6,25 +6,29 @@
  * glue between them; now it is one.
  *
  * Legend: T new tokens, D hidden, H query heads, K kv heads, Hd head dim, Q = H * Hd,
- * KV = K * Hd, R = Q + 2 * KV (rows of q, k and v stacked), S = n_past + T keys.
+ * KV = K * Hd, R = Q + 2 * KV (+ Q with an output gate: rows of q, k, v (and g) stacked),
+ * S = n_past + T keys.
  *
  * Phases, with a barrier between each two:
  *   0. h[t] = rms_norm(x[t]) * norm, quantized for the q/k/v type          tokens split
- *   1. qkv[t] = h[t] @ [wq; wk; wv]^T + [bq; bk; bv]                       R rows split
- *   2. q/k norms, clamp, RoPE (partial); k, v stored in the cache at n_past + t  tokens split
- *   3. a[t, head] = attention over keys 0 .. n_past + t (window, chunk, sink) (t, head) dealt
+ *   1. qkv[t] = h[t] @ [wq; wk; wv; wg]^T + [bq; bk; bv; 0]                R rows split
+ *   2. q/k norms, clamp, RoPE, temperature; k, v stored at n_past + t      tokens split
+ *   3. a[t, head] = attention over keys 0 .. n_past + t (window, chunk, sink),
+ *      times sigmoid(g[t, head]) with an output gate                       (t, head) dealt
  *   4. a[t] quantized for wo's type (integer kernels only)                  tokens split
  *   5. x[t] += a[t] @ wo^T + bo                                             D rows split
  * Each phase calls the code of the separate entry points (col_rms_norm, col_matrix_rows as in
  * col_matmul, col_rope, col_attend_head as in col_attention) on the same values, so this call
  * returns bit for bit what the sequence of those calls returns.
  */
+#include <math.h>
+
 #include "col_internal.h"
 
 typedef struct {
     const col_kernel_set *k;
     const col_attention_layer *l;
-    col_matrix mq, mk, mv, mo;
+    col_matrix mq, mk, mv, mo, mg; /* mg: the output gate's, when l->wg */
     int64_t n_tok, n_past, Q, KV, R;
     int64_t ring;             /* rows of a ring-buffer cache; 0: a flat cache */
     float *x;                 /* (T, D) */
@@ -33,7 +37,7 @@ typedef struct {
     float *h;                 /* (T, D) normed input */
     uint8_t *hq;              /* (T, hq_bytes) h quantized, integer q/k/v only */
     size_t hq_bytes;
-    float *qkv;               /* (T, R) q | k | v of each token */
+    float *qkv;               /* (T, R) q | k | v (| g) of each token */
     float *a;                 /* (T, Q) attention output */
     uint8_t *aq;              /* (T, aq_bytes) a quantized, integer wo only */
     size_t aq_bytes;
@@ -61,6 +65,27 @@ static void qkv_rows(const block_job *j, const col_matrix *m, const float *bias,
             for (int64_t r = r0; r < r1; r++) y[t * j->R + r - r0] += bias[r];
 }
 
+/* a *= sigmoid(g) over one head's Hd outputs (the output gate of Qwen3.5 / Qwen3-Next) */
+static void gate_head(float *a, const float *g, int64_t Hd) {
+    for (int64_t i = 0; i < Hd; i++) a[i] *= 1.0f / (1.0f + expf(-g[i]));
+}
+
+/* RoPE on interleaved pairs (x0, x1), (x2, x3) ... of the first Hr dims of each head, in
+ * place (Llama 4's complex rotary): pair i turns by the angle of col_rope_heads' dims i and
+ * i + Hr / 2, with the same products and sums, so the result is col_rope_heads' on the evens
+ * followed by the odds, left in pair order. */
+static void rope_pairs(float *x, int64_t n_heads, int64_t head_dim, int64_t rotary_dim, const float *c, const float *s) {
+    const int64_t half = rotary_dim / 2;
+    for (int64_t h = 0; h < n_heads; h++) {
+        float *v = x + h * head_dim;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[2 * i], b = v[2 * i + 1];
+            v[2 * i] = a * c[i] - b * s[i];
+            v[2 * i + 1] = b * c[i + half] + a * s[i + half];
+        }
+    }
+}
+
 /* Phase 2 for token t: the order of colibrid/engine/attention.py. */
 static void finish_qkv(const block_job *j, int64_t t) {
     const col_attention_layer *l = j->l;
@@ -79,9 +104,22 @@ static void finish_qkv(const block_job *j, int64_t t) {
         col_rms_norm(q, l->q_norm, H, Hd, l->eps, q);
         col_rms_norm(kt, l->k_norm, K, Hd, l->eps, kt);
     }
-    const int64_t Hr = l->rotary_dim > 0 ? l->rotary_dim : Hd; /* rotated dims of each head */
-    col_rope_heads(q, H, Hd, Hr, j->cos + t * Hr, j->sin + t * Hr);
-    col_rope_heads(kt, K, Hd, Hr, j->cos + t * Hr, j->sin + t * Hr);
+    if (!l->no_rope) {
+        const int64_t Hr = l->rotary_dim > 0 ? l->rotary_dim : Hd; /* rotated dims of each head */
+        void (*rope)(float *, int64_t, int64_t, int64_t, const float *, const float *) =
+            l->rope_interleaved ? rope_pairs : col_rope_heads;
+        rope(q, H, Hd, Hr, j->cos + t * Hr, j->sin + t * Hr);
+        rope(kt, K, Hd, Hr, j->cos + t * Hr, j->sin + t * Hr);
+    }
+    if (l->qk_norm == COL_QK_NORM_HEAD_AFTER_ROPE) {
+        col_rms_norm(q, l->q_norm, H, Hd, l->eps, q);
+        col_rms_norm(kt, l->k_norm, K, Hd, l->eps, kt);
+    }
+    if (l->temp_floor > 0.0f) { /* float32 throughout, in transformers' order */
+        const float p = (float)(j->n_past + t);
+        const float gain = log1pf(floorf((p + 1.0f) / l->temp_floor)) * l->temp_scale + 1.0f;
+        for (int64_t i = 0; i < j->Q; i++) q[i] *= gain;
+    }
     const int64_t pos = j->n_past + t, row = j->ring > 0 ? pos % j->ring : pos;
     memcpy(j->keys + row * j->KV, kt, (size_t)j->KV * sizeof(float));
     memcpy(j->vals + row * j->KV, vt, (size_t)j->KV * sizeof(float));
@@ -104,6 +142,7 @@ static void block_task(void *arg, int ith, int nth) {
     qkv_rows(j, &j->mq, l->bq, 0, j->Q, b, e);
     qkv_rows(j, &j->mk, l->bk, j->Q, j->KV, b, e);
     qkv_rows(j, &j->mv, l->bv, j->Q + j->KV, j->KV, b, e);
+    if (l->wg) qkv_rows(j, &j->mg, NULL, j->Q + 2 * j->KV, j->Q, b, e);
     col_barrier_wait(&j->barrier, nth);
 
     col_split(T, ith, nth, &b, &e); /* 2. norms, clamp, rope, cache */
@@ -117,6 +156,7 @@ static void block_task(void *arg, int ith, int nth) {
         const int64_t lo = col_first_visible_key(pos, l->window, l->chunk, j->ring);
         col_attend_head(j->k, j->qkv + t * j->R + head * Hd, j->keys, j->vals, l->n_kv_heads, head / group, Hd, lo,
                         pos, j->ring, l->scale, l->sinks ? l->sinks + head : NULL, sc, j->a + item * Hd);
+        if (l->wg) gate_head(j->a + item * Hd, j->qkv + t * j->R + j->Q + 2 * j->KV + head * Hd, Hd);
     }
     col_barrier_wait(&j->barrier, nth);
 
@@ -153,9 +193,11 @@ static int layer_valid(const col_attention_layer *l) {
         l->n_heads % l->n_kv_heads != 0)
         return 0;
     if (l->rotary_dim < 0 || l->rotary_dim % 2 != 0 || l->rotary_dim > l->head_dim) return 0;
-    if (l->qk_norm < COL_QK_NORM_NONE || l->qk_norm > COL_QK_NORM_HEAD || l->chunk < 0) return 0;
+    if (l->qk_norm < COL_QK_NORM_NONE || l->qk_norm > COL_QK_NORM_HEAD_AFTER_ROPE || l->chunk < 0) return 0;
     if (l->qk_norm != COL_QK_NORM_NONE && (!l->q_norm || !l->k_norm)) return 0;
     if (!l->norm || !l->wq || !l->wk || !l->wv || !l->wo) return 0;
+    if ((l->rope_interleaved != 0 && l->rope_interleaved != 1) || (l->no_rope != 0 && l->no_rope != 1)) return 0;
+    if (!isfinite(l->temp_floor) || l->temp_floor < 0.0f || !isfinite(l->temp_scale)) return 0;
     return 1;
 }
 
@@ -181,8 +223,9 @@ int col_attention_block(col_pool *pool, const col_attention_layer *layer, float 
     job.l = l;
     job.Q = l->n_heads * l->head_dim;
     job.KV = l->n_kv_heads * l->head_dim;
-    job.R = job.Q + 2 * job.KV;
-    if (col_matrix_init(&job.mq, job.k, l->qkv_type, l->wq, l->dim) != COL_OK ||
+    job.R = job.Q + 2 * job.KV + (l->wg ? job.Q : 0);
+    if ((l->wg && col_matrix_init(&job.mg, job.k, l->qkv_type, l->wg, l->dim) != COL_OK) ||
+        col_matrix_init(&job.mq, job.k, l->qkv_type, l->wq, l->dim) != COL_OK ||
         col_matrix_init(&job.mk, job.k, l->qkv_type, l->wk, l->dim) != COL_OK ||
         col_matrix_init(&job.mv, job.k, l->qkv_type, l->wv, l->dim) != COL_OK ||
         col_matrix_init(&job.mo, job.k, l->o_type, l->wo, job.Q) != COL_OK)

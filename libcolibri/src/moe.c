@@ -16,6 +16,8 @@
  *   3. out[t, d] += w_n * ((down_e h[n])[d] (+ down bias)): the D output rows are split across threads, so
  *      no two threads write the same element and every element sums its experts in
  *      increasing e, whatever the thread count.
+ * With col_expert_ffn.weight_on_input (Llama 4) the input rows are the N products w_n * x_t,
+ * made before the job (phase 0 then quantizes those), and every w_n in phase 3 is 1.
  */
 #include <math.h>
 
@@ -33,16 +35,18 @@ typedef struct {
     const col_expert_ffn *kind;     /* NULL: plain SwiGLU, no biases */
     int type;
     int integer;                    /* 1: quantized activations */
-    int64_t n_experts, dim, ffn, n_tok;
+    int64_t n_experts, dim, ffn;
     const uint8_t *const *gate;     /* (E) each (F, row_bytes(D)) */
     const uint8_t *const *up;       /* (E) each (F, row_bytes(D)) */
     const uint8_t *const *down;     /* (E) each (D, row_bytes(F)) */
     int64_t rb_dim, rb_ffn;         /* row bytes of gate/up and of down */
-    const float *x;                 /* (T, D) */
+    const float *x;                 /* (X, D) input rows: X = T, or N with weight_on_input */
+    int64_t n_x;                    /* X */
     const int64_t *first;           /* (E + 1) assignments of expert e: first[e] .. first[e+1] */
     const int32_t *asg_tok;         /* (N) token of each assignment, grouped by expert */
+    const int32_t *asg_in;          /* (N) its input row of x */
     const float *asg_w;             /* (N) its weight */
-    uint8_t *xq;                    /* (T, xq_d) quantized x */
+    uint8_t *xq;                    /* (X, xq_d) quantized x */
     size_t xq_d;
     float *h;                       /* (N, F) */
     uint8_t *hq;                    /* (N, xq_f) quantized h */
@@ -85,7 +89,7 @@ static void gate_up_xq(const moe_job *j, int64_t ex, int64_t r0, int64_t r1) {
     for (int64_t n0 = j->first[ex]; n0 < j->first[ex + 1]; n0 += MOE_TOKEN_GROUP) {
         const int64_t left = j->first[ex + 1] - n0, cnt = left < MOE_TOKEN_GROUP ? left : MOE_TOKEN_GROUP;
         col_xq_row xr[MOE_TOKEN_GROUP];
-        for (int64_t i = 0; i < cnt; i++) xr[i] = col_xq_view(j->xq + (size_t)j->asg_tok[n0 + i] * j->xq_d, nb_d);
+        for (int64_t i = 0; i < cnt; i++) xr[i] = col_xq_view(j->xq + (size_t)j->asg_in[n0 + i] * j->xq_d, nb_d);
         float g[MOE_TOKEN_GROUP * MOE_ROW_TILE], u[MOE_TOKEN_GROUP * MOE_ROW_TILE]; /* (cnt, r1 - r0) */
         col_rows_times_xq(j->k, j->type, j->gate[ex], j->rb_dim, r0, r1, xr, cnt, nb_d, g, MOE_ROW_TILE);
         col_rows_times_xq(j->k, j->type, j->up[ex], j->rb_dim, r0, r1, xr, cnt, nb_d, u, MOE_ROW_TILE);
@@ -121,7 +125,7 @@ static void moe_task(void *arg, int ith, int nth) {
     int64_t b, e;
 
     if (j->integer) { /* 0. quantize x */
-        col_split(j->n_tok, ith, nth, &b, &e);
+        col_split(j->n_x, ith, nth, &b, &e);
         for (int64_t t = b; t < e; t++) col_quantize_x(j->type, j->x + t * D, D, j->xq + t * j->xq_d);
         col_barrier_wait(&j->barrier, nth);
     }
@@ -137,7 +141,7 @@ static void moe_task(void *arg, int ith, int nth) {
             gate_up_xq(j, ex, r0, r1);
         } else {
             for (int64_t n = j->first[ex]; n < j->first[ex + 1]; n++) {
-                const float *xt = j->x + (int64_t)j->asg_tok[n] * D; /* (D) */
+                const float *xt = j->x + (int64_t)j->asg_in[n] * D; /* (D) */
                 float *hn = j->h + n * F;                           /* (F) */
                 if (!j->kind) {
                     for (int64_t r = r0; r < r1; r++) {
@@ -190,6 +194,7 @@ size_t col_expert_ffn_size(void) { return sizeof(col_expert_ffn); }
 static int ffn_kind_valid(const col_expert_ffn *kind, int64_t n_experts) {
     if (!kind) return 1;
     if (kind->activation != COL_ACT_SWIGLU && kind->activation != COL_ACT_CLAMPED_SWIGLU) return 0;
+    if (kind->weight_on_input != 0 && kind->weight_on_input != 1) return 0;
     if (kind->activation == COL_ACT_CLAMPED_SWIGLU &&
         (!isfinite(kind->alpha) || !isfinite(kind->limit) || !(kind->limit > 0.0f)))
         return 0;
@@ -231,22 +236,30 @@ int col_moe_experts_ffn(col_pool *pool, const col_expert_ffn *ffn_kind, int type
     const int integer = k->dot_xq[type] != NULL; /* q8_0 / q4_g64: D and F split into 32-blocks */
     const size_t xq_d = integer ? col_xq_bytes(dim / COL_QK_X) : 0, xq_f = integer ? col_xq_bytes(ffn / COL_QK_X) : 0;
 
-    /* scratch: first (E+1) i64 | fill (E+1) i64 | asg_tok (N) i32 | asg_w (N) f32 | h (N, F) | xq | hq */
+    /* With weight_on_input the experts read N scaled rows instead of the T token rows. */
     int64_t n_asg = 0;
     for (int64_t i = 0; i < n_pairs; i++) n_asg += expert_of[i] >= 0;
+    const int scale_input = ffn_kind && ffn_kind->weight_on_input;
+    const int64_t n_x = scale_input ? n_asg : n_tok;
+
+    /* scratch: first (E+1) i64 | fill (E+1) i64 | asg_tok (N) i32 | asg_in (N) i32 | asg_w (N) f32 | h (N, F)
+     *          | xs (N, D) f32 with weight_on_input | xq (X rows) | hq (N rows) */
     const size_t sz_first = ((size_t)(n_experts + 1) * 8 + 63) / 64 * 64;
     const size_t sz_asg = ((size_t)n_asg * 4 + 63) / 64 * 64;
     const size_t sz_h = ((size_t)n_asg * (size_t)ffn * 4 + 63) / 64 * 64;
-    const size_t sz_xq = xq_d * (size_t)n_tok, sz_hq = xq_f * (size_t)n_asg;
-    uint8_t *scratch = col_alloc(2 * sz_first + 2 * sz_asg + sz_h + sz_xq + sz_hq);
+    const size_t sz_xs = scale_input ? ((size_t)n_asg * (size_t)dim * 4 + 63) / 64 * 64 : 0;
+    const size_t sz_xq = xq_d * (size_t)n_x, sz_hq = xq_f * (size_t)n_asg;
+    uint8_t *scratch = col_alloc(2 * sz_first + 3 * sz_asg + sz_h + sz_xs + sz_xq + sz_hq);
     if (!scratch) return COL_ENOMEM;
     int64_t *first = (int64_t *)scratch;
     int64_t *fill = (int64_t *)(scratch + sz_first); /* next free slot per expert */
     uint8_t *rest = scratch + 2 * sz_first;
     int32_t *asg_tok = (int32_t *)rest;
-    float *asg_w = (float *)(rest + sz_asg);
-    float *h = (float *)(rest + 2 * sz_asg);
-    uint8_t *xq = rest + 2 * sz_asg + sz_h;
+    int32_t *asg_in = (int32_t *)(rest + sz_asg);
+    float *asg_w = (float *)(rest + 2 * sz_asg);
+    float *h = (float *)(rest + 3 * sz_asg);
+    float *xs = (float *)(rest + 3 * sz_asg + sz_h);
+    uint8_t *xq = rest + 3 * sz_asg + sz_h + sz_xs;
     uint8_t *hq = xq + sz_xq;
 
     /* counting sort of the assignments by expert, token order kept within an expert */
@@ -260,12 +273,23 @@ int col_moe_experts_ffn(col_pool *pool, const col_expert_ffn *ffn_kind, int type
         if (ex < 0) continue;
         const int64_t n = fill[ex]++;
         asg_tok[n] = (int32_t)(i / n_slots);
+        asg_in[n] = asg_tok[n];
         asg_w[n] = weight[i];
     }
+    if (scale_input) /* row n = w_n * x[t_n], one float32 product per element (transformers' order) */
+        for (int64_t n = 0; n < n_asg; n++) {
+            const float *xt = x + (int64_t)asg_tok[n] * dim;
+            for (int64_t d = 0; d < dim; d++) xs[n * dim + d] = asg_w[n] * xt[d];
+            asg_in[n] = (int32_t)n;
+            asg_w[n] = 1.0f;
+        }
 
-    moe_job job = {tt, k, k->silu_mul ? k->silu_mul : col_silu_mul_portable, ffn_kind, type, integer, n_experts, dim, ffn, n_tok, (const uint8_t *const *)gate,
-                   (const uint8_t *const *)up, (const uint8_t *const *)down, rb_dim, rb_ffn, x, first,
-                   asg_tok, asg_w, xq, xq_d, h, hq, xq_f, out, {0, 0}};
+    moe_job job = {.tt = tt, .k = k, .silu_mul = k->silu_mul ? k->silu_mul : col_silu_mul_portable, .kind = ffn_kind,
+                   .type = type, .integer = integer, .n_experts = n_experts, .dim = dim, .ffn = ffn,
+                   .gate = (const uint8_t *const *)gate, .up = (const uint8_t *const *)up,
+                   .down = (const uint8_t *const *)down, .rb_dim = rb_dim, .rb_ffn = rb_ffn,
+                   .x = scale_input ? xs : x, .n_x = n_x, .first = first, .asg_tok = asg_tok, .asg_in = asg_in,
+                   .asg_w = asg_w, .xq = xq, .xq_d = xq_d, .h = h, .hq = hq, .xq_f = xq_f, .out = out};
     col_pool_run(pool, moe_task, &job);
     col_free(scratch);
     return COL_OK;

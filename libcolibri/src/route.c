@@ -9,7 +9,8 @@
  *   logits   plus a per-expert logit bias (gpt-oss's router bias), if given;
  *   scores   softmax over the E logits (Mixtral, Qwen, OLMoE, DeepSeek-V2), an elementwise
  *            sigmoid (DeepSeek-V3, GLM-4.5), or the logits themselves with a softmax over
- *            the chosen ones only (gpt-oss: top-k first, then softmax);
+ *            the chosen ones only (gpt-oss: top-k first, then softmax) or the sigmoid of
+ *            each chosen one (Llama 4: top-k first, then sigmoid);
  *   choice   scores + choice_bias (DeepSeek-V3's e_score_correction_bias), used to choose
  *            only: the weights come from the unbiased scores;
  *   groups   each group scored by its best choice score (DeepSeek-V2) or by the sum of its
@@ -105,6 +106,12 @@ static void route_token(const col_moe_router *r, float *scores, const route_scra
     if (r->scoring == COL_ROUTER_TOPK_SOFTMAX) { /* experts[0] holds the largest logit */
         softmax_in_place(weights, r->top_k);
         sum = 1.0f;
+    } else if (r->scoring == COL_ROUTER_TOPK_SIGMOID) { /* chosen by logit: a sigmoid could round two to 1 */
+        sum = 0.0f;
+        for (int64_t a = 0; a < r->top_k; a++) {
+            weights[a] = 1.0f / (1.0f + expf(-weights[a]));
+            sum += weights[a];
+        }
     }
     if (r->normalize)
         for (int64_t a = 0; a < r->top_k; a++) weights[a] /= sum + 1e-20f;
@@ -117,8 +124,7 @@ static int router_valid(const col_moe_router *r) {
     const int64_t E = r->n_experts, G = r->n_groups;
     if (E <= 0 || r->dim < 0 || r->top_k < 1 || r->top_k > E || G < 1 || E % G != 0) return 0;
     if (r->groups_kept < 1 || r->groups_kept > G || r->top_k > r->groups_kept * (E / G)) return 0;
-    if (r->scoring != COL_ROUTER_SOFTMAX && r->scoring != COL_ROUTER_SIGMOID && r->scoring != COL_ROUTER_TOPK_SOFTMAX)
-        return 0;
+    if (r->scoring < COL_ROUTER_SOFTMAX || r->scoring > COL_ROUTER_TOPK_SIGMOID) return 0;
     if (r->group_score != COL_GROUP_SCORE_MAX && r->group_score != COL_GROUP_SCORE_TOP2_SUM) return 0;
     if (r->group_score == COL_GROUP_SCORE_TOP2_SUM && G > 1 && E / G < 2) return 0;
     if (!isfinite(r->scaling) || !r->weight || col_type_row_bytes(r->type, r->dim) < 0) return 0;

@@ -4,7 +4,9 @@ machine's roofline (measured read bandwidth / active bytes per token).
 
 Shapes (``--shape``, bench/shapes/): ``olmoe`` (OLMoE-1B-7B, the default), ``deepseek_v3``
 (DeepSeek-V3's dimensions: MLA, 256 experts top-8, FP8 as published; 2 layers, vocab 32768)
-and ``gpt_oss_20b`` (gpt-oss-20b's dimensions, MXFP4 experts on both sides; 8 of 24 layers).
+``gpt_oss_20b`` (gpt-oss-20b's dimensions, MXFP4 experts on both sides; 8 of 24 layers) and
+``qwen3_5_moe`` (Qwen3.5-35B-A3B's dimensions: three Gated DeltaNet layers to one gated
+attention layer; 4 of 40 layers, vocab 32768).
 ``--layers`` changes a shape's depth. ``--isa avx2`` pairs COLIBRI_KERNELS=avx2 with a
 llama.cpp built for AVX2 without AVX-512.
 

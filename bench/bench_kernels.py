@@ -1,15 +1,19 @@
-"""Colibri vs llama.cpp on an OLMoE-1B-7B-shaped model, fully cached: decode and prefill
-tokens/s at q8_0 and 4-bit, 1 and 2 threads, next to llama-bench on the same weights (GGUF
-Q8_0 / Q4_0) and this machine's roofline (measured read bandwidth / active bytes per token).
+"""Colibri vs llama.cpp on MoE-shaped models, fully cached: decode and prefill tokens/s at each
+shape's quantizations, 1 and 2 threads, next to llama-bench on the same weights and this
+machine's roofline (measured read bandwidth / active bytes per token).
 
-Not a test: it builds ~40 GB of files under --work (default ~/.cache/colibri-bench) the
-first time (random weights, a bf16 checkpoint, two packs, two GGUFs, llama-bench) and
-reuses them afterwards.
+Shapes (``--shape``, bench/shapes/): ``olmoe`` (OLMoE-1B-7B, the default), ``deepseek_v3``
+(DeepSeek-V3's dimensions: MLA, 256 experts top-8, FP8 as published; 2 layers, vocab 32768)
+and ``gpt_oss_20b`` (gpt-oss-20b's dimensions, MXFP4 experts on both sides; 8 of 24 layers).
+``--layers`` changes a shape's depth. ``--isa avx2`` pairs COLIBRI_KERNELS=avx2 with a
+llama.cpp built for AVX2 without AVX-512.
 
-    python bench/bench_kernels.py                     # everything, results as a table
-    python bench/bench_kernels.py --threads 2 --quant q8_0 --repeat 2
+Not a test: the first run builds llama-bench and, under --work (default
+~/.cache/colibri-bench), a random-weight checkpoint, packs and GGUFs (tens of GB), then
+deletes the checkpoint (--keep-checkpoint keeps it); later runs reuse the files.
 
-Legend: T tokens, D hidden 2048, F expert ffn 1024, E 64 experts, A top-8, V 50304.
+    python bench/bench_kernels.py                     # OLMoE, both quantizations, 1 and 2 threads
+    python bench/bench_kernels.py --shape deepseek_v3 --isa avx2 --threads 2 --repeat 2
 """
 
 from __future__ import annotations
@@ -17,182 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import struct
+import shutil
 import subprocess
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 
+from shapes import SHAPES, Shape, Variant, log
+
 REPO = Path(__file__).resolve().parent.parent
-OLMOE_SHAPE = dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=16,
-                   num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, vocab_size=50304)
-WEIGHT_STD = 0.05
 PROMPT_TOKENS, DECODE_TOKENS = 512, 128
-# our pack type -> the nearest GGUF type
-GGUF_TYPE = {"q8_0": "Q8_0", "q4_g64": "Q4_0"}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------------------------
-# The checkpoint: random weights in the Hugging Face OLMoE layout, bf16 safetensors shards
-# --------------------------------------------------------------------------------------------
-
-
-def tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    D, F, V, E = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_experts"]
-    kv = c["num_key_value_heads"] * (D // c["num_attention_heads"])
-    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
-    for layer in range(c["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        shapes |= {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
-                   p + "self_attn.q_proj.weight": (D, D), p + "self_attn.k_proj.weight": (kv, D),
-                   p + "self_attn.v_proj.weight": (kv, D), p + "self_attn.o_proj.weight": (D, D),
-                   p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (kv,),
-                   p + "mlp.gate.weight": (E, D)}
-        for e in range(E):
-            q = f"{p}mlp.experts.{e}."
-            shapes |= {q + "gate_proj.weight": (F, D), q + "up_proj.weight": (F, D), q + "down_proj.weight": (D, F)}
-    return shapes
-
-
-def random_tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """Deterministic per name; norms are ones. Returned as bf16 bits (uint16)."""
-    if len(shape) == 1:
-        values = np.ones(shape, np.float32)
-    else:
-        rng = np.random.default_rng(zlib.crc32(name.encode()))
-        values = rng.standard_normal(shape, dtype=np.float32) * np.float32(WEIGHT_STD)
-    bits = values.view(np.uint32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
-
-
-def write_checkpoint(directory: Path, config: dict, shard_bytes: int = 2 << 30) -> None:
-    from colibrid.demo import write_tokenizer
-
-    directory.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(directory)
-    (directory / "config.json").write_text(json.dumps(config, indent=1))
-    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
-    shapes = tensor_shapes(config)
-    shards, current, size = [], [], 0
-    for name, shape in shapes.items():
-        nbytes = 2 * int(np.prod(shape))
-        if current and size + nbytes > shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    shards.append(current)
-    weight_map = {}
-    for i, names in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        header, offset = {}, 0
-        for name in names:
-            n = 2 * int(np.prod(shapes[name]))
-            header[name] = {"dtype": "BF16", "shape": list(shapes[name]), "data_offsets": [offset, offset + n]}
-            offset += n
-            weight_map[name] = file
-        header_bytes = json.dumps(header).encode()
-        header_bytes += b" " * (-len(header_bytes) % 8)
-        with open(directory / (file + ".tmp"), "wb") as f:
-            f.write(struct.pack("<Q", len(header_bytes)))
-            f.write(header_bytes)
-            for name in names:
-                f.write(random_tensor(name, shapes[name]).tobytes())
-        os.replace(directory / (file + ".tmp"), directory / file)
-        log(f"checkpoint shard {i + 1}/{len(shards)}")
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-
-
-def read_checkpoint_tensor(directory: Path, name: str, index: dict) -> np.ndarray:
-    """float32 values of one bf16 tensor of the checkpoint."""
-    path = directory / index[name]
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        entry = json.loads(f.read(header_len))[name]
-        begin, end = entry["data_offsets"]
-        f.seek(8 + header_len + begin)
-        bits = np.frombuffer(f.read(end - begin), dtype=np.uint16)
-    return (bits.astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
-
-
-# --------------------------------------------------------------------------------------------
-# GGUF for llama.cpp, the same values
-# --------------------------------------------------------------------------------------------
-
-
-def write_gguf(checkpoint: Path, out: Path, gguf_type: str, config: dict) -> None:
-    import gguf
-
-    from colibrid import native
-
-    qtype = getattr(gguf.GGMLQuantizationType, gguf_type)
-    index = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
-    D, E, L = config["hidden_size"], config["num_experts"], config["num_hidden_layers"]
-    writer = gguf.GGUFWriter(str(out) + ".tmp", "olmoe")
-    writer.add_context_length(4096)
-    writer.add_embedding_length(D)
-    writer.add_block_count(L)
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_expert_count(E)
-    writer.add_expert_used_count(config["num_experts_per_tok"])
-    writer.add_file_type({"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[gguf_type])
-    # A placeholder SentencePiece vocabulary of the model's size: llama-bench feeds random ids.
-    V = config["vocab_size"]
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += [f"tok{i}" for i in range(V - len(tokens))]
-    types = [2, 3, 3] + [6] * 256 + [1] * (V - 259)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * V)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-
-    def quantize(values: np.ndarray) -> np.ndarray:
-        if gguf_type == "Q8_0":  # colibri's q8_0 is byte-identical to ggml's Q8_0
-            return native.quantize("q8_0", values.reshape(-1, values.shape[-1])).reshape(*values.shape[:-1], -1)
-        return gguf.quants.quantize(values, qtype)
-
-    def add(name: str, values: np.ndarray, quantized: bool) -> None:
-        if quantized:
-            writer.add_tensor(name, quantize(values), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, values.astype(np.float32))
-
-    t = lambda n: read_checkpoint_tensor(checkpoint, n, index)  # noqa: E731
-    add("token_embd.weight", t("model.embed_tokens.weight"), True)
-    add("output_norm.weight", t("model.norm.weight"), False)
-    add("output.weight", t("lm_head.weight"), True)
-    for layer in range(L):
-        p = f"model.layers.{layer}."
-        b = f"blk.{layer}."
-        add(b + "attn_norm.weight", t(p + "input_layernorm.weight"), False)
-        add(b + "ffn_norm.weight", t(p + "post_attention_layernorm.weight"), False)
-        for ours, theirs in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
-            add(b + theirs + ".weight", t(p + f"self_attn.{ours}.weight"), True)
-        add(b + "attn_q_norm.weight", t(p + "self_attn.q_norm.weight"), False)
-        add(b + "attn_k_norm.weight", t(p + "self_attn.k_norm.weight"), False)
-        add(b + "ffn_gate_inp.weight", t(p + "mlp.gate.weight"), False)  # router f32, as in the pack
-        for ours, theirs in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
-            stacked = np.stack([t(p + f"mlp.experts.{e}.{ours}.weight") for e in range(E)])  # (E, rows, cols)
-            add(b + theirs + ".weight", stacked, True)
-        log(f"gguf {gguf_type}: layer {layer + 1}/{L}")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(str(out) + ".tmp", out)
+ISAS = ("native", "avx2")  # llama.cpp build; Colibri: its best level, or COLIBRI_KERNELS=avx2
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,7 +86,7 @@ def active_bytes_per_token(pack) -> int:
     dense += embed.nbytes // embed.shape[0]
     if c.tie_word_embeddings:
         dense += embed.nbytes
-    expert = sum(m.expert_parts[p].nbytes for p in ("gate", "up", "down"))
+    expert = sum(part.nbytes for part in m.expert_parts.values())  # gate, up, down (and their biases)
     return dense + len(c.moe_layer_ids) * c.num_experts_per_tok * expert
 
 
@@ -320,39 +161,65 @@ def memory_bandwidth(threads: int, runs: int = 3) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def prepare(work: Path, quants: list[str]) -> dict[str, tuple[Path, Path]]:
+def file_prefix(shape: Shape, layers: int) -> str:
+    return shape.name if layers == shape.default_layers else f"{shape.name}-{layers}l"
+
+
+def prepare(work: Path, shape: Shape, variants: list[Variant], layers: int, with_gguf: bool,
+            keep_checkpoint: bool) -> dict[str, tuple[Path, Path]]:
+    """(pack, GGUF) per variant, made from one random checkpoint (written first when a file is
+    missing, deleted afterwards unless keep_checkpoint)."""
     from colibrid.convert.converter import convert
     from colibrid.convert.quant_spec import parse_quant
 
-    config = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "max_position_embeddings": 4096,
-              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
-              "norm_topk_prob": False, "eos_token_id": 0, "pad_token_id": 0, "bos_token_id": None, **OLMOE_SHAPE}
-    checkpoint = work / "checkpoint"
-    if not (checkpoint / "model.safetensors.index.json").exists():
-        log(f"writing the random bf16 checkpoint to {checkpoint}")
-        write_checkpoint(checkpoint, config)
-    out = {}
-    for quant in quants:
-        pack = work / f"olmoe-{quant}.pack"
+    config = shape.hf_config(layers)
+    prefix = file_prefix(shape, layers)
+    legacy = shape.legacy_prefix is not None and layers == shape.default_layers
+    checkpoint = work / (shape.legacy_prefix if legacy else f"{prefix}-checkpoint")
+    files = {v.name: (work / f"{prefix}-{v.name}.pack", work / f"{prefix}-{v.gguf_label}.gguf") for v in variants}
+    missing = [(v, pack, gguf_path) for v in variants for pack, gguf_path in [files[v.name]]
+               if not (pack / "manifest.json").exists() or (with_gguf and not gguf_path.exists())]
+    if missing and not (checkpoint / "model.safetensors.index.json").exists():
+        tensors = shape.checkpoint_tensors(config)
+        size_gb = sum(t.nbytes for t in tensors.values()) / 1e9
+        log(f"writing the random {shape.name} checkpoint ({layers} layers, {size_gb:.1f} GB) to {checkpoint}")
+        from shapes.common import write_checkpoint
+
+        write_checkpoint(checkpoint, config, tensors)
+    for variant, pack, gguf_path in missing:
         if not (pack / "manifest.json").exists():
-            log(f"converting to {pack}")
-            convert(checkpoint, pack, parse_quant(quant), force=True)
-        gguf_path = work / f"olmoe-{GGUF_TYPE[quant]}.gguf"
-        if not gguf_path.exists():
+            log(f"converting to {pack} (--quant {variant.quant})")
+            convert(checkpoint, pack, parse_quant(variant.quant), force=True)
+        if with_gguf and not gguf_path.exists():
             log(f"writing {gguf_path}")
-            write_gguf(checkpoint, gguf_path, GGUF_TYPE[quant], config)
-        out[quant] = (pack, gguf_path)
-    return out
+            shape.write_gguf(checkpoint, gguf_path, variant, config)
+    if checkpoint.exists() and not keep_checkpoint:
+        log(f"deleting {checkpoint} (--keep-checkpoint keeps it)")
+        shutil.rmtree(checkpoint)
+    return files
+
+
+def build_llama_bench(work: Path, isa: str) -> Path:
+    env = dict(os.environ, LLAMA_CPP_DIR=str(work / "llama.cpp"), LLAMA_CPP_ISA=isa)
+    out = subprocess.run(["sh", str(REPO / "bench" / "build_llama_cpp.sh")], check=True, env=env,
+                         stdout=subprocess.PIPE, text=True).stdout
+    return Path(out.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "colibri-bench")
-    parser.add_argument("--quant", action="append", choices=list(GGUF_TYPE), help="default: both")
+    parser.add_argument("--shape", choices=list(SHAPES), default="olmoe")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the shape's)")
+    parser.add_argument("--quant", action="append", help="a variant of the shape (default: the shape's defaults); "
+                        + "; ".join(f"{s.name}: {', '.join(v.name for v in s.variants)}" for s in SHAPES.values()))
+    parser.add_argument("--isa", choices=ISAS, default="native",
+                        help="avx2: COLIBRI_KERNELS=avx2 against llama.cpp built for AVX2 without AVX-512")
     parser.add_argument("--threads", action="append", type=int, help="default: 1 and 2")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the best is reported")
     parser.add_argument("--profile", action="store_true", help="cProfile one decode run (stderr)")
     parser.add_argument("--skip-llama", action="store_true")
+    parser.add_argument("--keep-checkpoint", action="store_true", help="keep the random checkpoint after converting")
     parser.add_argument("--prepare-only", action="store_true", help="build the files and llama-bench, measure nothing")
     parser.add_argument("--json", type=Path, help="also write the results here")
     # internal: one Colibri configuration in a child process
@@ -363,36 +230,46 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_colibri(args.run_colibri, args.threads[0], args.repeat, args.profile)))
         return 0
 
-    quants, thread_counts = args.quant or list(GGUF_TYPE), args.threads or [1, 2]
+    shape = SHAPES[args.shape]
+    names = args.quant or list(shape.default_variants)
+    unknown = [n for n in names if n not in {v.name for v in shape.variants}]
+    if unknown:
+        parser.error(f"--quant {unknown[0]} is not a variant of {shape.name} "
+                     f"({', '.join(v.name for v in shape.variants)})")
+    variants = [shape.variant(n) for n in names]
+    layers = args.layers or shape.default_layers
+    thread_counts = args.threads or [1, 2]
     args.work.mkdir(parents=True, exist_ok=True)
-    files = prepare(args.work, quants)
+    # llama.cpp first: its tree carries the gguf package the GGUFs are written with
+    llama_bench = None if args.skip_llama else build_llama_bench(args.work, args.isa)
+    files = prepare(args.work, shape, variants, layers, not args.skip_llama, args.keep_checkpoint)
     if args.prepare_only:
         return 0
-    llama_bench = None
-    if not args.skip_llama:
-        env = dict(os.environ, LLAMA_CPP_DIR=str(args.work / "llama.cpp"))
-        llama_bench = Path(subprocess.run(["sh", str(REPO / "bench" / "build_llama_cpp.sh")], check=True, env=env,
-                                          capture_output=True, text=True).stdout.strip().splitlines()[-1])
 
     results = []
-    for quant in quants:
-        pack, gguf_path = files[quant]
+    for variant in variants:
+        pack, gguf_path = files[variant.name]
         for threads in thread_counts:
             bandwidth = memory_bandwidth(threads)
             env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+            if args.isa == "avx2":
+                env["COLIBRI_KERNELS"] = "avx2"
             cmd = [sys.executable, __file__, "--run-colibri", str(pack), "--threads", str(threads), "--repeat", str(args.repeat)]
             if args.profile:
                 cmd.append("--profile")
-            log(f"colibri {quant} {threads} thread(s)")
+            log(f"colibri {shape.name} {variant.name} {threads} thread(s)")
             ours = json.loads(subprocess.run(cmd, check=True, env=env, stdout=subprocess.PIPE, text=True).stdout)
             theirs = run_llama_bench(llama_bench, gguf_path, threads, args.repeat) if llama_bench else {}
             roofline = bandwidth * 1e9 / ours["active_bytes"]
-            row = {"quant": quant, "gguf": GGUF_TYPE[quant], "threads": threads, "bandwidth_gb_s": bandwidth,
+            row = {"shape": shape.name, "layers": layers, "isa": args.isa, "quant": variant.name,
+                   "gguf": variant.gguf_label, "threads": threads, "bandwidth_gb_s": bandwidth,
                    "active_mb_per_token": ours["active_bytes"] / 1e6, "roofline_tok_s": roofline, "colibri": ours,
                    "llama_cpp": theirs}
             results.append(row)
             log(json.dumps(row))
 
+    print(f"{shape.description}; {layers} layers; --isa {args.isa} (Colibri kernels: "
+          f"{', '.join(sorted({r['colibri']['kernels'] for r in results}))})")
     header = (f"{'quant':7} {'thr':>3} {'BW GB/s':>7} {'MB/tok':>7} {'roof t/s':>8} | {'decode':>7} {'llama':>7} {'ratio':>5} "
               f"{'%roof':>5} | {'prefill':>7} {'llama':>7} {'ratio':>5}")
     print(header)

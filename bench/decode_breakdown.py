@@ -16,7 +16,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import ResidentExpertSource  # noqa: E402
 
-CALLS = ("col_matmul", "col_moe_experts", "col_attention_block", "col_moe_route", "col_moe_router_route", "col_attention", "col_rms_norm", "col_rope",
+CALLS = ("col_matmul", "col_moe_experts", "col_moe_experts_ffn", "col_attention_block", "col_mla_block", "col_moe_route",
+         "col_moe_router_route", "col_attention", "col_rms_norm", "col_rope", "col_rope_partial", "col_silu_mul",
          "col_get_rows")
 
 

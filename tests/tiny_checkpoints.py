@@ -37,6 +37,7 @@ ARCH_CLASSES = {
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "gemma4_text": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
 }
 
 # Sizes keep every matrix row a multiple of 64 so every quantized type applies.
@@ -59,6 +60,13 @@ _DEEPSEEK = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_siz
                  first_k_dense_replace=1, n_shared_experts=1, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=64,
                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_group=4, topk_group=2)
 EXPERTS.update(deepseek_v2=_DEEPSEEK, deepseek_v3=_DEEPSEEK)
+# Gemma 4's MoE block beside a dense MLP; sliding layers (Hd 16, 2 kv heads, window 4) and full
+# ones (Hd 32, 1 kv head, values from the keys, proportional RoPE), per-layer inputs (P 16) and
+# logit soft-capping. The per-layer vocabulary is the tokenizer's (build_checkpoint sets it).
+EXPERTS["gemma4_text"] = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64,
+                              intermediate_size=128, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                              attention_k_eq_v=True, sliding_window=4, hidden_size_per_layer_input=16,
+                              final_logit_softcapping=30.0)
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,7 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if p.ndim == 1 and "norm" in name:
+            if p.ndim == 1 and ("norm" in name or name.endswith("scale")):  # Gemma 4's router scales too
                 p.copy_(1.0 + 0.2 * noise)
             elif p.ndim == 1:
                 p.copy_(0.1 * noise)
@@ -109,6 +117,8 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a saved buffer (DeepSeek-V3, GLM-4.5 routers)
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
+            if name.endswith("layer_scalar"):  # a saved buffer (Gemma 4's per-layer output scale)
+                b.copy_(1.0 + 0.2 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
 
 def corpus_token_ids(tokenizer) -> list[int]:
@@ -140,6 +150,8 @@ def build_checkpoint(spec: CheckpointSpec, directory: Path, init_std: float = 0.
     config_cls, model_cls = ARCH_CLASSES[spec.arch]
     kwargs = {**BASE, **EXPERTS[spec.arch], **spec.overrides}
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    if "hidden_size_per_layer_input" in kwargs:  # Gemma's per-layer embeddings: the tokenizer's vocabulary
+        kwargs.setdefault("vocab_size_per_layer_input", len(tokenizer))
     config = config_cls(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=eos, bos_token_id=None, **kwargs)
     torch.manual_seed(spec.seed)
     model = model_cls(config)

@@ -126,7 +126,7 @@ class Converter:
         unless --quant names an experts type, which then re-encodes their exact values."""
         if "experts" in quant.explicit or not self.config.moe_layer_ids:
             return quant
-        first = self.arch.expert_tensor_names(self.config.moe_layer_ids[0], 0).gate
+        first = self.arch.expert_tensor_names(self.config.moe_layer_ids[0], 0, config=self.config).gate
         if not self.checkpoint.is_mxfp4(first):
             return quant
         log.info("experts are MXFP4 in the checkpoint: copied as mxfp4 (--quant experts=TYPE re-encodes them)")
@@ -162,7 +162,7 @@ class Converter:
         expert_shapes = expected_expert_shapes(self.config)
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
-                names = self.arch.expert_tensor_names(layer, expert)
+                names = self.arch.expert_tensor_names(layer, expert, config=self.config)
                 for part in expert_part_names(self.config):
                     self._check_shape(getattr(names, part), expert_shapes[part])
         self._check_tokenizer()
@@ -200,7 +200,7 @@ class Converter:
         names = list(self.dense_names.values())
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
-                expert_names = self.arch.expert_tensor_names(layer, expert)
+                expert_names = self.arch.expert_tensor_names(layer, expert, config=self.config)
                 names.extend(getattr(expert_names, part) for part in expert_part_names(self.config))
         return names
 
@@ -273,7 +273,7 @@ class Converter:
         requests = [ReadRequest(hf_name) for hf_name in self.dense_names.values()]
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
-                names = self.arch.expert_tensor_names(layer, expert)
+                names = self.arch.expert_tensor_names(layer, expert, config=self.config)
                 for part in expert_part_names(self.config):
                     hf_name = getattr(names, part)
                     # published MXFP4 kept as mxfp4: the same codes and exponents, only rearranged

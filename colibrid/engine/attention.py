@@ -1,6 +1,7 @@
 """Grouped-query causal self-attention with RoPE (optionally partial: the leading dims of
 each head only), optional q/k RMSNorm, qkv clipping, sliding windows and per-head sink
-logits; keys and values go through the sequence's KV cache."""
+logits; Gemma 4's v norm, values taken from the keys' projection, and a norm of the output
+before the residual add; keys and values go through the sequence's KV cache."""
 
 from __future__ import annotations
 
@@ -30,23 +31,29 @@ class Attention:
         self.rotary = rotary
         self.input_norm = input_norm  # (D)
         self.window = config.sliding_window[layer]
-        self.scale = np.float32(config.head_dim ** -0.5)
+        self.head_dim, self.kv_heads = config.head_dim_of(layer), config.kv_heads_of(layer)  # Hd, K of this layer
+        self.scale = np.float32(config.attention_scale or self.head_dim ** -0.5)
+        # Gemma 4: without a v projection the values are the k projection, before the k norm
+        self.wv = weights["v"] if config.has_v_projection(layer) else weights["k"]
+        self.v_norm = np.ones(self.head_dim, np.float32) if config.v_norm else None  # (Hd) a norm without weight
+        self.post_norm = weights["post_norm"] if "post_norm" in weights else None  # (D)
         self.fused = self._fused_layer()
 
     def _fused_layer(self) -> native.AttentionLayer | None:
         """The whole step as one libcolibri call (col_attention_block, the same numbers as the
         numpy path below), or None where it does not apply: q, k and v of different types."""
         c, w = self.c, self.w
-        if len({w["q"].type, w["k"].type, w["v"].type}) != 1:
+        if len({w["q"].type, w["k"].type, self.wv.type}) != 1:
             log.info("layer %d: q, k and v have different types; attention runs step by step", self.layer)
             return None
         bias = lambda name: w[name].data if name in w else None  # noqa: E731
         return native.attention_layer(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, self.input_norm.data, w["q"].type,
-            w["q"].data, w["k"].data, w["v"].data, w["o"].type, w["o"].data, eps=c.rms_norm_eps,
+            c.hidden_size, c.num_heads, self.kv_heads, self.head_dim, self.input_norm.data, w["q"].type,
+            w["q"].data, w["k"].data, self.wv.data, w["o"].type, w["o"].data, eps=c.rms_norm_eps,
             scale=float(self.scale), window=self.window, clip_qkv=c.clip_qkv, qk_norm=c.qk_norm,
             q_norm=bias("q_norm"), k_norm=bias("k_norm"), bq=bias("q_bias"), bk=bias("k_bias"), bv=bias("v_bias"),
-            bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"))
+            bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"), v_norm=self.v_norm,
+            post_norm=None if self.post_norm is None else self.post_norm.data)
 
     def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
         """x + attention(rms_norm(x)) for tokens at ``positions`` = kv.length, kv.length + 1 ...;
@@ -55,17 +62,18 @@ class Attention:
             keys, values = kv.buffers(self.layer, x.shape[0])
             native.attention_block(self.fused, x, cos, sin, keys, values, kv.length)
             return x
-        return x + self(rms_norm(x, self.input_norm, self.c.rms_norm_eps), positions, cos, sin, kv)
+        out = self(rms_norm(x, self.input_norm, self.c.rms_norm_eps), positions, cos, sin, kv)
+        return x + (out if self.post_norm is None else rms_norm(out, self.post_norm, self.c.rms_norm_eps))
 
     def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
         c, w = self.c, self.w
         if c.attention_sinks:
             raise NotImplementedError(f"layer {self.layer}: attention sinks are computed by the fused attention step only, "
                                       "which needs q, k and v of one type (as the converter writes them)")
-        T, H, K, Hd = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        T, H, K, Hd = x.shape[0], c.num_heads, self.kv_heads, self.head_dim
         q = linear(x, w["q"], w.get("q_bias"))  # (T, H*Hd)
         k = linear(x, w["k"], w.get("k_bias"))  # (T, K*Hd)
-        v = linear(x, w["v"], w.get("v_bias"))  # (T, K*Hd)
+        v = linear(x, self.wv, w.get("v_bias"))  # (T, K*Hd)
         if c.qk_norm == "full":
             q, k = rms_norm(q, w["q_norm"], c.rms_norm_eps), rms_norm(k, w["k_norm"], c.rms_norm_eps)
         if c.clip_qkv is not None:
@@ -73,6 +81,8 @@ class Attention:
         q, k, v = q.reshape(T, H, Hd), k.reshape(T, K, Hd), v.reshape(T, K, Hd)
         if c.qk_norm == "head":
             q, k = rms_norm(q, w["q_norm"], c.rms_norm_eps), rms_norm(k, w["k_norm"], c.rms_norm_eps)
+        if self.v_norm is not None:
+            v = native.rms_norm(v, self.v_norm, c.rms_norm_eps)
         q, k = native.rope(q, cos, sin), native.rope(k, cos, sin)
         keys, values = kv.append(self.layer, k, v)  # (S, K, Hd)
         # libcolibri, (token, head) pairs split across the pool; each query row is computed on

@@ -20,9 +20,9 @@ class KVCache:
         self.max_tokens = max_tokens
         self.length = 0  # tokens stored (the same for every layer after a full forward)
         capacity = min(initial_tokens, max_tokens)
-        shape = (capacity, config.num_kv_heads, config.head_dim)  # (S, K, Hd)
-        self._keys = [np.empty(shape, np.float32) for _ in range(config.num_layers)]
-        self._values = [np.empty(shape, np.float32) for _ in range(config.num_layers)]
+        shapes = [(capacity, config.kv_heads_of(layer), config.head_dim_of(layer)) for layer in range(config.num_layers)]
+        self._keys = [np.empty(shape, np.float32) for shape in shapes]  # (S, K, Hd) per layer
+        self._values = [np.empty(shape, np.float32) for shape in shapes]
 
     def append(self, layer: int, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Store (T, K, Hd) keys/values after the current length; return all (S, K, Hd) so far."""

@@ -380,7 +380,8 @@ COL_API int col_silu_mul(const float *g, const float *u, float *h, int64_t n);
  * as the fused expert call computes it on the active level:
  * h[i] = 0.5 g (1 + tanh(y)) u[i] = g / (1 + exp(-2y)) * u[i], y = sqrt(2/pi) (g + 0.044715 g^3)
  * (the sigmoid form: no cancellation where tanh(y) nears -1). Portable: expf; AVX-512 levels:
- * the vectorized exp of col_silu_mul. NaN stays NaN; g of +-inf gives +inf / -0 times u.
+ * the vectorized exp of col_silu_mul. NaN stays NaN; g = +inf gives +inf * u, g = -inf NaN
+ * (-inf / inf; torch's tanh form gives -inf * 0).
  *   g, u, h: (n) float32 (h may equal g or u).
  * COL_EINVAL: negative n or NULL buffers; h untouched. */
 COL_API int col_gelu_tanh_mul(const float *g, const float *u, float *h, int64_t n);

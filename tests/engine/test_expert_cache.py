@@ -64,8 +64,11 @@ GPT_OSS_SPEC = CheckpointSpec("gpt_oss", {"swiglu_limit": 0.15})
 # DeepSeek-V3's: latent attention (its latent cache), sigmoid routing with groups, a shared
 # expert, a dense first layer (8 experts, top-2, MoE layers 1 and 2).
 DEEPSEEK_SPEC = CheckpointSpec("deepseek_v3", {"num_hidden_layers": 3})
+# Gemma 4's: GeGLU experts beside a dense MLP, a router with its own norm and per-expert scales,
+# per-layer inputs, a sliding and a full layer of different head shapes (8 experts, top-2).
+GEMMA4_SPEC = CheckpointSpec("gemma4_text")
 FAMILIES = {"qwen2_moe": (SPEC, MOE_LAYERS), "glm4_moe": (GLM_SPEC, [1, 2]), "deepseek_v3": (DEEPSEEK_SPEC, [1, 2]),
-            "gpt_oss": (GPT_OSS_SPEC, [0, 1])}
+            "gpt_oss": (GPT_OSS_SPEC, [0, 1]), "gemma4": (GEMMA4_SPEC, [0, 1])}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -165,6 +165,8 @@ def _expert_ffn(c: ModelConfig, x: np.ndarray, ew) -> np.ndarray:
         u = np.clip(u, -np.float32(c.swiglu_limit), np.float32(c.swiglu_limit))
         with np.errstate(over="ignore"):
             h = (u + np.float32(1.0)) * (g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-(g * np.float32(c.swiglu_alpha))))))
+    elif c.expert_activation == "geglu_tanh":
+        h = native.gelu_tanh_mul(g, u)
     else:
         h = silu(g) * u
     return linear(h.astype(np.float32), ew.down, ew.down_bias)

@@ -193,3 +193,50 @@ def test_unsupported_switches_are_refused_by_name(key, value, named):
     hf = dict(PUBLISHED_TEXT_CONFIG, **{key: value})
     with pytest.raises(UnsupportedConfig, match=named):
         architecture_for(hf).model_config(hf)
+
+
+# --- a manifest the converter would not have written ------------------------------------------
+
+MANIFEST_CORRUPTIONS = [
+    ("a layer's head dim changed", lambda m: m["model"]["layer_head_dim"].__setitem__(1, 16),
+     ["'layers.1.attn.q'", "the model needs [64, 64]"]),
+    ("an odd head dim", lambda m: m["model"]["layer_head_dim"].__setitem__(1, 33), ["head dim 33 must be even"]),
+    ("kv heads that do not divide the heads", lambda m: m["model"]["layer_kv_heads"].__setitem__(1, 3),
+     ["multiple of its 3 kv heads"]),
+    ("one head dim too few", lambda m: m["model"]["layer_head_dim"].pop(), ["layer_head_dim"]),
+    ("values from keys dropped", lambda m: m["model"].update(values_from_keys=False),
+     ["tensor 'layers.1.attn.v'", "is missing"]),
+    ("the per-layer inputs dropped", lambda m: m["model"].update(per_layer_input=0),
+     ["'layers.0.per_layer.gate'", "is not one this model has"]),
+    ("a proportional rope rotating nothing", lambda m: m["model"]["full_attention_rope"].update(partial_rotary_factor=0.0),
+     ["model.full_attention_rope.partial_rotary_factor must be in (0, 1]"]),
+    ("a negative soft cap", lambda m: m["model"].update(final_logit_softcap=-30.0), ["model.final_logit_softcap must be >= 0"]),
+    ("an embedding scale of zero", lambda m: m["model"].update(embed_scale=0.0), ["model.embed_scale must be > 0"]),
+    ("the post norms as a number", lambda m: m["model"].update(post_norms=1), ["model.post_norms must be true or false"]),
+    ("an unknown gate activation", lambda m: m["model"].update(hidden_act="relu"), ["hidden_act"]),
+]
+
+
+@pytest.mark.parametrize("mutate, fragments", [c[1:] for c in MANIFEST_CORRUPTIONS], ids=[c[0] for c in MANIFEST_CORRUPTIONS])
+def test_a_corrupt_gemma4_manifest_is_refused_naming_what(mutate, fragments, packs, tmp_path):
+    from tests.pack.conftest import assert_refused_after
+
+    pack = shutil.copytree(packs.pack(SPECS[0], "q8_0"), tmp_path / "pack")
+    assert_refused_after(pack, mutate, fragments)
+
+
+def test_the_step_by_step_expert_path_computes_what_the_fused_one_does(packs):
+    """Experts whose parts differ in type (never written by the converter) run one at a time in
+    numpy glue (moe._expert_ffn): the same GeGLU as col_moe_experts_ffn."""
+    from colibrid import native
+    from colibrid.engine.experts import PreadExpertSource
+    from colibrid.engine.moe import _expert_ffn
+    from colibrid.pack import Pack
+
+    pack = Pack.open(packs.pack(SPECS[0], "f32"))
+    config, expert = pack.manifest.model, PreadExpertSource(pack).get(1, 2)
+    x = np.random.default_rng(3).standard_normal((5, config.hidden_size)).astype(np.float32)
+    fused = np.zeros_like(x)
+    native.moe_experts_of([expert.kernel_buffers], x, np.zeros((5, 1), np.int32), np.ones((5, 1), np.float32), fused,
+                          activation=config.expert_activation)
+    np.testing.assert_allclose(_expert_ffn(config, x, expert), fused, rtol=0, atol=1e-6 * np.abs(fused).max())

@@ -87,6 +87,7 @@ class Model:
         self.embed = _dense(pack, "embed")  # (V, D)
         self.lm_head = _dense(pack, "lm_head") if not c.tie_word_embeddings else self.embed  # (V, D)
         self.final_norm = _dense(pack, "final_norm")
+        self._rotaries: dict[tuple, Rotary] = {}  # (RoPE, Hd) -> Rotary of the layers unlike the first
         self.layers = [Layer(pack, layer, self._rotary_of(layer), experts) for layer in range(c.num_layers)]
         self.per_layer_inputs = PerLayerInputs(c, _dense(pack, "per_layer_embed"), _dense(pack, "per_layer_model_proj"),
                                                _dense(pack, "per_layer_proj_norm")) if c.per_layer_input else None
@@ -101,9 +102,9 @@ class Model:
         if c.head_dim_of(layer) == c.head_dim and c.rope_of(layer) == c.rope:
             return self.rotary
         key = (c.rope_of(layer), c.head_dim_of(layer))
-        if not hasattr(self, "_rotaries"):
-            self._rotaries = {}
-        return self._rotaries.setdefault(key, Rotary(*key))
+        if key not in self._rotaries:
+            self._rotaries[key] = Rotary(*key)
+        return self._rotaries[key]
 
     def embed_tokens(self, token_ids: np.ndarray) -> np.ndarray:
         if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size):

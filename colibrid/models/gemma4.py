@@ -114,6 +114,7 @@ class Gemma4(Architecture):
 
     def model_config(self, hf: dict[str, Any]) -> ModelConfig:
         refuse_unsupported(hf)
+        # Gemma names its activation hidden_activation (checked above); the rope comes per layer type below
         fields = common_fields(dict(hf, hidden_act="silu"), self.name, default_theta=10_000.0, partial_rotary=1.0)
         layers, dim = fields["num_layers"], fields["hidden_size"]
         types = layer_types(hf, layers)

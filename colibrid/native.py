@@ -131,18 +131,19 @@ _SIGNATURES = {
     "col_rope_partial": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                         ctypes.c_void_p, ctypes.c_void_p]),
     # (pool, q (Tq, H, Hd), keys (S, K, Hd), vals (S, K, Hd), n_q, n_keys, H, K, Hd, positions (Tq) i64,
-    #  window, scale, out (Tq, H*Hd))
+    #  window, chunk, ring, scale, out (Tq, H*Hd))
     "col_attention": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float,
-                                     ctypes.c_void_p]),
+                                     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]),
     # (g (n) f32, u (n) f32, h (n) f32 out, n)
     "col_silu_mul": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
     # (g (n) f32, u (n) f32, h (n) f32 out, n)
     "col_gelu_tanh_mul": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
     "col_attention_layer_size": (ctypes.c_size_t, []),
-    # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, Hd), sin (T, Hd), keys (>= S, K, Hd), vals, n_past)
+    # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, Hd), sin (T, Hd), keys (>= S or ring_rows, K, Hd), vals, n_past,
+    #  ring_rows (0: a flat cache))
     "col_attention_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]),
     # (pool, type, router (E, row_bytes(D)), E, D, x (T, D) f32, n_tok, top_k, normalize, experts (T, A) i32, weights (T, A) f32)
     "col_moe_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]),
@@ -150,6 +151,10 @@ _SIGNATURES = {
     # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, R), sin (T, R), cache (>= S, C + R) f32, n_past)
     "col_mla_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
+    "col_deltanet_layer_size": (ctypes.c_size_t, []),
+    # (pool, layer, x (T, D) f32 in place, n_tok, conv_state (Kc - 1, C) f32, recurrent_state (Hv, Dk, Dv) f32)
+    "col_deltanet_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                          ctypes.c_void_p]),
     "col_moe_router_size": (ctypes.c_size_t, []),
     # (pool, router, x (T, D) f32, n_tok, experts (T, A) i32, weights (T, A) f32)
     "col_moe_router_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
@@ -400,6 +405,7 @@ def _check_struct_sizes(lib: ctypes.CDLL) -> None:
     for struct, size_fn in ((_PoolParams, lib.col_pool_params_size), (AttentionLayer, lib.col_attention_layer_size),
                             (MoeRouter, lib.col_moe_router_size), (MlaLayer, lib.col_mla_layer_size),
                             (ExpertFfn, lib.col_expert_ffn_size),
+                            (DeltaNetLayer, lib.col_deltanet_layer_size),
                             (_SourceMatrix, lib.col_source_matrix_size)):
         if ctypes.sizeof(struct) != size_fn():
             raise LibraryNotFoundError(
@@ -797,9 +803,12 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np.ndarray, window: int | None,
-              scale: float, pool: "ThreadPool | None" = None) -> np.ndarray:
-    """Causal (optionally sliding-window) GQA: ``q`` (Tq, H, Hd), ``keys``/``values``
-    (S, K, Hd) float32, ``positions`` (Tq) ints; returns (Tq, H*Hd) float32."""
+              scale: float, pool: "ThreadPool | None" = None, *, chunk: int | None = None,
+              ring: bool = False) -> np.ndarray:
+    """Causal GQA, optionally sliding-window (``window``) or chunked-local (``chunk``):
+    ``q`` (Tq, H, Hd), ``keys``/``values`` (S, K, Hd) float32, ``positions`` (Tq) ints; returns
+    (Tq, H*Hd) float32. ``ring``: keys/values are a ring buffer of S rows holding key position
+    p in row p % S (see col_attention)."""
     for name, a in (("q", q), ("keys", keys), ("values", values)):
         if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != 3:
             raise InvalidArgumentError(f"{name} must be a 3-D float32 array")
@@ -813,7 +822,8 @@ def attention(q: np.ndarray, keys: np.ndarray, values: np.ndarray, positions: np
     q, keys, values = np.ascontiguousarray(q), np.ascontiguousarray(keys), np.ascontiguousarray(values)
     out = np.empty((Tq, H * Hd), dtype=np.float32)
     check(_lib().col_attention(_pool_handle(pool), _ptr(q), _ptr(keys), _ptr(values), Tq, S, H, K, Hd, _ptr(pos),
-                               int(window or 0), float(scale), _ptr(out)), "attention")
+                               int(window or 0), int(chunk or 0), S if ring else 0, float(scale), _ptr(out)),
+          "attention")
     return out
 
 
@@ -835,8 +845,8 @@ class AttentionLayer(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("clip_qkv", ctypes.c_float),
         ("qk_norm", ctypes.c_int32), ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32),
         *((name, ctypes.c_void_p) for name in ("norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")),
-        ("rotary_dim", ctypes.c_int64), ("sinks", ctypes.c_void_p), ("v_norm", ctypes.c_void_p),
-        ("post_norm", ctypes.c_void_p),
+        ("rotary_dim", ctypes.c_int64), ("sinks", ctypes.c_void_p), ("chunk", ctypes.c_int64),
+        ("v_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
     ]
 
 
@@ -852,13 +862,15 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
                     qk_norm: str = "none", q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
                     bq: np.ndarray | None = None, bk: np.ndarray | None = None, bv: np.ndarray | None = None,
                     bo: np.ndarray | None = None, rotary_dim: int = 0, sinks: np.ndarray | None = None,
-                    v_norm: np.ndarray | None = None, post_norm: np.ndarray | None = None) -> AttentionLayer:
+                    chunk: int | None = None, v_norm: np.ndarray | None = None,
+                    post_norm: np.ndarray | None = None) -> AttentionLayer:
     """One layer's attention for attention_block(): ``wq`` (H*Hd, D), ``wk``/``wv`` (K*Hd, D)
     encoded as ``qkv_type``, ``wo`` (D, H*Hd) as ``o_type`` (contiguous buffers, read in place);
     ``norm`` (D) the input RMSNorm; biases and q/k norm weights float32 or None; ``rotary_dim``
     the leading dims of each head RoPE rotates (0: all); ``sinks`` (H) float32 per-head sink
-    logits or None; ``v_norm`` (Hd) the RMSNorm weight of each value head, ``post_norm`` (D)
-    that of the attention output before the residual add, or None."""
+    logits or None; ``chunk`` the chunked-local attention span (None: none); ``v_norm`` (Hd)
+    the RMSNorm weight of each value head, ``post_norm`` (D) that of the attention output
+    before the residual add, or None."""
     dim, n_heads, n_kv_heads, head_dim = (_as_count(v, n) for v, n in (
         (dim, "dim"), (n_heads, "n_heads"), (n_kv_heads, "n_kv_heads"), (head_dim, "head_dim")))
     if min(dim, n_heads, n_kv_heads, head_dim) == 0 or n_heads % n_kv_heads or head_dim % 2:
@@ -874,7 +886,7 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
     layer = AttentionLayer(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, window=int(window or 0),
                            eps=float(eps), scale=float(scale), clip_qkv=float(clip_qkv or 0.0),
                            qk_norm=QK_NORM_CODES[qk_norm], qkv_type=int(t_qkv), o_type=int(t_o), norm=_ptr(norm),
-                           rotary_dim=rotary_dim)
+                           rotary_dim=rotary_dim, chunk=_as_count(chunk or 0, "chunk"))
     for field, data, t, rows, cols in (("wq", wq, t_qkv, Q, dim), ("wk", wk, t_qkv, KV, dim), ("wv", wv, t_qkv, KV, dim),
                                        ("wo", wo, t_o, dim, Q)):
         raw = _byte_view(data, field)
@@ -911,11 +923,12 @@ def _check_rope_tables(cos: np.ndarray, sin: np.ndarray, T: int, width: int) -> 
 
 
 def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
-                    values: np.ndarray, n_past: int, pool: "ThreadPool | None" = None) -> None:
+                    values: np.ndarray, n_past: int, pool: "ThreadPool | None" = None, *, ring: bool = False) -> None:
     """x += attention(rms_norm(x)) for T new tokens at positions n_past .., in place (see
     col_attention_block): ``x`` (T, D), ``cos``/``sin`` (T, Hr) (Hr = the layer's rotary_dim or Hd), ``keys``/``values`` the
-    layer's whole cache buffers (capacity >= n_past + T, K, Hd), float32; rows n_past ..
-    n_past + T - 1 of the cache are written."""
+    layer's whole cache buffers, float32: (capacity >= n_past + T, K, Hd), rows n_past ..
+    n_past + T - 1 written; or with ``ring`` a ring buffer of (rows, K, Hd) holding key position
+    p in row p % rows, rows >= the layer's window or chunk + T - 1."""
     if not isinstance(layer, AttentionLayer) or not hasattr(layer, "_keep"):
         raise InvalidArgumentError("layer must come from attention_layer()")
     n_past = _as_count(n_past, "n_past")
@@ -926,12 +939,16 @@ def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: 
     _f32_out(x, "x", (T, layer.dim))
     _check_rope_tables(cos, sin, T, Hr)
     capacity = keys.shape[0] if isinstance(keys, np.ndarray) and keys.ndim == 3 else -1
-    if capacity < n_past + T:
-        raise InvalidArgumentError(f"keys must be a (>= {n_past + T}, K, Hd) array")
+    spans = [s for s in (layer.window, layer.chunk) if s > 0]
+    needed = min(spans) + T - 1 if ring and spans else n_past + T
+    if ring and not spans:
+        raise InvalidArgumentError("a ring-buffer cache needs a layer with a window or a chunk")
+    if capacity < needed:
+        raise InvalidArgumentError(f"keys must be a (>= {needed}, K, Hd) array")
     _f32_out(keys, "keys", (capacity, layer.n_kv_heads, Hd))
     _f32_out(values, "values", (capacity, layer.n_kv_heads, Hd))
     check(_lib().col_attention_block(_pool_handle(pool), ctypes.addressof(layer), _ptr(x), T, _ptr(cos), _ptr(sin),
-                                     _ptr(keys), _ptr(values), n_past), "attention_block")
+                                     _ptr(keys), _ptr(values), n_past, capacity if ring else 0), "attention_block")
 
 
 class MlaLayer(ctypes.Structure):
@@ -1010,6 +1027,85 @@ def mla_block(layer: MlaLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, 
     _f32_out(cache, "cache", (capacity, L))
     check(_lib().col_mla_block(_pool_handle(pool), ctypes.addressof(layer), _ptr(x), T, _ptr(cos), _ptr(sin),
                                _ptr(cache), n_past), "mla_block")
+
+
+class DeltaNetLayer(ctypes.Structure):
+    """Mirror of col_deltanet_layer (colibri.h); its size is checked against C at load. Build it
+    with deltanet_layer(), which checks every size once and keeps the arrays it points into alive."""
+
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in ("dim", "n_k_heads", "n_v_heads", "k_head_dim", "v_head_dim", "conv_kernel")),
+        ("eps", ctypes.c_float), ("norm_eps", ctypes.c_float), ("in_type", ctypes.c_int32), ("o_type", ctypes.c_int32),
+        *((name, ctypes.c_void_p) for name in ("norm", "wqkv", "wz", "wb", "wa", "conv", "conv_bias", "A_log", "dt_bias",
+                                               "gate_norm", "wo")),
+    ]
+
+
+def deltanet_layer(dim: int, n_k_heads: int, n_v_heads: int, k_head_dim: int, v_head_dim: int, conv_kernel: int,
+                   input_norm: np.ndarray, weights: dict, eps: float, norm_eps: float) -> DeltaNetLayer:
+    """One Gated DeltaNet layer for deltanet_block() (see col_deltanet_layer). ``weights`` maps
+    "qkv" (C, D), "z" (Hv*Dv, D), "b" (Hv, D), "a" (Hv, D) -- one type -- and "o" (D, Hv*Dv)
+    to (type, encoded bytes), read in place, and the float32 arrays "conv" (C, Kc),
+    "conv_bias" (C) (optional), "A_log" (Hv), "dt_bias" (Hv), "norm" (Dv, the gated norm's
+    weight); ``input_norm`` (D) is the layer's input RMSNorm weight. C = 2*Hk*Dk + Hv*Dv."""
+    D, Hk, Hv, Dk, Dv, Kc = (_as_count(v, n) for v, n in (
+        (dim, "dim"), (n_k_heads, "n_k_heads"), (n_v_heads, "n_v_heads"), (k_head_dim, "k_head_dim"),
+        (v_head_dim, "v_head_dim"), (conv_kernel, "conv_kernel")))
+    if min(D, Hk, Hv, Dk, Dv, Kc) == 0 or Hv % Hk:
+        raise InvalidArgumentError(f"a DeltaNet layer needs sizes > 0 and value heads ({Hv}) a multiple of key heads ({Hk})")
+    C, Z = 2 * Hk * Dk + Hv * Dv, Hv * Dv
+    missing = sorted({"qkv", "z", "b", "a", "o", "conv", "A_log", "dt_bias", "norm"} - set(weights))
+    if missing:
+        raise InvalidArgumentError(f"DeltaNet weights lack {', '.join(missing)}")
+    in_types = {_as_type(weights[name][0]) for name in ("qkv", "z", "b", "a")}
+    if len(in_types) != 1:
+        raise InvalidArgumentError("qkv, z, b and a must have one type (one quantization of the input)")
+    keep = [_f32_vector(input_norm, "input_norm", D)]
+    layer = DeltaNetLayer(dim=D, n_k_heads=Hk, n_v_heads=Hv, k_head_dim=Dk, v_head_dim=Dv, conv_kernel=Kc, eps=float(eps),
+                          norm_eps=float(norm_eps), in_type=int(in_types.pop()), o_type=int(_as_type(weights["o"][0])),
+                          norm=_ptr(input_norm))
+    fields = {"qkv": "wqkv", "z": "wz", "b": "wb", "a": "wa", "o": "wo"}
+    for name, (rows, cols) in {"qkv": (C, D), "z": (Z, D), "b": (Hv, D), "a": (Hv, D), "o": (D, Z)}.items():
+        type_, data = weights[name]
+        t = _as_type(type_)
+        raw = _byte_view(data, name)
+        if raw.nbytes != rows * t.row_bytes(cols):
+            raise InvalidArgumentError(f"{name} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs "
+                                       f"{rows * t.row_bytes(cols)}")
+        keep.append(raw)
+        setattr(layer, fields[name], _ptr(raw))
+    conv = weights["conv"]
+    if not isinstance(conv, np.ndarray) or conv.dtype != np.float32 or conv.shape != (C, Kc) or not conv.flags.c_contiguous:
+        raise InvalidArgumentError(f"conv must be a C-contiguous float32 ({C}, {Kc}) array")
+    keep.append(conv)
+    layer.conv = _ptr(conv)
+    vectors = [("conv_bias", "conv_bias", C), ("A_log", "A_log", Hv), ("dt_bias", "dt_bias", Hv), ("norm", "gate_norm", Dv)]
+    for name, field, n in vectors:
+        vector = weights.get(name)
+        if vector is not None:
+            keep.append(_f32_vector(vector, name, n))
+            setattr(layer, field, _ptr(vector))
+    layer._keep = keep  # the buffers the pointers point into
+    return layer
+
+
+def deltanet_block(layer: DeltaNetLayer, x: np.ndarray, conv_state: np.ndarray, recurrent_state: np.ndarray,
+                   pool: "ThreadPool | None" = None) -> None:
+    """x += Gated DeltaNet(rms_norm(x)) for the T new tokens of one sequence, in place (see
+    col_deltanet_block): ``x`` (T, D); the sequence's ``conv_state`` (Kc - 1, C) and
+    ``recurrent_state`` (Hv, Dk, Dv), float32, zeros for a new sequence, updated in place."""
+    if not isinstance(layer, DeltaNetLayer) or not hasattr(layer, "_keep"):
+        raise InvalidArgumentError("layer must come from deltanet_layer()")
+    if not isinstance(x, np.ndarray) or x.ndim != 2:
+        raise InvalidArgumentError("x must be a (T, D) float32 array")
+    Hk, Hv, Dk, Dv = layer.n_k_heads, layer.n_v_heads, layer.k_head_dim, layer.v_head_dim
+    C = 2 * Hk * Dk + Hv * Dv
+    _f32_out(x, "x", (x.shape[0], layer.dim))
+    _f32_out(conv_state, "conv_state", (layer.conv_kernel - 1, C))
+    _f32_out(recurrent_state, "recurrent_state", (Hv, Dk, Dv))
+    check(_lib().col_deltanet_block(_pool_handle(pool), ctypes.addressof(layer), _ptr(x), x.shape[0],
+                                    _ptr(conv_state) if conv_state.size else None, _ptr(recurrent_state)),
+          "deltanet_block")
 
 
 def moe_route(type_: TensorType | int | str, data, n_experts: int, dim: int, x: np.ndarray, top_k: int,

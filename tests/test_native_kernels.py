@@ -480,7 +480,7 @@ def test_attention_block_rejects_bad_arguments():
     bad.n_kv_heads = 3  # 4 heads are not a multiple of 3
     before = x.copy()
     assert native._lib().col_attention_block(None, native.ctypes.addressof(bad), x.ctypes.data, 2, cos.ctypes.data,
-                                             sin.ctypes.data, keys.ctypes.data, values.ctypes.data, 0) == 1
+                                             sin.ctypes.data, keys.ctypes.data, values.ctypes.data, 0, 0) == 1
     np.testing.assert_array_equal(x, before)
     assert not keys.any()
 

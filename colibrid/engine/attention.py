@@ -10,7 +10,7 @@ import logging
 import numpy as np
 
 from colibrid import native
-from colibrid.engine.kv_cache import KVCache
+from colibrid.engine.kv_cache import KVCache, RingKVCache
 from colibrid.engine.layers import linear, rms_norm
 from colibrid.engine.rope import Rotary
 from colibrid.models.config import ModelConfig
@@ -31,6 +31,7 @@ class Attention:
         self.rotary = rotary
         self.input_norm = input_norm  # (D)
         self.window = config.sliding_window[layer]
+        self.chunk = config.attention_chunk[layer] if config.attention_chunk else None  # Llama 4
         self.head_dim, self.kv_heads = config.head_dim_of(layer), config.kv_heads_of(layer)  # Hd, K of this layer
         self.scale = np.float32(config.attention_scale or self.head_dim ** -0.5)
         # Gemma 4: without a v projection the values are the k projection, before the k norm
@@ -52,20 +53,30 @@ class Attention:
             w["q"].data, w["k"].data, self.wv.data, w["o"].type, w["o"].data, eps=c.rms_norm_eps,
             scale=float(self.scale), window=self.window, clip_qkv=c.clip_qkv, qk_norm=c.qk_norm,
             q_norm=bias("q_norm"), k_norm=bias("k_norm"), bq=bias("q_bias"), bk=bias("k_bias"), bv=bias("v_bias"),
-            bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"), v_norm=self.v_norm,
+            bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"), chunk=self.chunk, v_norm=self.v_norm,
             post_norm=None if self.post_norm is None else self.post_norm.data)
 
-    def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
-        """x + attention(rms_norm(x)) for tokens at ``positions`` = kv.length, kv.length + 1 ...;
-        ``x`` (T, D) is updated in place on the fused path."""
+    def new_state(self, max_tokens: int, max_step_tokens: int) -> KVCache | RingKVCache:
+        """A sequence's cache for this layer: a ring of the keys a window or chunk can still
+        see, when that is smaller than the whole context; else every key."""
+        spans = [span for span in (self.window, self.chunk) if span]
+        if spans and min(spans) + max_step_tokens - 1 < max_tokens:
+            return RingKVCache(self.kv_heads, self.head_dim, min(spans), max_step_tokens)
+        return KVCache(self.kv_heads, self.head_dim, max_tokens)
+
+    def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                 kv: KVCache | RingKVCache, start: int) -> np.ndarray:
+        """x + attention(rms_norm(x)) for tokens at ``positions`` = start, start + 1 ... after
+        the ``start`` tokens in ``kv``; ``x`` (T, D) is updated in place on the fused path."""
         if self.fused is not None:
-            keys, values = kv.buffers(self.layer, x.shape[0])
-            native.attention_block(self.fused, x, cos, sin, keys, values, kv.length)
+            keys, values = kv.buffers(start, x.shape[0])
+            native.attention_block(self.fused, x, cos, sin, keys, values, start, ring=kv.ring)
             return x
-        out = self(rms_norm(x, self.input_norm, self.c.rms_norm_eps), positions, cos, sin, kv)
+        out = self(rms_norm(x, self.input_norm, self.c.rms_norm_eps), positions, cos, sin, kv, start)
         return x + (out if self.post_norm is None else rms_norm(out, self.post_norm, self.c.rms_norm_eps))
 
-    def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: KVCache) -> np.ndarray:
+    def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                 kv: KVCache | RingKVCache, start: int) -> np.ndarray:
         c, w = self.c, self.w
         if c.attention_sinks:
             raise NotImplementedError(f"layer {self.layer}: attention sinks are computed by the fused attention step only, "
@@ -84,8 +95,9 @@ class Attention:
         if self.v_norm is not None:
             v = native.rms_norm(v, self.v_norm, c.rms_norm_eps)
         q, k = native.rope(q, cos, sin), native.rope(k, cos, sin)
-        keys, values = kv.append(self.layer, k, v)  # (S, K, Hd)
+        keys, values = kv.write(start, k, v)  # (S or ring rows, K, Hd)
         # libcolibri, (token, head) pairs split across the pool; each query row is computed on
         # its own, so decode and prefill give the same numbers
-        out = native.attention(q, keys, values, positions, self.window, float(self.scale))  # (T, H*Hd)
+        out = native.attention(q, keys, values, positions, self.window, float(self.scale), chunk=self.chunk,
+                               ring=kv.ring)  # (T, H*Hd)
         return linear(out, w["o"], w.get("o_bias"))

@@ -11,7 +11,6 @@ import numpy as np
 
 from colibrid.engine.experts import ExpertSource, PreadExpertSource
 from colibrid.engine.generate import GenerationDone, GenerationEvent, generate
-from colibrid.engine.kv_cache import new_cache
 from colibrid.engine.model import Model
 from colibrid.engine.sampling import SamplingParams, model_sampling_defaults
 from colibrid.engine.tokenizer import Tokenizer
@@ -24,20 +23,20 @@ DEFAULT_MAX_CONTEXT = 4096
 
 
 class Session:
-    """One sequence: its attention cache (keys and values, or latents) and the model it runs on."""
+    """One sequence: its state (each layer's cache) and the model it runs on."""
 
     def __init__(self, model: Model, max_context: int) -> None:
         self.model = model
         self.max_context = max_context
-        self.kv = new_cache(model.config, max_context)
+        self.state = model.new_state(max_context)
 
     @property
     def n_past(self) -> int:
-        return self.kv.length
+        return self.state.length
 
     def forward(self, token_ids: Sequence[int] | np.ndarray, all_logits: bool = True) -> np.ndarray:
         """Append tokens; return their logits (T, V), or the last token's (1, V)."""
-        return self.model.forward(np.asarray(token_ids, dtype=np.int64), self.kv, all_logits=all_logits)
+        return self.model.forward(np.asarray(token_ids, dtype=np.int64), self.state, all_logits=all_logits)
 
 
 class Engine:

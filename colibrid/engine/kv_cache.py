@@ -1,108 +1,126 @@
-"""Per-sequence attention caches, one growable buffer per layer: keys and values
-(KVCache) or, for latent attention, the compressed latents (LatentCache). Both have one
-interface (length, buffers, advance, nbytes), so a session holds whichever its model needs."""
+"""One layer's attention cache, one kind per way a layer attends:
+
+  KVCache      full causal attention: every past token's keys and values, growing by doubling;
+  RingKVCache  sliding-window or chunked-local attention: the keys and values a new token can
+               still see, in a fixed ring of span + max_step_tokens - 1 rows (key position p in
+               row p % rows), so a long chat costs the window, not the context;
+  LatentCache  multi-head latent attention: the compressed latent and rope key per token.
+
+Each is created by its layer's token mixer (Attention.new_state, LatentAttention.new_state)
+and held in the sequence's SequenceState, one per layer: the sequence owns them, the layers
+only read and write them during a step, so many sequences can share one model.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
-from colibrid.models.config import ModelConfig
-
 
 class KVCache:
-    """Keys and values of every past token, per layer, in float32.
+    """Keys and values of every past token of one layer, float32 (S, K, Hd).
 
-    Buffers grow by doubling up to ``max_tokens``, so a short chat does not reserve
-    the model's whole context.
+    Buffers grow by doubling up to ``max_tokens``, so a short chat does not reserve the
+    model's whole context.
     """
 
-    def __init__(self, config: ModelConfig, max_tokens: int, initial_tokens: int = 256) -> None:
+    ring = False  # key position p is row p
+
+    def __init__(self, num_kv_heads: int, head_dim: int, max_tokens: int, initial_tokens: int = 256) -> None:
         self.max_tokens = max_tokens
-        self.length = 0  # tokens stored (the same for every layer after a full forward)
         capacity = min(initial_tokens, max_tokens)
-        shapes = [(capacity, config.kv_heads_of(layer), config.head_dim_of(layer)) for layer in range(config.num_layers)]
-        self._keys = [np.empty(shape, np.float32) for shape in shapes]  # (S, K, Hd) per layer
-        self._values = [np.empty(shape, np.float32) for shape in shapes]
+        self._keys = np.empty((capacity, num_kv_heads, head_dim), np.float32)  # (S, K, Hd)
+        self._values = np.empty_like(self._keys)
 
-    def append(self, layer: int, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Store (T, K, Hd) keys/values after the current length; return all (S, K, Hd) so far."""
-        start, end = self.length, self.length + keys.shape[0]
-        self.buffers(layer, keys.shape[0])
-        self._keys[layer][start:end] = keys
-        self._values[layer][start:end] = values
-        return self._keys[layer][:end], self._values[layer][:end]
-
-    def buffers(self, layer: int, n_new: int) -> tuple[np.ndarray, np.ndarray]:
-        """The layer's whole (capacity, K, Hd) key and value buffers, grown to hold ``n_new``
-        tokens after the current length (for libcolibri, which writes them in place)."""
-        end = self.length + n_new
+    def buffers(self, start: int, n_new: int) -> tuple[np.ndarray, np.ndarray]:
+        """The whole (capacity, K, Hd) key and value buffers, grown to hold ``n_new`` tokens
+        after the first ``start`` (for libcolibri, which writes them in place)."""
+        end = start + n_new
         if end > self.max_tokens:
             raise ValueError(f"context full: {end} tokens > {self.max_tokens}")
-        if end > self._keys[layer].shape[0]:
-            self._grow(layer, end)
-        return self._keys[layer], self._values[layer]
+        if end > self._keys.shape[0]:
+            self._grow(start, end)
+        return self._keys, self._values
 
-    def advance(self, n_tokens: int) -> None:
-        """Commit ``n_tokens`` appended to every layer."""
-        self.length += n_tokens
+    def write(self, start: int, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store (T, K, Hd) keys/values at positions start ..; return the buffers to attend
+        over: every key so far, (start + T, K, Hd)."""
+        end = start + keys.shape[0]
+        key_rows, value_rows = self.buffers(start, keys.shape[0])
+        key_rows[start:end], value_rows[start:end] = keys, values
+        return key_rows[:end], value_rows[:end]
 
-    def _grow(self, layer: int, needed: int) -> None:
-        capacity = self._keys[layer].shape[0]
+    def _grow(self, start: int, needed: int) -> None:
+        capacity = self._keys.shape[0]
         while capacity < needed:
             capacity *= 2
         capacity = min(capacity, self.max_tokens)
-        for buffers in (self._keys, self._values):
-            old = buffers[layer]
-            new = np.empty((capacity,) + old.shape[1:], np.float32)
-            new[: self.length] = old[: self.length]
-            buffers[layer] = new
+        keys = np.empty((capacity,) + self._keys.shape[1:], np.float32)
+        values = np.empty_like(keys)
+        keys[:start], values[:start] = self._keys[:start], self._values[:start]
+        self._keys, self._values = keys, values
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self._keys, self._values))
+        return self._keys.nbytes + self._values.nbytes
+
+
+class RingKVCache:
+    """The keys and values a sliding-window or chunked-local layer can still use: a ring of
+    ``span + max_step_tokens - 1`` rows, key position p in row p % rows. A step of up to
+    ``max_step_tokens`` new tokens writes its keys first and then attends; the ring is large
+    enough that no key the step's first token sees has been overwritten by then."""
+
+    ring = True
+
+    def __init__(self, num_kv_heads: int, head_dim: int, span: int, max_step_tokens: int) -> None:
+        self.max_step_tokens = max_step_tokens
+        self.rows = span + max_step_tokens - 1
+        self._keys = np.zeros((self.rows, num_kv_heads, head_dim), np.float32)  # (rows, K, Hd)
+        self._values = np.zeros_like(self._keys)
+
+    def buffers(self, start: int, n_new: int) -> tuple[np.ndarray, np.ndarray]:
+        """The whole ring (rows, K, Hd) for libcolibri, which writes and reads it in place."""
+        if n_new > self.max_step_tokens:
+            raise ValueError(f"a step of {n_new} tokens is more than this ring holds ({self.max_step_tokens})")
+        return self._keys, self._values
+
+    def write(self, start: int, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Store (T, K, Hd) keys/values at positions start ..; return the whole ring to attend
+        over (with ring=True)."""
+        key_rows, value_rows = self.buffers(start, keys.shape[0])
+        rows = np.arange(start, start + keys.shape[0]) % self.rows
+        key_rows[rows], value_rows[rows] = keys, values
+        return key_rows, value_rows
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._values.nbytes
 
 
 class LatentCache:
-    """Multi-head latent attention's cache: per layer and past token the normalised latent and
-    the rotated rope key, C + R float32 (576 for DeepSeek-V3), instead of every head's key
-    and value (H * (N + R + Vd) = 40960 for V3). Same interface as KVCache: buffers() gives
-    the layer's whole buffer for libcolibri to write in place, advance() commits a step."""
+    """Multi-head latent attention's cache for one layer: per past token the normalised latent
+    and the rotated rope key, C + R float32 (576 for DeepSeek-V3), instead of every head's key
+    and value (H * (N + R + Vd) = 40960 for V3). buffers() gives the whole (capacity, L) buffer
+    for libcolibri to write in place; it grows by doubling up to ``max_tokens``."""
 
-    def __init__(self, config: ModelConfig, max_tokens: int, initial_tokens: int = 256) -> None:
+    def __init__(self, width: int, max_tokens: int, initial_tokens: int = 256) -> None:
         self.max_tokens = max_tokens
-        self.length = 0  # tokens stored (the same for every layer after a full forward)
-        m = config.mla
-        capacity = min(initial_tokens, max_tokens)
-        width = m.kv_lora_rank + m.qk_rope_head_dim  # L
-        self._latents = [np.empty((capacity, width), np.float32) for _ in range(config.num_layers)]  # (S, L)
+        self._latents = np.empty((min(initial_tokens, max_tokens), width), np.float32)  # (S, L)
 
-    def buffers(self, layer: int, n_new: int) -> np.ndarray:
-        """The layer's whole (capacity, L) buffer, grown to hold ``n_new`` tokens after the
-        current length."""
-        end = self.length + n_new
+    def buffers(self, start: int, n_new: int) -> np.ndarray:
+        """The whole (capacity, L) buffer, grown to hold ``n_new`` tokens after the first ``start``."""
+        end = start + n_new
         if end > self.max_tokens:
             raise ValueError(f"context full: {end} tokens > {self.max_tokens}")
-        if end > self._latents[layer].shape[0]:
-            capacity = self._latents[layer].shape[0]
+        if end > self._latents.shape[0]:
+            capacity = self._latents.shape[0]
             while capacity < end:
                 capacity *= 2
-            new = np.empty((min(capacity, self.max_tokens), self._latents[layer].shape[1]), np.float32)
-            new[: self.length] = self._latents[layer][: self.length]
-            self._latents[layer] = new
-        return self._latents[layer]
-
-    def advance(self, n_tokens: int) -> None:
-        """Commit ``n_tokens`` appended to every layer."""
-        self.length += n_tokens
+            latents = np.empty((min(capacity, self.max_tokens), self._latents.shape[1]), np.float32)
+            latents[:start] = self._latents[:start]
+            self._latents = latents
+        return self._latents
 
     @property
     def nbytes(self) -> int:
-        return sum(buffer.nbytes for buffer in self._latents)
-
-
-SequenceCache = KVCache | LatentCache  # what Model.forward takes: a sequence's attention state
-
-
-def new_cache(config: ModelConfig, max_tokens: int) -> SequenceCache:
-    """The cache a sequence of this model keeps: latents for latent attention, else keys and values."""
-    return LatentCache(config, max_tokens) if config.mla is not None else KVCache(config, max_tokens)
+        return self._latents.nbytes

@@ -53,14 +53,18 @@ class LatentAttention:
                                 eps=c.rms_norm_eps, scale=m.softmax_scale, rope_interleaved=m.rope_interleaved,
                                 bo=w["o_bias"].data if "o_bias" in w else None)
 
+    def new_state(self, max_tokens: int, max_step_tokens: int) -> LatentCache:
+        """A sequence's cache for this layer: C + R floats per token."""
+        return LatentCache(self.m.kv_lora_rank + self.m.qk_rope_head_dim, max_tokens)
+
     def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                 cache: LatentCache) -> np.ndarray:
-        """x + attention(rms_norm(x)) for tokens at ``positions`` = cache.length ...; ``x`` (T, D)
-        is updated in place on the fused path."""
+                 cache: LatentCache, start: int) -> np.ndarray:
+        """x + attention(rms_norm(x)) for tokens at ``positions`` = start ... after the ``start``
+        tokens in ``cache``; ``x`` (T, D) is updated in place on the fused path."""
         if self.fused is not None:
-            native.mla_block(self.fused, x, cos, sin, cache.buffers(self.layer, x.shape[0]), cache.length)
+            native.mla_block(self.fused, x, cos, sin, cache.buffers(start, x.shape[0]), start)
             return x
-        return x + self.expanded(rms_norm(x, self.input_norm, self.c.rms_norm_eps), cos, sin, cache)
+        return x + self.expanded(rms_norm(x, self.input_norm, self.c.rms_norm_eps), cos, sin, cache, start)
 
     def _rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         """RoPE over the R rope dims of x (T, heads, R)."""
@@ -68,7 +72,7 @@ class LatentAttention:
             x = deinterleave(x)
         return native.rope(np.ascontiguousarray(x, dtype=np.float32), cos, sin)
 
-    def expanded(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: LatentCache) -> np.ndarray:
+    def expanded(self, h: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: LatentCache, start: int) -> np.ndarray:
         """attention(h) for normed inputs h (T, D) in the expanded form, the latents stored in
         the same cache as the fused path stores them."""
         c, m, w = self.c, self.m, self.w
@@ -79,8 +83,7 @@ class LatentAttention:
             q = linear(h, w["q"])
         q = q.reshape(T, H, N + R)  # (T, H, N + R)
         kv = linear(h, w["kv_a"])  # (T, C + R)
-        start = cache.length
-        buffer = cache.buffers(self.layer, T)  # (capacity, L)
+        buffer = cache.buffers(start, T)  # (capacity, L)
         buffer[start:start + T, :C] = rms_norm(kv[:, :C], w["kv_a_norm"], c.rms_norm_eps)
         buffer[start:start + T, C:] = self._rope(kv[:, None, C:], cos, sin)[:, 0]
         latents = buffer[: start + T]  # (S, L)

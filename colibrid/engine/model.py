@@ -1,5 +1,9 @@
-"""The transformer forward pass over a pack: embeddings, N x (attention, MoE or dense
-MLP), final norm, output head. Knows features, never architecture names."""
+"""The transformer forward pass over a pack: embeddings, N x (token mixer, MoE or dense
+MLP), final norm, output head. Knows features, never architecture names.
+
+A layer's token mixer (attention, latent attention ...) makes the per-sequence state it needs
+(``new_state``) and updates it in ``residual``; the model holds weights only.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +12,12 @@ import numpy as np
 from colibrid import native
 from colibrid.engine.attention import Attention
 from colibrid.engine.experts import ExpertSource
-from colibrid.engine.kv_cache import SequenceCache
 from colibrid.engine.layers import linear, rms_norm
 from colibrid.engine.mla import LatentAttention
 from colibrid.engine.moe import DenseAndExperts, DenseMlp, MoeBlock
 from colibrid.engine.per_layer_inputs import LayerInput, PerLayerInputs
 from colibrid.engine.rope import Rotary
+from colibrid.engine.sequence_state import LayerState, SequenceState
 from colibrid.pack.reader import Pack
 from colibrid.pack.tensor import PackedTensor
 
@@ -41,9 +45,9 @@ class Layer:
         self.ffn_norm = _dense(pack, f"layers.{layer}.ffn_norm")
         attn_weights = _layer_weights(pack, layer, "attn.")
         if c.mla is not None:
-            self.attention = LatentAttention(c, layer, attn_weights, self.attn_norm)
+            self.mixer = LatentAttention(c, layer, attn_weights, self.attn_norm)
         else:
-            self.attention = Attention(c, layer, attn_weights, rotary, self.attn_norm)
+            self.mixer = Attention(c, layer, attn_weights, rotary, self.attn_norm)
         ffn_weights = _layer_weights(pack, layer, "")
         if not c.moe_layers[layer]:
             self.ffn = DenseMlp(ffn_weights, c.hidden_act)
@@ -61,11 +65,12 @@ class Layer:
         """This layer's routed experts, if it has any."""
         return self.ffn.moe if isinstance(self.ffn, DenseAndExperts) else self.ffn if isinstance(self.ffn, MoeBlock) else None
 
-    def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, kv: SequenceCache,
-                 layer_input: np.ndarray | None = None) -> np.ndarray:
-        """The residual stream x (T, D) after this layer (``layer_input`` (T, P): its per-layer
-        input, with PLE); x itself may be updated in place."""
-        x = self.attention.residual(x, positions, cos, sin, kv)
+    def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, state: LayerState,
+                 start: int, layer_input: np.ndarray | None = None) -> np.ndarray:
+        """The residual stream x (T, D) after this layer, for tokens after the first ``start``
+        of the sequence whose state for this layer is ``state`` (``layer_input`` (T, P): its
+        per-layer input, with PLE); x may be updated in place."""
+        x = self.mixer.residual(x, positions, cos, sin, state, start)
         out = self.ffn(x if self.ffn_normed_inside else rms_norm(x, self.ffn_norm, self.eps))
         x += out if self.ffn_post_norm is None else rms_norm(out, self.ffn_post_norm, self.eps)
         if self.input is not None:
@@ -75,9 +80,14 @@ class Layer:
         return x
 
 
+# The most tokens one pass through the layers takes: longer inputs run in steps of this many, so
+# a sliding-window layer's ring of keys needs only window + MAX_STEP_TOKENS - 1 rows.
+MAX_STEP_TOKENS = 512
+
+
 class Model:
     """Weights are read-only views into the pack; all mutable state lives in the sequence's
-    cache (KVCache, or LatentCache for latent attention)."""
+    SequenceState (new_state)."""
 
     def __init__(self, pack: Pack, experts: ExpertSource) -> None:
         self.pack = pack
@@ -91,6 +101,7 @@ class Model:
         self.layers = [Layer(pack, layer, self._rotary_of(layer), experts) for layer in range(c.num_layers)]
         self.per_layer_inputs = PerLayerInputs(c, _dense(pack, "per_layer_embed"), _dense(pack, "per_layer_model_proj"),
                                                _dense(pack, "per_layer_proj_norm")) if c.per_layer_input else None
+        self.max_step_tokens = MAX_STEP_TOKENS  # states made by new_state() rely on it: set it before
         moe_blocks = [layer.moe for layer in self.layers if layer.moe is not None]
         for block, next_block in zip(moe_blocks, moe_blocks[1:]):
             block.next_block = next_block  # lookahead prefetch: layer l predicts layer l+1's experts
@@ -117,21 +128,42 @@ class Model:
             x *= np.float32(self.config.embed_scale)  # Gemma: sqrt(D), in float32 as transformers scales it
         return x
 
-    def forward(self, token_ids: np.ndarray, kv: SequenceCache, all_logits: bool = True) -> np.ndarray:
-        """Run ``token_ids`` (T,) after the tokens already in ``kv``; return logits
-        (T, V), or (1, V) for the last token only when ``all_logits`` is False."""
+    def new_state(self, max_tokens: int) -> SequenceState:
+        """A new sequence's state: each layer's cache for up to ``max_tokens`` tokens."""
+        states = [layer.mixer.new_state(max_tokens, self.max_step_tokens) for layer in self.layers]
+        return SequenceState(states, max_tokens)
+
+    def forward(self, token_ids: np.ndarray, state: SequenceState, all_logits: bool = True) -> np.ndarray:
+        """Run ``token_ids`` (T,) after the tokens already in ``state``; return logits
+        (T, V), or (1, V) for the last token only when ``all_logits`` is False. Inputs longer
+        than max_step_tokens run in steps (each token's numbers do not depend on its step)."""
         token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        positions = np.arange(kv.length, kv.length + token_ids.shape[0])
+        if state.length + token_ids.shape[0] > state.max_tokens:
+            raise ValueError(f"context full: {state.length + token_ids.shape[0]} tokens > {state.max_tokens}")
+        size = self.max_step_tokens
+        steps = [token_ids[i:i + size] for i in range(0, max(token_ids.shape[0], 1), size)]
+        last = len(steps) - 1
+        logits = [self._step(ids, state, "all" if all_logits else ("last" if i == last else None))
+                  for i, ids in enumerate(steps)]
+        return np.concatenate([rows for rows in logits if rows is not None])
+
+    def _step(self, token_ids: np.ndarray, state: SequenceState, logits: str | None) -> np.ndarray | None:
+        """One pass of at most max_step_tokens tokens; logits of "all" of them, the "last", or None."""
+        start = state.length
+        positions = np.arange(start, start + token_ids.shape[0])
         tables = {}  # id(rotary) -> (cos, sin) of these positions, each computed once
         x = self.embed_tokens(token_ids)  # (T, D)
         inputs = self.per_layer_inputs(token_ids, x) if self.per_layer_inputs is not None else None  # (T, L, P)
-        for layer in self.layers:
+        for layer, layer_state in zip(self.layers, state.layers):
             rotary = layer.rotary
             if id(rotary) not in tables:
                 tables[id(rotary)] = rotary.cos_sin(positions)
-            x = layer(x, positions, *tables[id(rotary)], kv, None if inputs is None else inputs[:, layer.layer])
-        kv.advance(token_ids.shape[0])
-        if not all_logits:
+            x = layer(x, positions, *tables[id(rotary)], layer_state, start,
+                      None if inputs is None else inputs[:, layer.layer])
+        state.advance(token_ids.shape[0])
+        if logits is None:
+            return None
+        if logits == "last":
             x = x[-1:]
         logits = linear(rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head)
         cap = self.config.final_logit_softcap

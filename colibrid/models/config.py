@@ -74,6 +74,8 @@ class ModelConfig:
     qk_norm: str = "none"  # "full": RMSNorm over all heads (OLMoE); "head": per head (Qwen3)
     clip_qkv: float | None = None  # clamp q, k, v to +-clip_qkv (OLMoE option)
     sliding_window: tuple[int | None, ...] = ()  # per layer: window in tokens, None = full causal
+    attention_chunk: tuple[int | None, ...] = ()  # per layer: chunked-local attention span (a token
+    # sees its own chunk of this many tokens only), None = none; () = none on every layer
     rotary_dim: int = 0  # leading dims of each head that RoPE rotates (partial rotary); 0 = all Hd
     mla: MlaConfig | None = None  # multi-head latent attention instead of grouped-query attention
     # Mixture of experts.
@@ -134,6 +136,8 @@ class ModelConfig:
                 raise ValueError(f"{name} needs one entry per layer, or none")
         if len(self.moe_layers) != self.num_layers or len(self.sliding_window) != self.num_layers:
             raise ValueError("moe_layers and sliding_window need one entry per layer")
+        if self.attention_chunk and len(self.attention_chunk) != self.num_layers:
+            raise ValueError("attention_chunk needs one entry per layer, or none at all")
         if self.router_scoring not in ROUTER_SCORINGS or self.router_group_score not in GROUP_SCORES:
             raise ValueError(f"router_scoring must be one of {ROUTER_SCORINGS} and router_group_score one of "
                              f"{GROUP_SCORES}, got {self.router_scoring!r}, {self.router_group_score!r}")
@@ -189,7 +193,7 @@ class ModelConfig:
             data["full_attention_rope"] = RopeConfig(**data["full_attention_rope"])
         if data.get("mla") is not None:
             data["mla"] = MlaConfig(**data["mla"])
-        for key in ("sliding_window", "moe_layers", "eos_token_ids", "layer_head_dim", "layer_kv_heads"):
+        for key in ("sliding_window", "attention_chunk", "moe_layers", "eos_token_ids", "layer_head_dim", "layer_kv_heads"):
             data[key] = tuple(data.get(key, ()))
         return cls(**data)
 

@@ -80,6 +80,8 @@ def check_model_config(c: ModelConfig) -> None:
         raise ValueError("model.moe_layers must hold true or false per layer")
     if not all(w is None or (type(w) is int and 1 <= w <= MAX_DIM) for w in c.sliding_window):
         raise ValueError("model.sliding_window must hold null or a window of >= 1 tokens per layer")
+    if not all(w is None or (type(w) is int and 1 <= w <= MAX_DIM) for w in c.attention_chunk):
+        raise ValueError("model.attention_chunk must hold null or a chunk of >= 1 tokens per layer")
     _check_layer_shapes(c)
     for name, needed in (("dense_ffn", not all(c.moe_layers) or c.dense_mlp_with_experts),
                          ("shared_expert_ffn", c.shared_expert_gated)):
@@ -145,7 +147,7 @@ def _check_mla(c: ModelConfig) -> None:
     if c.head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim or c.num_kv_heads != c.num_heads or c.rotary_dim:
         raise ValueError("latent attention needs head_dim = qk_nope_head_dim + qk_rope_head_dim, num_kv_heads = "
                          "num_heads and rotary_dim 0")
-    if c.qkv_bias or c.qk_norm != "none" or c.clip_qkv is not None or any(c.sliding_window):
+    if c.qkv_bias or c.qk_norm != "none" or c.clip_qkv is not None or any(c.sliding_window) or any(c.attention_chunk):
         raise ValueError("latent attention has no q/k/v biases, q/k norms, clipping or sliding windows")
 
 

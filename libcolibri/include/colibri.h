@@ -391,15 +391,18 @@ COL_API int col_gelu_tanh_mul(const float *g, const float *u, float *h, int64_t 
  *   q:         (n_q, n_heads, head_dim) float32
  *   keys, vals:(n_keys, n_kv_heads, head_dim) float32 (the KV cache, new tokens included)
  *   positions: (n_q) int64; query t sees key j iff j <= positions[t] and (window <= 0 or
- *              positions[t] - j < window)
+ *              positions[t] - j < window) and (chunk <= 0 or j >= positions[t] - positions[t] % chunk)
+ *   ring:      0: key j is row j of keys/vals (n_keys rows); > 0: keys/vals are a ring buffer
+ *              of ring == n_keys rows, key j in row j % ring, and query t sees at most the last
+ *              ring keys up to positions[t] (the caller keeps those in the ring)
  *   out:       (n_q, n_heads * head_dim) float32
  * softmax(scale * q k^T) v in float32 with a max-shifted softmax. n_heads must be a
  * multiple of n_kv_heads. A query that sees no key gets zeros.
  * COL_EINVAL: bad sizes or NULL buffers; out untouched. COL_ENOMEM: scratch; out untouched. */
 COL_API int col_attention(col_pool *pool, const float *q, const float *keys, const float *vals,
                           int64_t n_q, int64_t n_keys, int64_t n_heads, int64_t n_kv_heads,
-                          int64_t head_dim, const int64_t *positions, int64_t window, float scale,
-                          float *out);
+                          int64_t head_dim, const int64_t *positions, int64_t window, int64_t chunk,
+                          int64_t ring, float scale, float *out);
 
 /* ---------------------------------------------------------------------------------------
  * Fused decoder steps: one call per attention step, one per routing decision
@@ -439,6 +442,8 @@ typedef struct col_attention_layer {
     int64_t rotary_dim;   /* Hr: leading dims of each head RoPE rotates, even, <= Hd; 0: all Hd */
     const float *sinks;   /* (H) learned per-head sink logits (gpt-oss), or NULL: none. A sink is
                              one more logit in its head's softmax denominator, with no value */
+    int64_t chunk;        /* chunked local attention (Llama 4): a query at position p sees keys
+                             from p - p % chunk on; <= 0: none */
     const float *v_norm;  /* (Hd) RMSNorm weight of each value head before it is cached (Gemma 4,
                              whose v norm has no weight: pass ones), or NULL: none */
     const float *post_norm; /* (D) RMSNorm weight of the attention output before the residual
@@ -457,8 +462,8 @@ COL_API size_t col_attention_layer_size(void);
  *     HEAD: each head of q, k = rms_norm(head) * q_norm / k_norm
  *     v_norm: each head of v = rms_norm(head) * v_norm
  *     q, k = rope(q, cos, sin), rope(k, cos, sin)   (the first Hr dims of each head)
- *     keys[n_past + t], vals[n_past + t] = k[t], v[t]
- *     a = attention(q, keys[0 : n_past + n_tok], vals, positions n_past + t, window, scale)
+ *     keys[n_past + t], vals[n_past + t] = k[t], v[t]   (row (n_past + t) % ring_rows of a ring)
+ *     a = attention(q, keys[0 : n_past + n_tok], vals, positions n_past + t, window, chunk, scale)
  *         with sinks: head h's softmax also holds the logit sinks[h] (unscaled, never masked):
  *         m = max(max_s scale q.k_s, sinks[h]), p_s = exp(scale q.k_s - m) /
  *         (sum_s exp(scale q.k_s - m) + exp(sinks[h] - m)), a = sum_s p_s v_s
@@ -467,13 +472,16 @@ COL_API size_t col_attention_layer_size(void);
  * the result equals that sequence of calls (and numpy's float32 adds and clamps) bit for bit.
  *   x:          (n_tok, D) float32, read and updated in place
  *   cos, sin:   (n_tok, Hr) float32, the rotary tables of the new tokens (Hr = rotary_dim or Hd)
- *   keys, vals: (>= n_past + n_tok, K, Hd) float32, the layer's KV cache; rows n_past ..
- *               n_past + n_tok - 1 are written, rows before are read
+ *   keys, vals: the layer's KV cache, float32: (>= n_past + n_tok, K, Hd) with ring_rows 0, rows
+ *               n_past .. n_past + n_tok - 1 written and rows before read; or a ring buffer of
+ *               (ring_rows, K, Hd), key position p in row p % ring_rows. A ring must hold every
+ *               key a new token sees after the new keys are written: ring_rows >= span + n_tok
+ *               - 1, span the layer's window or chunk (COL_EINVAL otherwise, or without either)
  * COL_EINVAL: bad sizes, types or NULL pointers; nothing written. COL_ENOMEM: scratch
  * allocation failed; nothing written. */
 COL_API int col_attention_block(col_pool *pool, const col_attention_layer *layer, float *x, int64_t n_tok,
                                 const float *cos, const float *sin, float *keys, float *vals,
-                                int64_t n_past);
+                                int64_t n_past, int64_t ring_rows);
 
 /* One layer's multi-head latent attention (DeepSeek-V2/V3, Kimi K2), set up once and passed
  * to every step. Weights are only read, during each call. Shapes: D dim, H n_heads, Cq q_rank,
@@ -528,6 +536,65 @@ COL_API size_t col_mla_layer_size(void);
  * allocation failed; nothing written. */
 COL_API int col_mla_block(col_pool *pool, const col_mla_layer *layer, float *x, int64_t n_tok, const float *cos,
                           const float *sin, float *cache, int64_t n_past);
+
+/* One Gated DeltaNet layer (the linear-attention layers of Qwen3.5-MoE and Qwen3-Next), set up
+ * once and passed to every step. Weights are only read, during each call. Shapes: D dim, Hk
+ * n_k_heads, Hv n_v_heads, Dk k_head_dim, Dv v_head_dim, Kc conv_kernel, C = 2 Hk Dk + Hv Dv
+ * (the conv channels: q heads | k heads | v heads). */
+typedef struct col_deltanet_layer {
+    int64_t dim;             /* D */
+    int64_t n_k_heads;       /* Hk: q/k heads */
+    int64_t n_v_heads;       /* Hv: value heads, a multiple of Hk; value head h reads q/k head
+                                h / (Hv / Hk) (transformers' repeat_interleave) */
+    int64_t k_head_dim;      /* Dk */
+    int64_t v_head_dim;      /* Dv */
+    int64_t conv_kernel;     /* Kc >= 1: taps of the causal depthwise conv */
+    float eps;               /* epsilon of the input RMSNorm */
+    float norm_eps;          /* epsilon of the gated output RMSNorm */
+    int32_t in_type;         /* type of wqkv, wz, wb, wa (one activation quantization) */
+    int32_t o_type;          /* type of wo */
+    const float *norm;       /* (D) input RMSNorm weight (plain: y = norm * x / rms) */
+    const void *wqkv;        /* (C, row_bytes(in_type, D)) in_proj_qkv */
+    const void *wz;          /* (Hv * Dv, row_bytes(in_type, D)) in_proj_z: the output gate */
+    const void *wb;          /* (Hv, row_bytes(in_type, D)) in_proj_b: beta = sigmoid(b) */
+    const void *wa;          /* (Hv, row_bytes(in_type, D)) in_proj_a: the decay's input */
+    const float *conv;       /* (C, Kc) depthwise conv taps, the last one on the newest token */
+    const float *conv_bias;  /* (C) or NULL */
+    const float *A_log;      /* (Hv) */
+    const float *dt_bias;    /* (Hv) */
+    const float *gate_norm;  /* (Dv) weight of the gated RMSNorm */
+    const void *wo;          /* (D, row_bytes(o_type, Hv * Dv)) out_proj */
+} col_deltanet_layer;
+
+/* sizeof(col_deltanet_layer), for bindings that mirror the struct. */
+COL_API size_t col_deltanet_layer_size(void);
+
+/* A whole Gated DeltaNet step of n_tok new tokens of one sequence, residual included, in one
+ * pool job (see deltanet_block.c for the phases and the chunked form):
+ *     h = rms_norm(x) * norm
+ *     qkv = h wqkv^T (C),  z = h wz^T (Hv, Dv),  b = h wb^T (Hv),  a = h wa^T (Hv)
+ *     qkv = silu(conv_bias + sum_j conv[:, j] * qkv at token t - (Kc - 1) + j), the tokens
+ *           before this call taken from conv_state
+ *     per value head h (q, k of head h / (Hv / Hk)):
+ *         q = l2norm(q) * Dk^-0.5,  k = l2norm(k)   (l2norm(v) = v / sqrt(sum v^2 + 1e-6))
+ *         beta = sigmoid(b_h),  g = -exp(A_log_h) * softplus(a_h + dt_bias_h)
+ *         S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q      (S: (Dk, Dv))
+ *         o = rms_norm(o) * gate_norm * silu(z_h)      (norm_eps)
+ *     x += o wo^T
+ * n_tok == 1 runs that recurrence; n_tok > 1 its chunked form (chunks of 64 tokens, as
+ * transformers' torch_chunk_gated_delta_rule): the same function in another order of float
+ * operations, so a prompt and the same tokens one call each agree within float rounding, not
+ * bit for bit. The thread count never changes a result.
+ *   x:               (n_tok, D) float32, read and updated in place
+ *   conv_state:      (Kc - 1, C) float32, the pre-conv qkv rows of the sequence's last Kc - 1
+ *                    tokens, oldest first (zeros for a new sequence); updated in place. May be
+ *                    NULL when Kc == 1.
+ *   recurrent_state: (Hv, Dk, Dv) float32, S of every value head (zeros for a new sequence);
+ *                    updated in place
+ * COL_EINVAL: bad sizes, types or NULL pointers; nothing written. COL_ENOMEM: scratch
+ * allocation failed; nothing written. */
+COL_API int col_deltanet_block(col_pool *pool, const col_deltanet_layer *layer, float *x, int64_t n_tok,
+                               float *conv_state, float *recurrent_state);
 
 /* Router of a MoE layer step: logits = x @ router^T (as col_matmul), then per token a
  * float32 softmax over the n_experts logits, the top_k most probable experts (ties: the

@@ -12,7 +12,7 @@
  *   0. h[t] = rms_norm(x[t]) * norm, quantized for the q/k/v type          tokens split
  *   1. qkv[t] = h[t] @ [wq; wk; wv]^T + [bq; bk; bv]                       R rows split
  *   2. q/k/v norms, clamp, RoPE (partial); k, v stored in the cache at n_past + t  tokens split
- *   3. a[t, head] = attention over keys 0 .. n_past + t (window, sink)      (t, head) dealt
+ *   3. a[t, head] = attention over keys 0 .. n_past + t (window, chunk, sink) (t, head) dealt
  *   4. a[t] quantized for wo's type (integer kernels only)                  tokens split
  *   5. x[t] += a[t] @ wo^T + bo                                             D rows split
  *      (with a post norm: o = a @ wo^T + bo, D rows split; a barrier; then
@@ -28,9 +28,10 @@ typedef struct {
     const col_attention_layer *l;
     col_matrix mq, mk, mv, mo;
     int64_t n_tok, n_past, Q, KV, R;
+    int64_t ring;             /* rows of a ring-buffer cache; 0: a flat cache */
     float *x;                 /* (T, D) */
     const float *cos, *sin;   /* (T, Hr) Hr = rotary_dim or Hd */
-    float *keys, *vals;       /* (>= S, K, Hd) */
+    float *keys, *vals;       /* (>= S, K, Hd), or (ring, K, Hd) */
     float *h;                 /* (T, D) normed input */
     uint8_t *hq;              /* (T, hq_bytes) h quantized, integer q/k/v only */
     size_t hq_bytes;
@@ -39,7 +40,8 @@ typedef struct {
     uint8_t *aq;              /* (T, aq_bytes) a quantized, integer wo only */
     size_t aq_bytes;
     float *o;                 /* (T, D) a @ wo^T */
-    float *scores;            /* (nth, S) one row per thread */
+    float *scores;            /* (nth, scores_per_thread) one row per thread */
+    int64_t scores_per_thread; /* the most keys a query sees: S, or the ring's rows */
     col_barrier barrier;
 } block_job;
 
@@ -83,8 +85,9 @@ static void finish_qkv(const block_job *j, int64_t t) {
     const int64_t Hr = l->rotary_dim > 0 ? l->rotary_dim : Hd; /* rotated dims of each head */
     col_rope_heads(q, H, Hd, Hr, j->cos + t * Hr, j->sin + t * Hr);
     col_rope_heads(kt, K, Hd, Hr, j->cos + t * Hr, j->sin + t * Hr);
-    memcpy(j->keys + (j->n_past + t) * j->KV, kt, (size_t)j->KV * sizeof(float));
-    memcpy(j->vals + (j->n_past + t) * j->KV, vt, (size_t)j->KV * sizeof(float));
+    const int64_t pos = j->n_past + t, row = j->ring > 0 ? pos % j->ring : pos;
+    memcpy(j->keys + row * j->KV, kt, (size_t)j->KV * sizeof(float));
+    memcpy(j->vals + row * j->KV, vt, (size_t)j->KV * sizeof(float));
 }
 
 static void block_task(void *arg, int ith, int nth) {
@@ -110,25 +113,30 @@ static void block_task(void *arg, int ith, int nth) {
     for (int64_t t = b; t < e; t++) finish_qkv(j, t);
     col_barrier_wait(&j->barrier, nth);
 
-    const int64_t n_keys = j->n_past + T, group = H / l->n_kv_heads; /* 3. attention */
-    float *sc = j->scores + ith * n_keys; /* (S) */
+    const int64_t group = H / l->n_kv_heads; /* 3. attention */
+    float *sc = j->scores + ith * j->scores_per_thread;
     for (int64_t item = ith; item < T * H; item += nth) { /* round-robin, as col_attention */
         const int64_t t = item / H, head = item % H, pos = j->n_past + t;
-        int64_t lo = 0;
-        if (l->window > 0 && pos - l->window + 1 > lo) lo = pos - l->window + 1;
+        const int64_t lo = col_first_visible_key(pos, l->window, l->chunk, j->ring);
         col_attend_head(j->k, j->qkv + t * j->R + head * Hd, j->keys, j->vals, l->n_kv_heads, head / group, Hd, lo,
-                        pos, l->scale, l->sinks ? l->sinks + head : NULL, sc, j->a + item * Hd);
+                        pos, j->ring, l->scale, l->sinks ? l->sinks + head : NULL, sc, j->a + item * Hd);
     }
     col_barrier_wait(&j->barrier, nth);
 
     /* 4. quantize a, 5. output product and residual */
-    col_attention_output(j->k, &j->mo, &j->barrier, ith, nth, T, D, j->Q, j->a, j->aq, j->aq_bytes, j->o, j->x, l->bo,
-                         l->post_norm, l->eps);
+    col_attention_output_normed(j->k, &j->mo, &j->barrier, ith, nth, T, D, j->Q, j->a, j->aq, j->aq_bytes, j->o, j->x,
+                                l->bo, l->post_norm, l->eps);
 }
 
 void col_attention_output(const col_kernel_set *k, const col_matrix *mo, col_barrier *barrier, int ith, int nth,
                           int64_t T, int64_t D, int64_t A, const float *a, uint8_t *aq, size_t aq_bytes, float *o,
-                          float *x, const float *bo, const float *post_norm, float eps) {
+                          float *x, const float *bo) {
+    col_attention_output_normed(k, mo, barrier, ith, nth, T, D, A, a, aq, aq_bytes, o, x, bo, NULL, 0.0f);
+}
+
+void col_attention_output_normed(const col_kernel_set *k, const col_matrix *mo, col_barrier *barrier, int ith, int nth,
+                                 int64_t T, int64_t D, int64_t A, const float *a, uint8_t *aq, size_t aq_bytes,
+                                 float *o, float *x, const float *bo, const float *post_norm, float eps) {
     int64_t b, e;
     if (mo->integer) {
         col_split(T, ith, nth, &b, &e);
@@ -168,15 +176,26 @@ static int layer_valid(const col_attention_layer *l) {
         l->n_heads % l->n_kv_heads != 0)
         return 0;
     if (l->rotary_dim < 0 || l->rotary_dim % 2 != 0 || l->rotary_dim > l->head_dim) return 0;
-    if (l->qk_norm < COL_QK_NORM_NONE || l->qk_norm > COL_QK_NORM_HEAD) return 0;
+    if (l->qk_norm < COL_QK_NORM_NONE || l->qk_norm > COL_QK_NORM_HEAD || l->chunk < 0) return 0;
     if (l->qk_norm != COL_QK_NORM_NONE && (!l->q_norm || !l->k_norm)) return 0;
     if (!l->norm || !l->wq || !l->wk || !l->wv || !l->wo) return 0;
     return 1;
 }
 
+/* A ring must still hold, after the n_tok new keys are written, every key the first new token
+ * sees: span - 1 keys before it, span the window or chunk (the tighter when both are set). */
+static int ring_valid(const col_attention_layer *l, int64_t n_tok, int64_t ring_rows) {
+    if (ring_rows == 0) return 1;
+    int64_t span = l->window > 0 ? l->window : 0;
+    if (l->chunk > 0 && (span == 0 || l->chunk < span)) span = l->chunk;
+    return ring_rows > 0 && span > 0 && ring_rows >= span + n_tok - 1;
+}
+
 int col_attention_block(col_pool *pool, const col_attention_layer *layer, float *x, int64_t n_tok,
-                        const float *cos, const float *sin, float *keys, float *vals, int64_t n_past) {
-    if (!layer || !layer_valid(layer) || n_tok < 0 || n_past < 0) return COL_EINVAL;
+                        const float *cos, const float *sin, float *keys, float *vals, int64_t n_past,
+                        int64_t ring_rows) {
+    if (!layer || !layer_valid(layer) || n_tok < 0 || n_past < 0 || !ring_valid(layer, n_tok, ring_rows))
+        return COL_EINVAL;
     if (n_tok == 0) return COL_OK;
     if (!x || !cos || !sin || !keys || !vals) return COL_EINVAL;
     const col_attention_layer *l = layer;
@@ -193,6 +212,7 @@ int col_attention_block(col_pool *pool, const col_attention_layer *layer, float 
         return COL_EINVAL;
     job.n_tok = n_tok;
     job.n_past = n_past;
+    job.ring = ring_rows;
     job.x = x;
     job.cos = cos;
     job.sin = sin;
@@ -201,7 +221,8 @@ int col_attention_block(col_pool *pool, const col_attention_layer *layer, float 
 
     /* scratch: h (T, D) | qkv (T, R) | a (T, Q) | o (T, D) | scores (nth, S) | hq | aq */
     const int nth = col_pool_n_threads(pool);
-    const size_t T = (size_t)n_tok, S = (size_t)(n_past + n_tok);
+    const size_t T = (size_t)n_tok, S = (size_t)(ring_rows > 0 ? ring_rows : n_past + n_tok);
+    job.scores_per_thread = (int64_t)S;
 #define F32_BYTES(n) (((n) * sizeof(float) + 63) / 64 * 64)
     const size_t sz_h = F32_BYTES(T * (size_t)l->dim), sz_qkv = F32_BYTES(T * (size_t)job.R);
     const size_t sz_a = F32_BYTES(T * (size_t)job.Q), sz_scores = F32_BYTES((size_t)nth * S);

@@ -360,12 +360,19 @@ void col_matrix_rows(const col_kernel_set *k, const col_matrix *m, int64_t r_beg
  * each head rotated (rotate-half within them) by c, s (rotary_dim), the rest untouched. */
 void col_rope_heads(float *x, int64_t n_heads, int64_t head_dim, int64_t rotary_dim, const float *c, const float *s);
 
-/* One query head's attention over keys lo..hi (ops.c): ov (Hd) = softmax(scale * q.k_s) v_s,
- * keys/vals (S, K, Hd) read at kv head kh, sc (>= hi + 1) scratch; zeros if hi < lo. With a
- * sink (NULL: none), *sink is one more logit in the softmax denominator, with no value. */
+/* One query head's attention over the keys at positions lo..hi (ops.c): ov (Hd) =
+ * softmax(scale * q.k_s) v_s, keys/vals read at kv head kh from rows of K * Hd floats: position
+ * s in row s % ring of a ring buffer (ring > 0) or row s (ring 0); sc (>= hi - lo + 1) scratch;
+ * zeros if hi < lo. With a sink (NULL: none), *sink is one more logit in the softmax
+ * denominator, with no value. */
 void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys, const float *vals,
-                     int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, float scale,
+                     int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, int64_t ring, float scale,
                      const float *sink, float *sc, float *ov);
+
+/* The first key position a query at pos sees: the start of its sliding window (window > 0),
+ * of its attention chunk (chunk > 0: pos - pos % chunk) and of what a ring of `ring` rows
+ * still holds (ring > 0), whichever is latest; 0 when none applies. */
+int64_t col_first_visible_key(int64_t pos, int64_t window, int64_t chunk, int64_t ring);
 
 /* ---------------------------------------------------------------------------------------
  * Running work on the pool
@@ -389,13 +396,16 @@ void col_barrier_wait(col_barrier *b, int nth);
 /* The last phases of a fused attention step (attention_block.c, mla_block.c), run by each of
  * the job's nth threads: the attention output a (T, A) quantized for an integer wo (then a
  * barrier), then this thread's rows of o = a @ wo^T added, with bo (NULL: none), into the
- * residual x (T, D). With a post_norm (D) (Gemma's post-attention norm; NULL: none) each
- * token's whole o + bo is RMS-normed (eps) before the add, so a barrier separates the product
- * (rows split) from the norm and the add (tokens split). aq (T, aq_bytes) and o (T, D) are
- * scratch. */
+ * residual x (T, D). aq (T, aq_bytes) and o (T, D) are scratch. */
 void col_attention_output(const col_kernel_set *k, const col_matrix *mo, col_barrier *barrier, int ith, int nth,
                           int64_t T, int64_t D, int64_t A, const float *a, uint8_t *aq, size_t aq_bytes, float *o,
-                          float *x, const float *bo, const float *post_norm, float eps);
+                          float *x, const float *bo);
+/* col_attention_output with a post_norm (D) (Gemma's post-attention norm; NULL: none): each
+ * token's whole o + bo is RMS-normed (eps) before the add, so a barrier separates the product
+ * (rows split) from the norm and the add (tokens split). */
+void col_attention_output_normed(const col_kernel_set *k, const col_matrix *mo, col_barrier *barrier, int ith, int nth,
+                                 int64_t T, int64_t D, int64_t A, const float *a, uint8_t *aq, size_t aq_bytes,
+                                 float *o, float *x, const float *bo, const float *post_norm, float eps);
 
 /* [begin, end) of share ith of n items split as evenly as possible over nth. */
 static inline void col_split(int64_t n, int ith, int nth, int64_t *begin, int64_t *end) {
@@ -406,5 +416,26 @@ static inline void col_split(int64_t n, int ith, int nth, int64_t *begin, int64_
 /* 64-byte aligned scratch; NULL on failure. Free with col_free. */
 void *col_alloc(size_t bytes);
 void col_free(void *p);
+
+/* ---------------------------------------------------------------------------------------
+ * Small float matrix products of the linear-attention layers (deltanet_block.c)
+ * ------------------------------------------------------------------------------------ */
+
+/* Y = s Y + X M:  y[r * y_stride + j] = s * y[r * y_stride + j] + sum_i x[r * x_stride + i] * m[i * cols + j]
+ * for r < n, j < cols, i < rows (m is (rows, cols), contiguous). Per element the sum starts
+ * from s * y (from 0 when s == 0: y is then only written, so it may hold garbage) and adds
+ * the rows in increasing i, so a row's result does not depend on n nor on the other rows.
+ * Portable: a multiply and an add per term; SIMD levels: one fused multiply-add per term.
+ * y must not overlap x or m. */
+typedef void (*col_gemm_f32_fn)(float *y, int64_t y_stride, float s, const float *x, int64_t x_stride,
+                                const float *m, int64_t n, int64_t rows, int64_t cols);
+
+void col_gemm_f32_portable(float *y, int64_t y_stride, float s, const float *x, int64_t x_stride, const float *m,
+                           int64_t n, int64_t rows, int64_t cols);
+
+/* The SIMD versions of a level, NULL where the level has none or is not compiled in:
+ * AVX2, AVX512 and AVX512_VNNI (simd_x86.c), NEON (simd_neon.c). */
+col_gemm_f32_fn col_gemm_f32_x86(int level);
+col_gemm_f32_fn col_gemm_f32_neon(void);
 
 #endif /* COL_INTERNAL_H */

@@ -162,3 +162,17 @@ void *col_alloc(size_t bytes) {
 }
 
 void col_free(void *p) { free(p); }
+
+void col_gemm_f32_portable(float *y, int64_t y_stride, float s, const float *x, int64_t x_stride, const float *m,
+                           int64_t n, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < n; r++) {
+        float *yr = y + r * y_stride;        /* (cols) */
+        const float *xr = x + r * x_stride;  /* (rows) */
+        for (int64_t j = 0; j < cols; j++) yr[j] = s == 0.0f ? 0.0f : s * yr[j];
+        for (int64_t i = 0; i < rows; i++) {
+            const float xi = xr[i];
+            const float *mi = m + i * cols;
+            for (int64_t j = 0; j < cols; j++) yr[j] += xi * mi[j];
+        }
+    }
+}

@@ -190,7 +190,7 @@ static void mla_task(void *arg, int ith, int nth) {
     col_barrier_wait(&j->barrier, nth);
 
     /* 5. quantize a, 6. output product and residual */
-    col_attention_output(j->k, &j->m_o, &j->barrier, ith, nth, T, D, AV, j->a, j->aq, j->aq_bytes, j->o, j->x, l->bo, NULL, 0.0f);
+    col_attention_output(j->k, &j->m_o, &j->barrier, ith, nth, T, D, AV, j->a, j->aq, j->aq_bytes, j->o, j->x, l->bo);
 }
 
 size_t col_mla_layer_size(void) { return sizeof(col_mla_layer); }

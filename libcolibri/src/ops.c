@@ -75,7 +75,7 @@ int col_rope(float *x, int64_t n_tok, int64_t n_heads, int64_t head_dim, const f
 typedef struct {
     const col_kernel_set *k;
     const float *q, *keys, *vals; /* (Tq, H, Hd), (S, K, Hd), (S, K, Hd) */
-    int64_t n_q, n_keys, n_heads, n_kv_heads, head_dim, window;
+    int64_t n_q, n_keys, n_heads, n_kv_heads, head_dim, window, chunk, ring;
     const int64_t *positions;     /* (Tq) */
     float scale;
     float *scores;                /* (nth, S) one row per thread */
@@ -83,25 +83,38 @@ typedef struct {
 } attention_job;
 
 void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys, const float *vals,
-                     int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, float scale,
+                     int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, int64_t ring, float scale,
                      const float *sink, float *sc, float *ov) {
     const int64_t Hd = head_dim, K = n_kv_heads;
     for (int64_t i = 0; i < Hd; i++) ov[i] = 0.0f;
     if (hi < lo) return;
+    /* Key position s lives in row s % ring of a ring buffer (ring > 0), else in row s. The keys
+     * are visited in position order either way, so a ring gives the same sums as a flat cache. */
+#define KEY_ROW(s) (ring > 0 ? (s) % ring : (s))
     float mx = -INFINITY;
     for (int64_t s = lo; s <= hi; s++) {
-        sc[s] = k->dot_f32(qv, keys + (s * K + kh) * Hd, Hd) * scale;
-        if (sc[s] > mx) mx = sc[s];
+        float *score = sc + (s - lo);
+        *score = k->dot_f32(qv, keys + (KEY_ROW(s) * K + kh) * Hd, Hd) * scale;
+        if (*score > mx) mx = *score;
     }
     if (sink && *sink > mx) mx = *sink;
     float sum = 0.0f;
     for (int64_t s = lo; s <= hi; s++) {
-        sc[s] = expf(sc[s] - mx);
-        sum += sc[s];
+        sc[s - lo] = expf(sc[s - lo] - mx);
+        sum += sc[s - lo];
     }
     if (sink) sum += expf(*sink - mx); /* the sink's share of the denominator; it has no value */
     const float inv = 1.0f / sum;
-    for (int64_t s = lo; s <= hi; s++) k->axpy_f32(ov, sc[s] * inv, vals + (s * K + kh) * Hd, Hd);
+    for (int64_t s = lo; s <= hi; s++) k->axpy_f32(ov, sc[s - lo] * inv, vals + (KEY_ROW(s) * K + kh) * Hd, Hd);
+#undef KEY_ROW
+}
+
+int64_t col_first_visible_key(int64_t pos, int64_t window, int64_t chunk, int64_t ring) {
+    int64_t lo = 0;
+    if (window > 0 && pos - window + 1 > lo) lo = pos - window + 1;
+    if (chunk > 0 && pos - pos % chunk > lo) lo = pos - pos % chunk;
+    if (ring > 0 && pos - ring + 1 > lo) lo = pos - ring + 1; /* older keys are overwritten */
+    return lo;
 }
 
 static void attention_task(void *arg, int ith, int nth) {
@@ -113,17 +126,18 @@ static void attention_task(void *arg, int ith, int nth) {
     for (int64_t item = ith; item < j->n_q * j->n_heads; item += nth) {
         const int64_t t = item / j->n_heads, h = item % j->n_heads;
         const int64_t pos = j->positions[t];
-        int64_t lo = 0, hi = pos < j->n_keys - 1 ? pos : j->n_keys - 1;
-        if (j->window > 0 && pos - j->window + 1 > lo) lo = pos - j->window + 1;
-        col_attend_head(j->k, j->q + item * Hd, j->keys, j->vals, j->n_kv_heads, h / group, Hd, lo, hi, j->scale,
-                        NULL, sc, j->out + item * Hd);
+        const int64_t hi = j->ring > 0 ? pos : (pos < j->n_keys - 1 ? pos : j->n_keys - 1);
+        const int64_t lo = col_first_visible_key(pos, j->window, j->chunk, j->ring);
+        col_attend_head(j->k, j->q + item * Hd, j->keys, j->vals, j->n_kv_heads, h / group, Hd, lo, hi, j->ring,
+                        j->scale, NULL, sc, j->out + item * Hd);
     }
 }
 
 int col_attention(col_pool *pool, const float *q, const float *keys, const float *vals, int64_t n_q,
                   int64_t n_keys, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                  const int64_t *positions, int64_t window, float scale, float *out) {
-    if (n_q < 0 || n_keys < 0 || n_heads < 0 || n_kv_heads <= 0 || head_dim < 0 || n_heads % n_kv_heads != 0)
+                  const int64_t *positions, int64_t window, int64_t chunk, int64_t ring, float scale, float *out) {
+    if (n_q < 0 || n_keys < 0 || n_heads < 0 || n_kv_heads <= 0 || head_dim < 0 || n_heads % n_kv_heads != 0 ||
+        chunk < 0 || ring < 0 || (ring > 0 && ring != n_keys))
         return COL_EINVAL;
     if (n_q == 0 || n_heads == 0 || head_dim == 0) return COL_OK;
     if (!q || !positions || !out || (n_keys > 0 && (!keys || !vals))) return COL_EINVAL;
@@ -131,7 +145,7 @@ int col_attention(col_pool *pool, const float *q, const float *keys, const float
     float *scores = col_alloc((size_t)nth * (size_t)(n_keys > 0 ? n_keys : 1) * sizeof(float));
     if (!scores) return COL_ENOMEM;
     attention_job job = {col_kernels_active(), q, keys, vals, n_q, n_keys, n_heads, n_kv_heads,
-                         head_dim, window, positions, scale, scores, out};
+                         head_dim, window, chunk, ring, positions, scale, scores, out};
     col_pool_run(pool, attention_task, &job);
     col_free(scores);
     return COL_OK;

@@ -10,6 +10,8 @@
  * aarch64 and runs it under qemu-user, comparing this level with the portable one (matmul on
  * odd shapes and thread splits, fused experts, rounding of ties). No speed numbers exist.
  */
+#include <math.h>
+
 #include "col_internal.h"
 
 #ifdef __aarch64__
@@ -73,6 +75,62 @@ static float dot_mxfp4_neon(const uint8_t *w, const col_xq_row *x, int64_t nb) {
     return total;
 }
 
+/* Y = s Y + X M (col_internal.h) in tiles of NR rows (4, 2 or 1) by 16 columns (four vectors);
+ * the columns past the last multiple of 16 one at a time with fmaf, which rounds as vfmaq
+ * does: every element gets s * y (or 0), then one fused multiply-add per row of M in order,
+ * whatever its tile. */
+#define GEMM_TILE_ROWS 4
+
+static inline __attribute__((always_inline)) void gemm_tile_neon(float *y, int64_t y_stride, float s, const float *x,
+                                                                 int64_t x_stride, const float *m, int64_t rows,
+                                                                 int64_t cols, const int nr) {
+    float32x4_t acc[GEMM_TILE_ROWS][4]; /* (NR, 16 columns) */
+#pragma GCC unroll 4
+    for (int q = 0; q < nr; q++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++)
+            acc[q][v] = s == 0.0f ? vdupq_n_f32(0.0f) : vmulq_n_f32(vld1q_f32(y + q * y_stride + 4 * v), s);
+    for (int64_t i = 0; i < rows; i++) {
+        const float *mi = m + i * cols;
+        float32x4_t mv[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) mv[v] = vld1q_f32(mi + 4 * v);
+#pragma GCC unroll 4
+        for (int q = 0; q < nr; q++) {
+            const float32x4_t xq = vdupq_n_f32(x[q * x_stride + i]);
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) acc[q][v] = vfmaq_f32(acc[q][v], xq, mv[v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < nr; q++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) vst1q_f32(y + q * y_stride + 4 * v, acc[q][v]);
+}
+
+static void gemm_f32_neon(float *y, int64_t y_stride, float s, const float *x, int64_t x_stride, const float *m,
+                          int64_t n, int64_t rows, int64_t cols) {
+    const int64_t full = cols / 16 * 16;
+    for (int64_t j0 = 0; j0 < full; j0 += 16) {
+        int64_t r = 0;
+        for (; r + GEMM_TILE_ROWS <= n; r += GEMM_TILE_ROWS)
+            gemm_tile_neon(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, GEMM_TILE_ROWS);
+        if (r + 2 <= n) { /* k and q of the recurrent step share their reads of S */
+            gemm_tile_neon(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, 2);
+            r += 2;
+        }
+        for (; r < n; r++) gemm_tile_neon(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, 1);
+    }
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t j = full; j < cols; j++) {
+            float acc = s == 0.0f ? 0.0f : s * y[r * y_stride + j];
+            for (int64_t i = 0; i < rows; i++) acc = fmaf(x[r * x_stride + i], m[i * cols + j], acc);
+            y[r * y_stride + j] = acc;
+        }
+}
+
+col_gemm_f32_fn col_gemm_f32_neon(void) { return gemm_f32_neon; }
+
 static const col_kernel_set neon_kernels = {
     COL_KERNELS_NEON,
     {[COL_TYPE_Q8_0] = dot_q8_0_neon, [COL_TYPE_Q4_G64] = dot_q4_g64_neon, [COL_TYPE_MXFP4] = dot_mxfp4_neon},
@@ -84,5 +142,6 @@ const col_kernel_set *col_kernels_neon(void) { return &neon_kernels; }
 #else
 
 const col_kernel_set *col_kernels_neon(void) { return NULL; }
+col_gemm_f32_fn col_gemm_f32_neon(void) { return NULL; }
 
 #endif

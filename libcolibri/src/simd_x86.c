@@ -938,6 +938,117 @@ static int quantize_row_q4_g64_avx512(const float *x, uint8_t *dst, int64_t n) {
     return col_quantize_row_q4_g64_with(&q4_search_avx512, x, dst, n);
 }
 
+/* ---- small float products of the linear-attention layers (col_gemm_f32_fn) -------------- */
+
+/* Y = s Y + X M (col_internal.h): a tile of NR rows of Y (4, 2 or 1) by one column block, the
+ * block's partial vectors masked (masked lanes load zeros and are never stored), so every
+ * element gets the same operations whatever the tile: s * y (or 0), then one fma per row of M
+ * in order. always_inline: each NR becomes its own loop with the tile in registers. */
+#define GEMM_TILE_ROWS 4
+
+TARGET_AVX512 static inline __attribute__((always_inline)) void gemm_tile_avx512(
+    float *y, int64_t y_stride, float s, const float *x, int64_t x_stride, const float *m, int64_t rows, int64_t cols,
+    const __mmask16 mk[4], const int nr) {
+    __m512 acc[GEMM_TILE_ROWS][4]; /* (NR, 64 columns) */
+#pragma GCC unroll 4
+    for (int q = 0; q < nr; q++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++)
+            acc[q][v] = s == 0.0f ? _mm512_setzero_ps()
+                                  : _mm512_mul_ps(_mm512_set1_ps(s), _mm512_maskz_loadu_ps(mk[v], y + q * y_stride + 16 * v));
+    for (int64_t i = 0; i < rows; i++) {
+        const float *mi = m + i * cols;
+        __m512 mv[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) mv[v] = _mm512_maskz_loadu_ps(mk[v], mi + 16 * v);
+#pragma GCC unroll 4
+        for (int q = 0; q < nr; q++) {
+            const __m512 xq = _mm512_set1_ps(x[q * x_stride + i]);
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) acc[q][v] = _mm512_fmadd_ps(xq, mv[v], acc[q][v]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < nr; q++)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; v++) _mm512_mask_storeu_ps(y + q * y_stride + 16 * v, mk[v], acc[q][v]);
+}
+
+TARGET_AVX512 static void gemm_f32_avx512(float *y, int64_t y_stride, float s, const float *x, int64_t x_stride,
+                                          const float *m, int64_t n, int64_t rows, int64_t cols) {
+    for (int64_t j0 = 0; j0 < cols; j0 += 64) { /* column blocks of 4 vectors */
+        __mmask16 mk[4];
+        for (int v = 0; v < 4; v++) {
+            const int64_t left = cols - j0 - 16 * v;
+            mk[v] = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1u) : (__mmask16)0;
+        }
+        int64_t r = 0;
+        for (; r + GEMM_TILE_ROWS <= n; r += GEMM_TILE_ROWS)
+            gemm_tile_avx512(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, mk,
+                             GEMM_TILE_ROWS);
+        if (r + 2 <= n) { /* k and q of the recurrent step share their reads of S */
+            gemm_tile_avx512(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, mk, 2);
+            r += 2;
+        }
+        for (; r < n; r++) gemm_tile_avx512(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, mk, 1);
+    }
+}
+
+/* AVX2: tiles of NR rows by 16 columns (two vectors), partial vectors by maskload/maskstore. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void gemm_tile_avx2(
+    float *y, int64_t y_stride, float s, const float *x, int64_t x_stride, const float *m, int64_t rows, int64_t cols,
+    const __m256i mk[2], const int nr) {
+    __m256 acc[GEMM_TILE_ROWS][2]; /* (NR, 16 columns) */
+#pragma GCC unroll 4
+    for (int q = 0; q < nr; q++)
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; v++)
+            acc[q][v] = s == 0.0f ? _mm256_setzero_ps()
+                                  : _mm256_mul_ps(_mm256_set1_ps(s), _mm256_maskload_ps(y + q * y_stride + 8 * v, mk[v]));
+    for (int64_t i = 0; i < rows; i++) {
+        const float *mi = m + i * cols;
+        const __m256 m0 = _mm256_maskload_ps(mi, mk[0]), m1 = _mm256_maskload_ps(mi + 8, mk[1]);
+#pragma GCC unroll 4
+        for (int q = 0; q < nr; q++) {
+            const __m256 xq = _mm256_broadcast_ss(x + q * x_stride + i);
+            acc[q][0] = _mm256_fmadd_ps(xq, m0, acc[q][0]);
+            acc[q][1] = _mm256_fmadd_ps(xq, m1, acc[q][1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < nr; q++)
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; v++) _mm256_maskstore_ps(y + q * y_stride + 8 * v, mk[v], acc[q][v]);
+}
+
+TARGET_AVX2 static void gemm_f32_avx2(float *y, int64_t y_stride, float s, const float *x, int64_t x_stride,
+                                      const float *m, int64_t n, int64_t rows, int64_t cols) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t j0 = 0; j0 < cols; j0 += 16) {
+        const int64_t left = cols - j0;
+        const __m256i mk[2] = {_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 16 ? left : 16)), lane),
+                               _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(left < 16 ? left : 16) - 8), lane)};
+        int64_t r = 0;
+        for (; r + GEMM_TILE_ROWS <= n; r += GEMM_TILE_ROWS)
+            gemm_tile_avx2(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, mk,
+                           GEMM_TILE_ROWS);
+        if (r + 2 <= n) { /* k and q of the recurrent step share their reads of S */
+            gemm_tile_avx2(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, mk, 2);
+            r += 2;
+        }
+        for (; r < n; r++) gemm_tile_avx2(y + r * y_stride + j0, y_stride, s, x + r * x_stride, x_stride, m + j0, rows, cols, mk, 1);
+    }
+}
+
+col_gemm_f32_fn col_gemm_f32_x86(int level) {
+    switch (level) {
+    case COL_KERNELS_AVX2: return gemm_f32_avx2;
+    case COL_KERNELS_AVX512:
+    case COL_KERNELS_AVX512_VNNI: return gemm_f32_avx512;
+    default: return NULL;
+    }
+}
+
 /* ---- kernel sets ------------------------------------------------------------------------ */
 
 static const col_kernel_set avx2_kernels = {
@@ -980,5 +1091,9 @@ const col_kernel_set *col_kernels_avx512_vnni(void) {
 const col_kernel_set *col_kernels_avx2(void) { return NULL; }
 const col_kernel_set *col_kernels_avx512(void) { return NULL; }
 const col_kernel_set *col_kernels_avx512_vnni(void) { return NULL; }
+col_gemm_f32_fn col_gemm_f32_x86(int level) {
+    (void)level;
+    return NULL;
+}
 
 #endif

@@ -23,6 +23,8 @@
  *     only difference left is float rounding, within 1e-5 * scale (what the SIMD levels
  *     guarantee among themselves);
  *   - the fused experts quantize activations twice (x, then h): within 4e-2 * max |portable|;
+ *   - a Gated DeltaNet step: f32 weights within 1e-4 * max |portable| (float products only),
+ *     integer weights within 6e-2 (see check_deltanet);
  *   - bit for bit: the pool's thread count, a token alone or in a batch, weights at an odd
  *     address never change a result.
  */
@@ -151,7 +153,7 @@ static const shape SHAPES[] = {{1, 1, 1},  {7, 3, 1},   {37, 5, 2}, {100, 2, 3},
                                {257, 7, 5}, {33, 16, 1}, {129, 32, 4}};
 
 static const char *type_name(int type) {
-    return type == COL_TYPE_Q8_0 ? "q8_0" : type == COL_TYPE_Q4_G64 ? "q4_g64" : "mxfp4";
+    return type == COL_TYPE_Q8_0 ? "q8_0" : type == COL_TYPE_Q4_G64 ? "q4_g64" : type == COL_TYPE_F32 ? "f32" : "mxfp4";
 }
 
 /* The activation block: the weight's block (32 for q8_0 and mxfp4, 64 for q4_g64). */
@@ -383,6 +385,79 @@ static void check_mla(int type, int64_t q_rank, int64_t n_tok, col_pool *const *
     weights_free(&wo);
 }
 
+/* One Gated DeltaNet step (col_deltanet_block) of n_tok tokens from non-zero states: the NEON
+level against the portable one, and the same bits for 1, 2 and 3 threads. f32 weights isolate
+the small float products (the NEON gemm, whose 16-column tiles leave tails here: Dk 20, chunks
+of 64 and 6): DELTANET_F32_TOL. Integer weights add int8 activations in the input and output
+products, whose rounding every token's state inherits and the gated RMSNorm rescales:
+DELTANET_INT8_TOL (tests/test_native_deltanet.py's tolerances). */
+#define DELTANET_F32_TOL 1e-4
+#define DELTANET_INT8_TOL 6e-2
+
+static void check_deltanet(int type, int64_t n_tok, col_pool *const *pools) {
+    enum { D = 64, HK = 1, HV = 2, DK = 20, DV = 32, KC = 4, C = 2 * HK * DK + HV * DV, Z = HV * DV };
+    weights qkv = weights_random(type, C, D, 0.12), z = weights_random(type, Z, D, 0.12);
+    weights b = weights_random(type, HV, D, 0.12), a = weights_random(type, HV, D, 0.12);
+    weights wo = weights_random(type, D, Z, 0.17);
+    float norm[D], conv[C * KC], A_log[HV] = {-2.0f, 1.5f}, dt_bias[HV], gate_norm[DV];
+    fill_gaussian(norm, D, 0.2);
+    fill_gaussian(conv, C * KC, 0.5);
+    fill_gaussian(dt_bias, HV, 0.5);
+    fill_gaussian(gate_norm, DV, 0.2);
+    for (int i = 0; i < D; i++) norm[i] += 1.0f;
+    for (int i = 0; i < DV; i++) gate_norm[i] += 1.0f;
+    col_deltanet_layer l = {0};
+    l.dim = D, l.n_k_heads = HK, l.n_v_heads = HV, l.k_head_dim = DK, l.v_head_dim = DV, l.conv_kernel = KC;
+    l.eps = 1e-6f, l.norm_eps = 1e-6f, l.in_type = l.o_type = type;
+    l.norm = norm, l.wqkv = qkv.packed, l.wz = z.packed, l.wb = b.packed, l.wa = a.packed, l.wo = wo.packed;
+    l.conv = conv, l.A_log = A_log, l.dt_bias = dt_bias, l.gate_norm = gate_norm;
+    const size_t x_bytes = (size_t)(n_tok * D) * sizeof(float), conv_bytes = (KC - 1) * C * sizeof(float);
+    const size_t state_bytes = HV * DK * DV * sizeof(float);
+    float *x = must_alloc(x_bytes), *conv0 = must_alloc(conv_bytes), *state0 = must_alloc(state_bytes);
+    fill_gaussian(x, n_tok * D, 1.0);
+    fill_gaussian(conv0, (KC - 1) * C, 1.0);
+    fill_gaussian(state0, HV * DK * DV, 0.3);
+    float *want[3], *got[N_POOLS][3]; /* x, conv state, recurrent state */
+    const size_t bytes[3] = {x_bytes, conv_bytes, state_bytes};
+    const float *start[3] = {x, conv0, state0};
+    for (int p = -1; p < N_POOLS; p++) {
+        float **out = p < 0 ? want : got[p];
+        for (int i = 0; i < 3; i++) {
+            out[i] = must_alloc(bytes[i]);
+            memcpy(out[i], start[i], bytes[i]);
+        }
+        must(col_kernels_set(p < 0 ? COL_KERNELS_PORTABLE : COL_KERNELS_NEON), "col_kernels_set");
+        must(col_deltanet_block(pools[p < 0 ? 0 : p], &l, out[0], n_tok, out[1], out[2]), "col_deltanet_block");
+    }
+    for (int p = 1; p < N_POOLS; p++)
+        for (int i = 0; i < 3; i++)
+            check(memcmp(got[p][i], got[0][i], bytes[i]) == 0, "%s deltanet n_tok=%lld: %d threads differ from 1 (output %d)",
+                  type_name(type), (long long)n_tok, p + 1, i);
+    for (int i = 0; i < 3; i++) { /* x: the layer's contribution (x + o - x); the states as they are */
+        double max_want = 0.0, max_diff = 0.0;
+        for (size_t e = 0; e < bytes[i] / sizeof(float); e++) {
+            const double w = (double)want[i][e] - (i == 0 ? x[e] : 0.0), diff = fabs((double)got[0][i][e] - want[i][e]);
+            if (fabs(w) > max_want) max_want = fabs(w);
+            if (diff > max_diff) max_diff = diff;
+        }
+        const double tol = type == COL_TYPE_F32 ? DELTANET_F32_TOL : DELTANET_INT8_TOL;
+        check(max_diff <= tol * max_want + 1e-6, "%s deltanet n_tok=%lld output %d: max |neon - portable| %g > %g x %g",
+              type_name(type), (long long)n_tok, i, max_diff, tol, max_want);
+    }
+    for (int i = 0; i < 3; i++) {
+        free(want[i]);
+        for (int p = 0; p < N_POOLS; p++) free(got[p][i]);
+    }
+    free(x);
+    free(conv0);
+    free(state0);
+    weights_free(&qkv);
+    weights_free(&z);
+    weights_free(&b);
+    weights_free(&a);
+    weights_free(&wo);
+}
+
 int main(void) {
     /* on aarch64 NEON is always there, and the best level */
     check(col_kernels_supported(COL_KERNELS_NEON), "the neon level is not supported by this build");
@@ -407,11 +482,15 @@ int main(void) {
         check_moe(types[i], 5, pools);
         check_mla(types[i], 64, 5, pools);
         check_mla(types[i], 0, 1, pools);
+        check_deltanet(types[i], 70, pools);
+        check_deltanet(types[i], 1, pools);
     }
+    check_deltanet(COL_TYPE_F32, 70, pools);
+    check_deltanet(COL_TYPE_F32, 1, pools);
     for (int p = 0; p < N_POOLS; p++) col_pool_destroy(pools[p]);
 
     printf("neon_check: %s (%d of %d checks failed; q8_0, q4_g64 and mxfp4 matmul on %zu shapes, "
-           "rounding, fused experts, latent attention; neon vs portable)\n",
+           "rounding, fused experts, latent attention, gated deltanet; neon vs portable)\n",
            n_failed ? "FAIL" : "PASS", n_failed, n_checks, sizeof SHAPES / sizeof SHAPES[0]);
     return n_failed ? 1 : 0;
 }

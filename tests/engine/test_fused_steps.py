@@ -27,8 +27,8 @@ def _engines(path):
 
     fused, stepwise = Engine(Pack.open(path)), Engine(Pack.open(path))
     for layer in stepwise.model.layers:
-        layer.attention.fused = None  # the numpy / separate-call path
-    assert all(layer.attention.fused is not None for layer in fused.model.layers)
+        layer.mixer.fused = None  # the numpy / separate-call path
+    assert all(layer.mixer.fused is not None for layer in fused.model.layers)
     return fused, stepwise
 
 
@@ -65,12 +65,15 @@ def test_specs_exercise_the_features_they_claim(packs):
 
 def test_the_cache_grows_under_the_fused_step_and_refuses_past_its_end(packs):
     from colibrid.engine.kv_cache import KVCache
+    from colibrid.engine.sequence_state import SequenceState
 
     fused, stepwise = _engines(packs.pack(SPECS[2], "q8_0"))
-    caches = [KVCache(e.config, 16, initial_tokens=2) for e in (fused, stepwise)]  # grows 2 -> 4 -> 8 -> 16
+    config = fused.config  # grows 2 -> 4 -> 8 -> 16:
+    states = [SequenceState([KVCache(config.num_kv_heads, config.head_dim, 16, initial_tokens=2)
+                             for _ in range(config.num_layers)], 16) for _ in range(2)]
     for part in (PROMPT[:3], PROMPT[3:4], PROMPT[4:9], PROMPT[9:]):
-        a, b = (e.model.forward(np.asarray(part), kv) for e, kv in zip((fused, stepwise), caches))
+        a, b = (e.model.forward(np.asarray(part), state) for e, state in zip((fused, stepwise), states))
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="context full"):
-        fused.model.forward(np.asarray(PROMPT[:5]), caches[0])  # 12 + 5 > 16
-    assert caches[0].length == len(PROMPT)
+        fused.model.forward(np.asarray(PROMPT[:5]), states[0])  # 12 + 5 > 16
+    assert states[0].length == len(PROMPT)

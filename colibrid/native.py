@@ -845,7 +845,7 @@ class AttentionLayer(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("clip_qkv", ctypes.c_float),
         ("qk_norm", ctypes.c_int32), ("qkv_type", ctypes.c_int32), ("o_type", ctypes.c_int32),
         *((name, ctypes.c_void_p) for name in ("norm", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "q_norm", "k_norm")),
-        ("rotary_dim", ctypes.c_int64), ("sinks", ctypes.c_void_p), ("chunk", ctypes.c_int64),
+        ("rotary_dim", ctypes.c_int64), ("sinks", ctypes.c_void_p), ("chunk", ctypes.c_int64), ("wg", ctypes.c_void_p),
         ("v_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
     ]
 
@@ -862,15 +862,16 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
                     qk_norm: str = "none", q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
                     bq: np.ndarray | None = None, bk: np.ndarray | None = None, bv: np.ndarray | None = None,
                     bo: np.ndarray | None = None, rotary_dim: int = 0, sinks: np.ndarray | None = None,
-                    chunk: int | None = None, v_norm: np.ndarray | None = None,
+                    chunk: int | None = None, wg=None, v_norm: np.ndarray | None = None,
                     post_norm: np.ndarray | None = None) -> AttentionLayer:
     """One layer's attention for attention_block(): ``wq`` (H*Hd, D), ``wk``/``wv`` (K*Hd, D)
     encoded as ``qkv_type``, ``wo`` (D, H*Hd) as ``o_type`` (contiguous buffers, read in place);
     ``norm`` (D) the input RMSNorm; biases and q/k norm weights float32 or None; ``rotary_dim``
     the leading dims of each head RoPE rotates (0: all); ``sinks`` (H) float32 per-head sink
-    logits or None; ``chunk`` the chunked-local attention span (None: none); ``v_norm`` (Hd)
-    the RMSNorm weight of each value head, ``post_norm`` (D) that of the attention output
-    before the residual add, or None."""
+    logits or None; ``chunk`` the chunked-local attention span (None: none); ``wg`` (H*Hd, D) as
+    ``qkv_type``: an output gate, the attention output times sigmoid(h wg^T) (Qwen3.5,
+    Qwen3-Next), or None; ``v_norm`` (Hd) the RMSNorm weight of each value head, ``post_norm``
+    (D) that of the attention output before the residual add, or None."""
     dim, n_heads, n_kv_heads, head_dim = (_as_count(v, n) for v, n in (
         (dim, "dim"), (n_heads, "n_heads"), (n_kv_heads, "n_kv_heads"), (head_dim, "head_dim")))
     if min(dim, n_heads, n_kv_heads, head_dim) == 0 or n_heads % n_kv_heads or head_dim % 2:
@@ -887,8 +888,8 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
                            eps=float(eps), scale=float(scale), clip_qkv=float(clip_qkv or 0.0),
                            qk_norm=QK_NORM_CODES[qk_norm], qkv_type=int(t_qkv), o_type=int(t_o), norm=_ptr(norm),
                            rotary_dim=rotary_dim, chunk=_as_count(chunk or 0, "chunk"))
-    for field, data, t, rows, cols in (("wq", wq, t_qkv, Q, dim), ("wk", wk, t_qkv, KV, dim), ("wv", wv, t_qkv, KV, dim),
-                                       ("wo", wo, t_o, dim, Q)):
+    matrices = [("wq", wq, t_qkv, Q, dim), ("wk", wk, t_qkv, KV, dim), ("wv", wv, t_qkv, KV, dim), ("wo", wo, t_o, dim, Q)]
+    for field, data, t, rows, cols in matrices + ([("wg", wg, t_qkv, Q, dim)] if wg is not None else []):
         raw = _byte_view(data, field)
         if raw.nbytes != rows * t.row_bytes(cols):
             raise InvalidArgumentError(f"{field} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs {rows * t.row_bytes(cols)}")

@@ -49,7 +49,7 @@ def test_pack_size_tool_matches_a_conversion(packs):
     from tests.tiny_checkpoints import CheckpointSpec
 
     for spec in (CheckpointSpec("qwen2_moe"), CheckpointSpec("glm4_moe", {"tie_word_embeddings": True}),
-                 CheckpointSpec("deepseek_v3")):
+                 CheckpointSpec("deepseek_v3"), CheckpointSpec("qwen3_5_moe")):
         for quant in ("f32", "experts=q4_g64,dense=q8_0,embeddings=q8_0", "bf16"):
             pack = packs.pack(spec, quant)
             config = Pack.open(pack).manifest.model

@@ -216,3 +216,77 @@ def test_q4_g64_signed_zeros_keep_the_reference_offset(kernel_level):
     for level in LEVELS[1:]:
         kernel_level(level)
         assert native.quantize(TensorType.Q4_G64, x).tobytes() == want.tobytes(), level
+
+
+def q4_edge_blocks(seed: int, n_blocks: int) -> np.ndarray:
+    """(n_blocks, 64) float32, each block one of thirteen kinds drawn at random (so neighbouring
+    SIMD lanes walk candidate chains of different lengths): gaussian; all zeros; constant;
+    zeros of both signs; +-65504 (the f16 limit); values up to 65504 with a few tiny ones; f16
+    subnormal scales (1e-6); float subnormals (1e-40); random float bit patterns within f16
+    range (exponent spans up to 2^-149 .. 2^15); values halfway between f16 neighbours; two
+    values only; one spike on zeros; and constant blocks on the f16 rounding's edges (a
+    constant block stores its value rounded to f16 as the offset): ties and near-ties
+    between f16 subnormals and normals."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((n_blocks, 64)) * 0.05).astype(np.float32)
+    for b, kind in enumerate(rng.integers(0, 13, n_blocks)):
+        row = x[b]
+        if kind == 1:
+            row[:] = 0.0
+        elif kind == 2:
+            row[:] = np.float32(rng.standard_normal())
+        elif kind == 3:
+            row[:] = np.where(rng.integers(0, 2, 64) == 1, np.float32(-0.0), np.float32(0.0))
+        elif kind == 4:
+            row[:] = np.where(rng.integers(0, 2, 64) == 1, np.float32(65504.0), np.float32(-65504.0))
+        elif kind == 5:
+            row[:] = rng.uniform(-65504, 65504, 64).astype(np.float32)
+            row[rng.integers(0, 64, 3)] = np.float32(1e-7)
+        elif kind == 6:
+            row *= np.float32(2e-5)
+        elif kind == 7:
+            row[:] = (rng.integers(-(1 << 20), 1 << 20, 64) * 1e-45).astype(np.float32)
+        elif kind == 8:
+            bits = rng.integers(0, 1 << 31, 64, dtype=np.uint32) | (rng.integers(0, 2, 64, dtype=np.uint32) << 31)
+            row[:] = bits.view(np.float32)
+            row[~(np.abs(row) <= 65504)] = np.float32(1.0)
+        elif kind == 9:  # f16 value + half an f16 step: ties for the f16 rounding of d and m
+            h = rng.integers(0x3C00, 0x4C00, 64).astype(np.uint16).view(np.float16).astype(np.float32)
+            row[:] = h * np.float32(1 + 2.0 ** -11)
+        elif kind == 10:
+            row[:] = np.where(rng.integers(0, 2, 64) == 1, np.float32(0.75), np.float32(-1.25))
+        elif kind == 11:
+            row[:] = 0.0
+            row[rng.integers(0, 64)] = np.float32(rng.uniform(-100, 100))
+        elif kind == 12:  # (k + 1/2 + tiny) f16 steps, k both even and odd, subnormal or normal
+            step = np.float32(2.0 ** -24) * np.float32(2.0 ** rng.choice([0, 0, 0, 5, 10, 12]))
+            nudge = np.float32(rng.choice([0.0, 0.0, 2.0 ** -10, -(2.0 ** -10)]))
+            sign = np.float32(rng.choice([1.0, -1.0]))
+            row[:] = sign * (np.float32(rng.integers(0, 1100)) + np.float32(0.5) + nudge) * step
+    return x
+
+
+@pytest.mark.skipif(len(LEVELS) < 2, reason="no SIMD kernel level on this CPU")
+@pytest.mark.parametrize("blocks_per_row", [1, 5, 8, 16, 23, 32])
+def test_q4_g64_search_in_simd_lanes_writes_the_reference_bytes_on_edge_cases(blocks_per_row, kernel_level):
+    """The SIMD levels search 8 or 16 blocks at once, one per lane (a row's last group is
+    partial); every block's bytes must be the portable reference's, whatever its neighbours."""
+    x = q4_edge_blocks(blocks_per_row, blocks_per_row * 400).reshape(-1, blocks_per_row * 64)
+    kernel_level("portable")
+    want = native.quantize(TensorType.Q4_G64, x).reshape(-1, 36)
+    for level in LEVELS[1:]:
+        kernel_level(level)
+        got = native.quantize(TensorType.Q4_G64, x).reshape(-1, 36)
+        mismatched = np.flatnonzero((got != want).any(axis=1))
+        assert mismatched.size == 0, f"{level}: blocks {mismatched[:10].tolist()} differ"
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf, 65505.0, -1e30])
+@pytest.mark.parametrize("block", [0, 7, 15, 18])
+def test_q4_g64_value_out_of_range_is_an_error_on_every_level(bad, block, kernel_level):
+    x = q4_edge_blocks(3, 20).reshape(1, -1)
+    x[0, block * 64 + 37] = bad
+    for level in LEVELS:
+        kernel_level(level)
+        with pytest.raises(native.ValueRangeError):
+            native.quantize(TensorType.Q4_G64, x)

@@ -38,6 +38,16 @@ ARCH_CLASSES = {
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
     "gemma4_text": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
+    "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+    "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+    # the published multimodal layout: text_config, model.language_model.*, a vision tower
+    "qwen3_5_moe_vl": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration),
+}
+# Multimodal wrappers: the text model (an ARCH_CLASSES key) whose config goes under text_config,
+# and the wrapper's own settings (a tiny vision tower).
+WRAPPED = {
+    "qwen3_5_moe_vl": ("qwen3_5_moe", dict(vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
+                                                              out_hidden_size=64))),
 }
 
 # Sizes keep every matrix row a multiple of 64 so every quantized type applies.
@@ -60,6 +70,12 @@ _DEEPSEEK = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_siz
                  first_k_dense_replace=1, n_shared_experts=1, num_key_value_heads=4, kv_lora_rank=64, q_lora_rank=64,
                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_group=4, topk_group=2)
 EXPERTS.update(deepseek_v2=_DEEPSEEK, deepseek_v3=_DEEPSEEK)
+# Hybrid Gated DeltaNet / gated attention (three linear layers to one full), more value heads
+# than key heads (4 : 2), conv kernel 4, a gated shared expert, partial rotary 0.25 (4 of 16 dims).
+_QWEN3_5 = dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+EXPERTS.update(qwen3_5_moe=_QWEN3_5, qwen3_next={**_QWEN3_5, "intermediate_size": 128})
 # Gemma 4's MoE block beside a dense MLP; sliding layers (Hd 16, 2 kv heads, window 4) and full
 # ones (Hd 32, 1 kv head, values from the keys, proportional RoPE), per-layer inputs (P 16) and
 # logit soft-capping. The per-layer vocabulary is the tokenizer's (build_checkpoint sets it).
@@ -148,11 +164,17 @@ def build_checkpoint(spec: CheckpointSpec, directory: Path, init_std: float = 0.
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(directory)
     config_cls, model_cls = ARCH_CLASSES[spec.arch]
-    kwargs = {**BASE, **EXPERTS[spec.arch], **spec.overrides}
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    if "hidden_size_per_layer_input" in kwargs:  # Gemma's per-layer embeddings: the tokenizer's vocabulary
-        kwargs.setdefault("vocab_size_per_layer_input", len(tokenizer))
-    config = config_cls(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=eos, bos_token_id=None, **kwargs)
+    if spec.arch in WRAPPED:
+        text_arch, wrapper = WRAPPED[spec.arch]
+        text = {**BASE, **EXPERTS[text_arch], **spec.overrides}
+        config = config_cls(text_config=dict(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=eos,
+                                             bos_token_id=None, **text), **wrapper)
+    else:
+        kwargs = {**BASE, **EXPERTS[spec.arch], **spec.overrides}
+        if "hidden_size_per_layer_input" in kwargs:  # Gemma's per-layer embeddings: the tokenizer's vocabulary
+            kwargs.setdefault("vocab_size_per_layer_input", len(tokenizer))
+        config = config_cls(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=eos, bos_token_id=None, **kwargs)
     torch.manual_seed(spec.seed)
     model = model_cls(config)
     if spec.train_steps:

@@ -112,7 +112,9 @@ class Converter:
         except (KeyError, TypeError, ValueError) as exc:
             raise ConversionError(f"{src / 'config.json'}: cannot read the model configuration ({exc!r})") from None
         self.checkpoint = self._open_checkpoint()
+        self.arch = self.arch.for_checkpoint(self.config, self.checkpoint.has)
         self.dense_names = self.arch.dense_tensor_names(self.config)
+        self.zero_centred = set(self.arch.zero_centred_norms(self.config))  # stored as 1 + w
         self.quant = self._experts_as_published(quant)
         self.report = ConversionReport(out, self.arch.name, quantization=self.quant.to_json())
 
@@ -126,7 +128,7 @@ class Converter:
         unless --quant names an experts type, which then re-encodes their exact values."""
         if "experts" in quant.explicit or not self.config.moe_layer_ids:
             return quant
-        first = self.arch.expert_tensor_names(self.config.moe_layer_ids[0], 0, config=self.config).gate
+        first = self.arch.expert_tensor_names(self.config.moe_layer_ids[0], 0).gate
         if not self.checkpoint.is_mxfp4(first):
             return quant
         log.info("experts are MXFP4 in the checkpoint: copied as mxfp4 (--quant experts=TYPE re-encodes them)")
@@ -162,7 +164,7 @@ class Converter:
         expert_shapes = expected_expert_shapes(self.config)
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
-                names = self.arch.expert_tensor_names(layer, expert, config=self.config)
+                names = self.arch.expert_tensor_names(layer, expert)
                 for part in expert_part_names(self.config):
                     self._check_shape(getattr(names, part), expert_shapes[part])
         self._check_tokenizer()
@@ -200,7 +202,7 @@ class Converter:
         names = list(self.dense_names.values())
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
-                expert_names = self.arch.expert_tensor_names(layer, expert, config=self.config)
+                expert_names = self.arch.expert_tensor_names(layer, expert)
                 names.extend(getattr(expert_names, part) for part in expert_part_names(self.config))
         return names
 
@@ -273,7 +275,7 @@ class Converter:
         requests = [ReadRequest(hf_name) for hf_name in self.dense_names.values()]
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
-                names = self.arch.expert_tensor_names(layer, expert, config=self.config)
+                names = self.arch.expert_tensor_names(layer, expert)
                 for part in expert_part_names(self.config):
                     hf_name = getattr(names, part)
                     # published MXFP4 kept as mxfp4: the same codes and exponents, only rearranged
@@ -286,6 +288,9 @@ class Converter:
             loaded = next(tensors)
             wanted = requested_type(pack_name, len(self.checkpoint.shape_of(hf_name)), self.quant.to_json())
             type_, shape, data = self._encode(pack_name, loaded, wanted)
+            if pack_name in self.zero_centred:
+                # the model scales by (1 + w) computed in float32: the same float32 factor, once
+                data = (data + np.float32(1.0)).astype(np.float32)
             writes.submit(writer.add_dense, pack_name, type_, shape, data)
             progress.advance(self._source_params(hf_name), pack_name)
 

@@ -16,6 +16,7 @@ every other row), so a fused checkpoint tensor is never read whole.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, replace
@@ -54,25 +55,36 @@ class TensorRef:
     """Part of a checkpoint tensor: ``index`` selects along its leading axes (expert e of a
     fused (E, R, C) tensor: ``(e,)``), then ``rows`` slices the row axis (the second to last:
     ``slice(0, None, 2)`` for the even rows of an interleaved gate/up; of a 1-D part, a bias
-    with one value per row, its elements).
+    with one value per row, its elements). ``rows`` may also be a tuple of row numbers, a
+    gather in that order (a fused projection whose parts interleave per head: Qwen3.5's
+    q_proj, Qwen3-Next's in_proj_qkvz); such a part is read through read_f32.
 
     ``transposed``: a value tensor (F32/BF16/F16/F8) stores the part as (..., C, R), the way
     transformers keeps gpt-oss's fused experts (used as x @ W); it is read as its (..., R, C)
     transpose, rows sliced after. An MXFP4 tensor always holds its groups of 32 along the
     input dim, i.e. already (..., R, C) (gpt-oss's published ``*_blocks``), so the flag does
-    not apply to it."""
+    not apply to it.
+
+    ``view``: the part's shape read as this one, same elements in the same order (a depthwise
+    conv weight (C, 1, Kc) as the (C, Kc) matrix it is); applied right after ``index``. A part
+    whose element count differs keeps its own shape, so the shape check names the mismatch."""
 
     name: str
     index: tuple[int, ...] = ()
-    rows: slice | None = None
+    rows: slice | tuple[int, ...] | None = None
     transposed: bool = False
+    view: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, ref: "str | TensorRef") -> "TensorRef":
         return ref if isinstance(ref, TensorRef) else cls(ref)
 
     def __str__(self) -> str:
-        parts = [str(i) for i in self.index] + ([f"{self.rows.start or ''}:{self.rows.stop or ''}:{self.rows.step or ''}"] if self.rows else [])
+        parts = [str(i) for i in self.index]
+        if isinstance(self.rows, slice):
+            parts.append(f"{self.rows.start or ''}:{self.rows.stop or ''}:{self.rows.step or ''}")
+        elif self.rows is not None:
+            parts.append(f"<{len(self.rows)} rows from {min(self.rows, default=0)}>")
         named = f"{self.name}[{', '.join(parts)}]" if parts else self.name
         return named + (".T" if self.transposed else "")
 
@@ -80,15 +92,19 @@ class TensorRef:
         """This part of ``array`` (the whole tensor, or a same-leading-shape companion) as a
         view; ``transpose`` False ignores ``transposed`` (MXFP4 parts)."""
         part = array[self.index] if self.index else array
+        if self.view is not None and part.size == math.prod(self.view):
+            part = part.reshape(self.view)
         if self.transposed and transpose and part.ndim >= 2:
             part = part.swapaxes(-1, -2)
         return _slice_rows(part, self.rows)
 
 
-def _slice_rows(part: np.ndarray, rows: slice | None) -> np.ndarray:
+def _slice_rows(part: np.ndarray, rows: slice | tuple[int, ...] | None) -> np.ndarray:
     """``rows`` of the row axis (the second to last; of a 1-D part, its elements)."""
     if rows is None:
         return part
+    if not isinstance(rows, slice):
+        rows = np.asarray(rows, dtype=np.int64)  # a gather (a tuple would index several axes)
     return part[rows] if part.ndim == 1 else part[..., rows, :]
 
 
@@ -245,12 +261,19 @@ class Checkpoint:
         if len(ref.index) >= len(shape) or any(not 0 <= i < n for i, n in zip(ref.index, shape)):
             raise CheckpointError(f"{ref}: index out of range for tensor {ref.name} of shape {list(shape)}")
         shape = shape[len(ref.index):]
+        if ref.view is not None and math.prod(shape) == math.prod(ref.view):
+            shape = ref.view
         if ref.transposed and len(shape) >= 2 and self.info(ref.name).dtype != MXFP4:
             shape = shape[:-2] + (shape[-1], shape[-2])
-        if ref.rows is not None and len(shape) == 1:
-            shape = (len(range(*ref.rows.indices(shape[0]))),)
-        elif ref.rows is not None:
-            shape = shape[:-2] + (len(range(*ref.rows.indices(shape[-2]))), shape[-1])
+        if ref.rows is not None:
+            n_rows = shape[0] if len(shape) == 1 else shape[-2]
+            if isinstance(ref.rows, slice):
+                taken = len(range(*ref.rows.indices(n_rows)))
+            elif all(0 <= r < n_rows for r in ref.rows):
+                taken = len(ref.rows)
+            else:
+                raise CheckpointError(f"{ref}: a row number is out of range for tensor {ref.name} of shape {list(shape)}")
+            shape = (taken,) if len(shape) == 1 else shape[:-2] + (taken, shape[-1])
         return shape
 
     def has(self, ref: "str | TensorRef") -> bool:
@@ -293,9 +316,9 @@ class Checkpoint:
         ref = TensorRef.of(ref)
         info = self.info(ref.name)
         self.shape_of(ref)  # checks the index
-        if ref.transposed:  # stored (C, R): read_f32 transposes it (gpt-oss's value experts; rare)
-            return None
-        shape = info.shape[len(ref.index):]
+        if ref.transposed or isinstance(ref.rows, tuple):  # read_f32 transposes (gpt-oss's value experts)
+            return None  # or gathers (rows interleaved per head): a few dense projections
+        shape = self.shape_of(TensorRef(ref.name, ref.index, view=ref.view))  # (N, C) as stored, viewed
         if info.dtype not in ("F32", "F16", "BF16", "F8_E4M3") or len(shape) != 2:
             return None
         elem_bytes = _DTYPES[info.dtype][1]
@@ -356,7 +379,7 @@ class Checkpoint:
         block_view = self._raw(blocks)  # (..., R, G, 16)
         block_part = block_view[ref.index] if ref.index else block_view
         if ref.rows is not None:
-            block_part = block_part[..., ref.rows, :, :]
+            block_part = block_part[..., ref.rows if isinstance(ref.rows, slice) else list(ref.rows), :, :]
         return mxfp4.pack_rows(block_part, ref.select(self._raw(scales), transpose=False))
 
     def _raw(self, info: TensorInfo) -> np.ndarray:

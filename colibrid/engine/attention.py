@@ -1,7 +1,7 @@
 """Grouped-query causal self-attention with RoPE (optionally partial: the leading dims of
-each head only), optional q/k RMSNorm, qkv clipping, sliding windows and per-head sink
-logits; Gemma 4's v norm, values taken from the keys' projection, and a norm of the output
-before the residual add; keys and values go through the sequence's KV cache."""
+each head only), optional q/k RMSNorm, qkv clipping, sliding windows, per-head sink logits
+and an output gate; Gemma 4's v norm, values taken from the keys' projection, and a norm of
+the output before the residual add; keys and values go through the sequence's KV cache."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ class Attention:
         """The whole step as one libcolibri call (col_attention_block, the same numbers as the
         numpy path below), or None where it does not apply: q, k and v of different types."""
         c, w = self.c, self.w
-        if len({w["q"].type, w["k"].type, self.wv.type}) != 1:
-            log.info("layer %d: q, k and v have different types; attention runs step by step", self.layer)
+        if len({w[name].type for name in ("q", "k", "gate") if name in w} | {self.wv.type}) != 1:
+            log.info("layer %d: q, k, v (and gate) have different types; attention runs step by step", self.layer)
             return None
         bias = lambda name: w[name].data if name in w else None  # noqa: E731
         return native.attention_layer(
@@ -53,7 +53,8 @@ class Attention:
             w["q"].data, w["k"].data, self.wv.data, w["o"].type, w["o"].data, eps=c.rms_norm_eps,
             scale=float(self.scale), window=self.window, clip_qkv=c.clip_qkv, qk_norm=c.qk_norm,
             q_norm=bias("q_norm"), k_norm=bias("k_norm"), bq=bias("q_bias"), bk=bias("k_bias"), bv=bias("v_bias"),
-            bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"), chunk=self.chunk, v_norm=self.v_norm,
+            bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"), chunk=self.chunk,
+            wg=w["gate"].data if "gate" in w else None, v_norm=self.v_norm,
             post_norm=None if self.post_norm is None else self.post_norm.data)
 
     def new_state(self, max_tokens: int, max_step_tokens: int) -> KVCache | RingKVCache:
@@ -100,4 +101,7 @@ class Attention:
         # its own, so decode and prefill give the same numbers
         out = native.attention(q, keys, values, positions, self.window, float(self.scale), chunk=self.chunk,
                                ring=kv.ring)  # (T, H*Hd)
-        return linear(out, w["o"], w.get("o_bias"))
+        if "gate" in w:  # the output gate (Qwen3.5, Qwen3-Next): per head and dim, sigmoid of its own projection
+            with np.errstate(over="ignore"):
+                out = out * (np.float32(1.0) / (np.float32(1.0) + np.exp(-linear(x, w["gate"]))))
+        return linear(out.astype(np.float32), w["o"], w.get("o_bias"))

@@ -11,6 +11,7 @@ import numpy as np
 
 from colibrid import native
 from colibrid.engine.attention import Attention
+from colibrid.engine.deltanet import DeltaNet
 from colibrid.engine.experts import ExpertSource
 from colibrid.engine.layers import linear, rms_norm
 from colibrid.engine.mla import LatentAttention
@@ -44,7 +45,9 @@ class Layer:
         self.attn_norm = _dense(pack, f"layers.{layer}.attn_norm")
         self.ffn_norm = _dense(pack, f"layers.{layer}.ffn_norm")
         attn_weights = _layer_weights(pack, layer, "attn.")
-        if c.mla is not None:
+        if c.layer_mixer(layer) == "deltanet":
+            self.mixer = DeltaNet(c, layer, attn_weights, self.attn_norm)
+        elif c.mla is not None:
             self.mixer = LatentAttention(c, layer, attn_weights, self.attn_norm)
         else:
             self.mixer = Attention(c, layer, attn_weights, rotary, self.attn_norm)

@@ -13,10 +13,13 @@ from colibrid.models.gpt_oss import GptOss
 from colibrid.models.mixtral import Mixtral
 from colibrid.models.olmoe import Olmoe
 from colibrid.models.qwen2_moe import Qwen2Moe
+from colibrid.models.qwen3_5_moe import Qwen35Moe
 from colibrid.models.qwen3_moe import Qwen3Moe
+from colibrid.models.qwen3_next import Qwen3Next
 
 ARCHITECTURES: dict[str, Architecture] = {
-    arch.name: arch for arch in (Olmoe(), Mixtral(), Qwen2Moe(), Qwen3Moe(), Glm4Moe(), DeepseekV2(), DeepseekV3(), GptOss(), Gemma4())
+    arch.name: arch for arch in (Olmoe(), Mixtral(), Qwen2Moe(), Qwen3Moe(), Glm4Moe(), DeepseekV2(), DeepseekV3(), GptOss(),
+                                 Qwen35Moe(), Qwen3Next(), Gemma4())
 }
 
 

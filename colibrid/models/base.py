@@ -9,7 +9,7 @@ engine runs every architecture through the same code.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from colibrid.convert.safetensors import TensorRef
 from colibrid.models.config import ModelConfig, RopeConfig
@@ -49,13 +49,16 @@ class Architecture:
     def model_config(self, hf: dict[str, Any]) -> ModelConfig:
         raise NotImplementedError
 
+    def for_checkpoint(self, config: ModelConfig, has_tensor: Callable[[str], bool]) -> "Architecture":
+        """This architecture as the checkpoint at hand lays it out (a family published in two
+        layouts returns the variant that names the tensors ``has_tensor`` finds)."""
+        return self
+
     def conversion_notes(self, hf: dict[str, Any]) -> list[str]:
         """What the converter leaves out of the pack on purpose (logged, one line each)."""
         return []
 
-    def expert_tensor_names(self, layer: int, expert: int, config: ModelConfig | None = None) -> ExpertTensorNames:
-        """``config``: the model's, for families whose names depend on it (Gemma 4 splits a fused
-        tensor at the experts' width)."""
+    def expert_tensor_names(self, layer: int, expert: int) -> ExpertTensorNames:
         base = f"model.layers.{layer}.{self.experts_prefix}.{expert}"
         gate, up, down = self.expert_projections
         return ExpertTensorNames(f"{base}.{gate}.weight", f"{base}.{up}.weight", f"{base}.{down}.weight")
@@ -79,19 +82,24 @@ class Architecture:
             pk + "attn_norm": hf + "input_layernorm.weight",
             pk + "ffn_norm": hf + f"{self.ffn_norm_name}.weight",
         }
-        if config.mla is not None:
+        attention = config.layer_mixer(layer) == "attention"  # else Gated DeltaNet: none of the attention tensors
+        if not attention:
+            names.update(self.deltanet_tensor_names(config, layer))
+        elif config.mla is not None:
             names.update(mla_tensor_names(config, hf, pk))
-        for proj in "qkvo" if config.mla is None else "":
+        for proj in "qkvo" if config.mla is None and attention else "":
             if proj != "v" or config.has_v_projection(layer):
                 names[pk + f"attn.{proj}"] = hf + f"self_attn.{proj}_proj.weight"
-        if config.qkv_bias:
+        if config.attention_output_gate and attention:
+            names.update(self.gated_query_names(config, layer))
+        if config.qkv_bias and attention:
             for proj in "qkv":
                 names[pk + f"attn.{proj}_bias"] = hf + f"self_attn.{proj}_proj.bias"
-        if config.o_bias:
+        if config.o_bias and attention:
             names[pk + "attn.o_bias"] = hf + "self_attn.o_proj.bias"
-        if config.attention_sinks:
+        if config.attention_sinks and attention:
             names[pk + "attn.sinks"] = hf + self.attention_sinks_name
-        if config.qk_norm != "none":
+        if config.qk_norm != "none" and attention:
             names[pk + "attn.q_norm"] = hf + "self_attn.q_norm.weight"
             names[pk + "attn.k_norm"] = hf + "self_attn.k_norm.weight"
         if config.post_norms:
@@ -113,6 +121,29 @@ class Architecture:
                 names[pk + f"mlp.{part}"] = hf + f"mlp.{part}_proj.weight"
         names.update(gemma_layer_tensor_names(config, layer))
         return names
+
+    def deltanet_tensor_names(self, config: ModelConfig, layer: int) -> dict[str, "str | TensorRef"]:
+        """A Gated DeltaNet layer's tensors (Qwen3.5 naming: q | k | v in one projection, z, b
+        and a apart), pack name -> checkpoint name."""
+        hf, pk = f"model.layers.{layer}.linear_attn.", f"layers.{layer}.attn."
+        names = {"qkv": "in_proj_qkv.weight", "z": "in_proj_z.weight", "b": "in_proj_b.weight",
+                 "a": "in_proj_a.weight", "conv": "conv1d.weight", "A_log": "A_log", "dt_bias": "dt_bias",
+                 "norm": "norm.weight", "o": "out_proj.weight"}
+        return {pk + name: hf + source for name, source in names.items()}
+
+    def gated_query_names(self, config: ModelConfig, layer: int) -> dict[str, "str | TensorRef"]:
+        """attn.q and attn.gate when q's projection also gives the output gate: per head, Hd
+        query rows then Hd gate rows (Qwen3.5 / Qwen3-Next q_proj, (2 * H * Hd, D))."""
+        H, Hd = config.num_heads, config.head_dim
+        q_proj = f"model.layers.{layer}.self_attn.q_proj.weight"
+        query_rows = tuple(h * 2 * Hd + i for h in range(H) for i in range(Hd))
+        return {f"layers.{layer}.attn.q": TensorRef(q_proj, rows=query_rows),
+                f"layers.{layer}.attn.gate": TensorRef(q_proj, rows=tuple(r + Hd for r in query_rows))}
+
+    def zero_centred_norms(self, config: ModelConfig) -> list[str]:
+        """Pack names of the norms the checkpoint stores zero-centred (the model scales by
+        1 + w): the converter stores 1 + w, so the engine runs a plain RMSNorm."""
+        return []
 
 
 def gemma_layer_tensor_names(config: ModelConfig, layer: int) -> dict[str, str]:

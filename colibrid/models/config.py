@@ -9,7 +9,9 @@ Dimension legend used across the engine:
   T tokens, S context length, D hidden, H query heads, K kv heads, Hd head dim,
   E experts, A active experts per token, F expert ffn, V vocabulary;
   latent attention (MlaConfig): Cq q rank, C kv rank (latent), N nope dims, R rope dims,
-  Vd value dims per head, L = C + R latent-cache floats per token.
+  Vd value dims per head, L = C + R latent-cache floats per token;
+  Gated DeltaNet (DeltaNetConfig): Hk key heads, Hv value heads, Dk key head dim, Dv value
+  head dim, Kc conv kernel, C = 2 * Hk * Dk + Hv * Dv conv channels (q | k | v).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu", "geglu_tanh")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the dense MLPs' gate activation (transformers' names)
 GROUP_SCORES = ("max", "top2_sum")
+LAYER_MIXERS = ("attention", "deltanet")  # a layer's token mixer: softmax attention, or Gated DeltaNet
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,25 @@ class MlaConfig:
 
 
 @dataclass(frozen=True)
+class DeltaNetConfig:
+    """Gated DeltaNet linear attention (Qwen3.5 / Qwen3-Next "linear_attention" layers): a
+    causal depthwise conv over q | k | v, L2-normalised q and k, a gated delta-rule recurrence
+    over a (Dk, Dv) state per value head, then an RMSNorm gated by silu(z). Each sequence keeps
+    a conv state (Kc - 1, C) and a recurrent state (Hv, Dk, Dv) instead of a KV cache."""
+
+    num_key_heads: int  # Hk; each serves Hv / Hk consecutive value heads
+    num_value_heads: int  # Hv, a multiple of Hk
+    key_head_dim: int  # Dk
+    value_head_dim: int  # Dv
+    conv_kernel: int  # Kc
+
+    @property
+    def conv_channels(self) -> int:
+        """C: the conv runs over q (Hk * Dk), k (Hk * Dk) and v (Hv * Dv) together."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # registry name of the source architecture (informational)
     vocab_size: int  # V
@@ -78,6 +100,10 @@ class ModelConfig:
     # sees its own chunk of this many tokens only), None = none; () = none on every layer
     rotary_dim: int = 0  # leading dims of each head that RoPE rotates (partial rotary); 0 = all Hd
     mla: MlaConfig | None = None  # multi-head latent attention instead of grouped-query attention
+    attention_output_gate: bool = False  # q's projection also gives a gate per head: o(a * sigmoid(gate))
+    # Hybrid models: per layer, its token mixer (LAYER_MIXERS); () = attention on every layer.
+    layer_mixers: tuple[str, ...] = ()
+    deltanet: DeltaNetConfig | None = None  # the dims of the "deltanet" layers
     # Mixture of experts.
     num_experts: int = 0  # E
     num_experts_per_tok: int = 0  # A
@@ -148,6 +174,11 @@ class ModelConfig:
             raise ValueError(f"rotary_dim must be even and at most head_dim {self.head_dim}, got {self.rotary_dim}")
         if self.expert_activation not in EXPERT_ACTIVATIONS:
             raise ValueError(f"expert_activation must be one of {EXPERT_ACTIVATIONS}, got {self.expert_activation!r}")
+        if self.layer_mixers and (len(self.layer_mixers) != self.num_layers
+                                  or any(m not in LAYER_MIXERS for m in self.layer_mixers)):
+            raise ValueError(f"layer_mixers must name one of {LAYER_MIXERS} per layer, got {self.layer_mixers!r}")
+        if ("deltanet" in self.layer_mixers) != (self.deltanet is not None):
+            raise ValueError("deltanet dims are needed exactly when a layer's mixer is deltanet")
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
 
@@ -157,6 +188,10 @@ class ModelConfig:
         if self.mla is not None:
             return self.mla.qk_rope_head_dim
         return self.rotary_dim or self.head_dim
+
+    def layer_mixer(self, layer: int) -> str:
+        """The token mixer of ``layer``: "attention" or "deltanet"."""
+        return self.layer_mixers[layer] if self.layer_mixers else "attention"
 
     def head_dim_of(self, layer: int) -> int:
         """Hd of ``layer`` (Gemma 4's full-attention layers have wider heads)."""
@@ -193,7 +228,10 @@ class ModelConfig:
             data["full_attention_rope"] = RopeConfig(**data["full_attention_rope"])
         if data.get("mla") is not None:
             data["mla"] = MlaConfig(**data["mla"])
-        for key in ("sliding_window", "attention_chunk", "moe_layers", "eos_token_ids", "layer_head_dim", "layer_kv_heads"):
+        if data.get("deltanet") is not None:
+            data["deltanet"] = DeltaNetConfig(**data["deltanet"])
+        for key in ("sliding_window", "attention_chunk", "moe_layers", "eos_token_ids", "layer_mixers", "layer_head_dim",
+                    "layer_kv_heads"):
             data[key] = tuple(data.get(key, ()))
         return cls(**data)
 
@@ -209,7 +247,8 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     dense = 3 * D * config.dense_ffn
     total = active = embed
     for layer, is_moe in enumerate(config.moe_layers):
-        per_layer = _attention_parameters(config, layer) + norms + (2 * D * P + D if P else 0)
+        mixer = _deltanet_parameters(config) if config.layer_mixer(layer) == "deltanet" else _attention_parameters(config, layer)
+        per_layer = mixer + norms + (2 * D * P + D if P else 0)
         total += per_layer
         active += per_layer
         if is_moe:
@@ -229,7 +268,17 @@ def _attention_parameters(config: ModelConfig, layer: int) -> int:
         return _mla_parameters(config) + (config.num_heads if config.attention_sinks else 0)
     D, Hd, K = config.hidden_size, config.head_dim_of(layer), config.kv_heads_of(layer)
     kv = D * K * Hd * (2 if config.has_v_projection(layer) else 1)
-    return 2 * D * config.num_heads * Hd + kv + (config.num_heads if config.attention_sinks else 0)
+    gate = D * config.num_heads * Hd if config.attention_output_gate else 0
+    return 2 * D * config.num_heads * Hd + kv + gate + (config.num_heads if config.attention_sinks else 0)
+
+
+def _deltanet_parameters(config: ModelConfig) -> int:
+    """Parameters of one Gated DeltaNet layer: qkv, z, b, a and out projections, the conv,
+    A_log, dt_bias and the gated norm."""
+    d, D = config.deltanet, config.hidden_size
+    Hv, value_width = d.num_value_heads, d.num_value_heads * d.value_head_dim
+    C = d.conv_channels
+    return D * (C + value_width + 2 * Hv) + C * d.conv_kernel + 2 * Hv + d.value_head_dim + value_width * D
 
 
 def _mla_parameters(config: ModelConfig) -> int:

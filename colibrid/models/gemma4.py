@@ -22,8 +22,9 @@ per-layer ones by sqrt(P), and the logits soft-capped by ``final_logit_softcappi
 
 from __future__ import annotations
 
+import copy
 import math
-from typing import Any
+from typing import Any, Callable
 
 from colibrid.convert.safetensors import TensorRef
 from colibrid.models.base import Architecture, ExpertTensorNames, UnsupportedConfig, common_fields, require
@@ -151,13 +152,21 @@ class Gemma4(Architecture):
             layer_scalar=True,
         )
 
-    def expert_tensor_names(self, layer: int, expert: int, config: ModelConfig | None = None) -> ExpertTensorNames:
+    expert_ffn: int | None = None  # F, which splits gate_up_proj; set by for_checkpoint
+
+    def for_checkpoint(self, config: ModelConfig, has_tensor: Callable[[str], bool]) -> Architecture:
+        bound = copy.copy(self)
+        bound.expert_ffn = config.expert_ffn
+        return bound
+
+    def expert_tensor_names(self, layer: int, expert: int) -> ExpertTensorNames:
         """gate_up_proj (E, 2F, D) holds the gate's F rows, then the up's; down_proj is (E, D, F)."""
-        if config is None:
-            raise ValueError("gemma4 expert names need the model config (the experts' width splits gate_up_proj)")
-        base, at, ffn = f"model.layers.{layer}.{self.experts_prefix}.", (expert,), config.expert_ffn
-        return ExpertTensorNames(gate=TensorRef(base + "gate_up_proj", at, slice(0, ffn)),
-                                 up=TensorRef(base + "gate_up_proj", at, slice(ffn, 2 * ffn)),
+        F = self.expert_ffn
+        if F is None:
+            raise ValueError("gemma4 expert names need the experts' width: use for_checkpoint(config, ...)")
+        base, at = f"model.layers.{layer}.{self.experts_prefix}.", (expert,)
+        return ExpertTensorNames(gate=TensorRef(base + "gate_up_proj", at, slice(0, F)),
+                                 up=TensorRef(base + "gate_up_proj", at, slice(F, 2 * F)),
                                  down=TensorRef(base + "down_proj", at))
 
     def conversion_notes(self, hf: dict[str, Any]) -> list[str]:

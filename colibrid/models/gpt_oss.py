@@ -69,7 +69,7 @@ class GptOss(Architecture):
             swiglu_limit=float(hf.get("swiglu_limit", DEFAULT_SWIGLU_LIMIT)),
         )
 
-    def expert_tensor_names(self, layer: int, expert: int, config: ModelConfig | None = None) -> ExpertTensorNames:
+    def expert_tensor_names(self, layer: int, expert: int) -> ExpertTensorNames:
         base = f"model.layers.{layer}.{self.experts_prefix}."
         gate_up, down, at = base + "gate_up_proj", base + "down_proj", (expert,)
         return ExpertTensorNames(

@@ -15,7 +15,7 @@ from colibrid.native import TensorType
 TENSOR_CLASSES = ("experts", "dense", "embeddings")
 EXPERT_PARTS = ("gate", "up", "down")  # order of the projections inside an expert record
 EXPERT_BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")  # after them, f32, when the model has expert biases
-ALWAYS_F32 = ("router", "shared_gate")  # pack-name leaves kept in f32 whatever --quant says
+ALWAYS_F32 = ("router", "shared_gate", "conv")  # pack-name leaves kept in f32 whatever --quant says
 
 
 def tensor_class(pack_name: str) -> str:
@@ -74,7 +74,22 @@ def expected_dense_shape(name: str, c: ModelConfig) -> tuple[int, ...]:
     }
     if c.mla is not None:
         shapes.update(_mla_shapes(c))
+    shapes["attn.gate"] = (q_out, D)
+    if name.startswith("layers.") and c.layer_mixer(int(name.split(".")[1])) == "deltanet":
+        shapes.update(_deltanet_shapes(c))
     return shapes[leaf]
+
+
+def _deltanet_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors (see DeltaNetConfig): q | k | v, z, b, a and out
+    projections, the conv (C, Kc), A_log, dt_bias and the gated norm's weight."""
+    d, D = c.deltanet, c.hidden_size
+    Hv, value_width = d.num_value_heads, d.num_value_heads * d.value_head_dim
+    return {
+        "attn.qkv": (d.conv_channels, D), "attn.z": (value_width, D), "attn.b": (Hv, D), "attn.a": (Hv, D),
+        "attn.conv": (d.conv_channels, d.conv_kernel), "attn.A_log": (Hv,), "attn.dt_bias": (Hv,),
+        "attn.norm": (d.value_head_dim,), "attn.o": (D, value_width),
+    }
 
 
 def _mla_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from colibrid.models.config import ModelConfig
+from colibrid.models.config import LAYER_MIXERS, ModelConfig
 from colibrid.native import TensorType
 from colibrid.pack.layout import (
     dense_tensor_names,
@@ -43,8 +43,9 @@ POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "
                        "max_position_embeddings", "num_experts", "num_experts_per_tok", "expert_ffn")
 COUNT_FIELDS = ("dense_ffn", "shared_expert_ffn", "per_layer_input")
 BOOL_FIELDS = ("tie_word_embeddings", "qkv_bias", "o_bias", "norm_topk_prob", "shared_expert_gated",
-               "router_choice_bias", "attention_sinks", "router_bias", "expert_bias", "values_from_keys", "v_norm",
-               "post_norms", "dense_mlp_with_experts", "router_input_norm", "router_expert_scale", "layer_scalar")
+               "router_choice_bias", "attention_sinks", "router_bias", "expert_bias", "attention_output_gate",
+               "values_from_keys", "v_norm", "post_norms", "dense_mlp_with_experts", "router_input_norm",
+               "router_expert_scale", "layer_scalar")
 
 
 def check_manifest(m: Manifest) -> None:
@@ -93,6 +94,7 @@ def check_model_config(c: ModelConfig) -> None:
         raise ValueError(f"model.rotary_dim must be an integer in [0, head_dim {c.head_dim}], got {c.rotary_dim!r:.40}")
     if c.mla is not None:
         _check_mla(c)
+    _check_layer_mixers(c)
     _positive_float(c.rms_norm_eps, "model.rms_norm_eps")
     if c.clip_qkv is not None:
         _positive_float(c.clip_qkv, "model.clip_qkv")
@@ -149,6 +151,28 @@ def _check_mla(c: ModelConfig) -> None:
                          "num_heads and rotary_dim 0")
     if c.qkv_bias or c.qk_norm != "none" or c.clip_qkv is not None or any(c.sliding_window) or any(c.attention_chunk):
         raise ValueError("latent attention has no q/k/v biases, q/k norms, clipping or sliding windows")
+
+
+def _check_layer_mixers(c: ModelConfig) -> None:
+    """Hybrid models: one known mixer per layer, and the Gated DeltaNet dims the engine sizes
+    its states and libcolibri its buffers by."""
+    if not isinstance(c.layer_mixers, tuple) or (c.layer_mixers and len(c.layer_mixers) != c.num_layers) \
+            or not all(m in LAYER_MIXERS for m in c.layer_mixers):
+        raise ValueError(f"model.layer_mixers must be empty or name one of {list(LAYER_MIXERS)} per layer")
+    if ("deltanet" in c.layer_mixers) != (c.deltanet is not None):
+        raise ValueError("model.deltanet must be given exactly when a layer's mixer is deltanet")
+    if c.deltanet is None:
+        return
+    d = c.deltanet
+    for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim", "conv_kernel"):
+        value = getattr(d, name)
+        if type(value) is not int or not 1 <= value <= MAX_DIM:
+            raise ValueError(f"model.deltanet.{name} must be an integer in [1, {MAX_DIM}], got {value!r:.40}")
+    if d.num_value_heads % d.num_key_heads:
+        raise ValueError(f"model.deltanet.num_value_heads {d.num_value_heads} is not a multiple of num_key_heads "
+                         f"{d.num_key_heads}")
+    if c.mla is not None:
+        raise ValueError("Gated DeltaNet layers do not mix with latent attention")
 
 
 def _check_layer_shapes(c: ModelConfig) -> None:

@@ -444,6 +444,8 @@ typedef struct col_attention_layer {
                              one more logit in its head's softmax denominator, with no value */
     int64_t chunk;        /* chunked local attention (Llama 4): a query at position p sees keys
                              from p - p % chunk on; <= 0: none */
+    const void *wg;       /* (H * Hd, row_bytes(qkv_type, D)) output gate (Qwen3.5, Qwen3-Next), or
+                             NULL: none. The attention output is multiplied by sigmoid(h wg^T) */
     const float *v_norm;  /* (Hd) RMSNorm weight of each value head before it is cached (Gemma 4,
                              whose v norm has no weight: pass ones), or NULL: none */
     const float *post_norm; /* (D) RMSNorm weight of the attention output before the residual
@@ -467,6 +469,7 @@ COL_API size_t col_attention_layer_size(void);
  *         with sinks: head h's softmax also holds the logit sinks[h] (unscaled, never masked):
  *         m = max(max_s scale q.k_s, sinks[h]), p_s = exp(scale q.k_s - m) /
  *         (sum_s exp(scale q.k_s - m) + exp(sinks[h] - m)), a = sum_s p_s v_s
+ *     gate: a = a * sigmoid(h wg^T)     (1 / (1 + expf(-g)), elementwise)
  *     x += a wo^T + bo                 (post_norm: x += rms_norm(a wo^T + bo) * post_norm)
  * each step with the arithmetic of col_rms_norm, col_matmul, col_rope and col_attention, so
  * the result equals that sequence of calls (and numpy's float32 adds and clamps) bit for bit.

@@ -6,13 +6,15 @@
  * glue between them; now it is one.
  *
  * Legend: T new tokens, D hidden, H query heads, K kv heads, Hd head dim, Q = H * Hd,
- * KV = K * Hd, R = Q + 2 * KV (rows of q, k and v stacked), S = n_past + T keys.
+ * KV = K * Hd, R = Q + 2 * KV (+ Q with an output gate: rows of q, k, v (and g) stacked),
+ * S = n_past + T keys.
  *
  * Phases, with a barrier between each two:
  *   0. h[t] = rms_norm(x[t]) * norm, quantized for the q/k/v type          tokens split
- *   1. qkv[t] = h[t] @ [wq; wk; wv]^T + [bq; bk; bv]                       R rows split
+ *   1. qkv[t] = h[t] @ [wq; wk; wv; wg]^T + [bq; bk; bv; 0]                R rows split
  *   2. q/k/v norms, clamp, RoPE (partial); k, v stored in the cache at n_past + t  tokens split
- *   3. a[t, head] = attention over keys 0 .. n_past + t (window, chunk, sink) (t, head) dealt
+ *   3. a[t, head] = attention over keys 0 .. n_past + t (window, chunk, sink),
+ *      times sigmoid(g[t, head]) with an output gate                       (t, head) dealt
  *   4. a[t] quantized for wo's type (integer kernels only)                  tokens split
  *   5. x[t] += a[t] @ wo^T + bo                                             D rows split
  *      (with a post norm: o = a @ wo^T + bo, D rows split; a barrier; then
@@ -21,12 +23,14 @@
  * col_matmul, col_rope, col_attend_head as in col_attention) on the same values, so this call
  * returns bit for bit what the sequence of those calls returns.
  */
+#include <math.h>
+
 #include "col_internal.h"
 
 typedef struct {
     const col_kernel_set *k;
     const col_attention_layer *l;
-    col_matrix mq, mk, mv, mo;
+    col_matrix mq, mk, mv, mo, mg; /* mg: the output gate's, when l->wg */
     int64_t n_tok, n_past, Q, KV, R;
     int64_t ring;             /* rows of a ring-buffer cache; 0: a flat cache */
     float *x;                 /* (T, D) */
@@ -35,7 +39,7 @@ typedef struct {
     float *h;                 /* (T, D) normed input */
     uint8_t *hq;              /* (T, hq_bytes) h quantized, integer q/k/v only */
     size_t hq_bytes;
-    float *qkv;               /* (T, R) q | k | v of each token */
+    float *qkv;               /* (T, R) q | k | v (| g) of each token */
     float *a;                 /* (T, Q) attention output */
     uint8_t *aq;              /* (T, aq_bytes) a quantized, integer wo only */
     size_t aq_bytes;
@@ -61,6 +65,11 @@ static void qkv_rows(const block_job *j, const col_matrix *m, const float *bias,
     if (bias)
         for (int64_t t = 0; t < j->n_tok; t++)
             for (int64_t r = r0; r < r1; r++) y[t * j->R + r - r0] += bias[r];
+}
+
+/* a *= sigmoid(g) over one head's Hd outputs (the output gate of Qwen3.5 / Qwen3-Next) */
+static void gate_head(float *a, const float *g, int64_t Hd) {
+    for (int64_t i = 0; i < Hd; i++) a[i] *= 1.0f / (1.0f + expf(-g[i]));
 }
 
 /* Phase 2 for token t: the order of colibrid/engine/attention.py. */
@@ -107,6 +116,7 @@ static void block_task(void *arg, int ith, int nth) {
     qkv_rows(j, &j->mq, l->bq, 0, j->Q, b, e);
     qkv_rows(j, &j->mk, l->bk, j->Q, j->KV, b, e);
     qkv_rows(j, &j->mv, l->bv, j->Q + j->KV, j->KV, b, e);
+    if (l->wg) qkv_rows(j, &j->mg, NULL, j->Q + 2 * j->KV, j->Q, b, e);
     col_barrier_wait(&j->barrier, nth);
 
     col_split(T, ith, nth, &b, &e); /* 2. norms, clamp, rope, cache */
@@ -120,6 +130,7 @@ static void block_task(void *arg, int ith, int nth) {
         const int64_t lo = col_first_visible_key(pos, l->window, l->chunk, j->ring);
         col_attend_head(j->k, j->qkv + t * j->R + head * Hd, j->keys, j->vals, l->n_kv_heads, head / group, Hd, lo,
                         pos, j->ring, l->scale, l->sinks ? l->sinks + head : NULL, sc, j->a + item * Hd);
+        if (l->wg) gate_head(j->a + item * Hd, j->qkv + t * j->R + j->Q + 2 * j->KV + head * Hd, Hd);
     }
     col_barrier_wait(&j->barrier, nth);
 
@@ -204,8 +215,9 @@ int col_attention_block(col_pool *pool, const col_attention_layer *layer, float 
     job.l = l;
     job.Q = l->n_heads * l->head_dim;
     job.KV = l->n_kv_heads * l->head_dim;
-    job.R = job.Q + 2 * job.KV;
-    if (col_matrix_init(&job.mq, job.k, l->qkv_type, l->wq, l->dim) != COL_OK ||
+    job.R = job.Q + 2 * job.KV + (l->wg ? job.Q : 0);
+    if ((l->wg && col_matrix_init(&job.mg, job.k, l->qkv_type, l->wg, l->dim) != COL_OK) ||
+        col_matrix_init(&job.mq, job.k, l->qkv_type, l->wq, l->dim) != COL_OK ||
         col_matrix_init(&job.mk, job.k, l->qkv_type, l->wk, l->dim) != COL_OK ||
         col_matrix_init(&job.mv, job.k, l->qkv_type, l->wv, l->dim) != COL_OK ||
         col_matrix_init(&job.mo, job.k, l->o_type, l->wo, job.Q) != COL_OK)

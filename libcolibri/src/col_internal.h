@@ -177,27 +177,10 @@ int col_quantize_row_mxfp4(const float *x, uint8_t *dst, int64_t n);
 void col_dequantize_row_mxfp4(const uint8_t *src, float *y, int64_t n);
 float col_vec_dot_mxfp4(const uint8_t *w, const float *x, int64_t n);
 
-/* The element work of the q4_g64 quantizer's search, per SIMD level (quant_q4_g64.c says
- * which results must equal the reference's and which may be summed in any order).
- * assign: q[j] = the level of x[j] for (d, m) exactly as the reference assigns it (64 values);
- *   out: sse_wide = sum of the float terms (x - (d q + m))^2 in double, any order;
- *   sum_q = sum q and sum_qq = sum q^2 (integers), sum_qx = sum q x in double, any order
- *   (used only where that sum is exact). Returns 1 if no |x - (d q + m)| exceeds half_step. */
-typedef struct {
-    double sse_wide, sum_qx;
-    int32_t sum_q, sum_qq;
-} col_q4_sums;
-
-/* scan: a block's lo = min x, hi = max x, the smallest and largest biased exponent of its
- *   nonzero values (subnormals count as 1) and sum_x = sum x in double, any order (used only
- *   where that sum is exact); returns 0 if a value is NaN, inf or beyond +-65504. */
-typedef struct {
-    int (*assign)(const float *x, float d, float m, float id, float half_step, uint8_t *q, col_q4_sums *out);
-    int (*scan)(const float *x, float *lo, float *hi, int *e_min, int *e_max, double *sum_x);
-} col_q4_search_ops;
-
-/* col_quantize_row_q4_g64's bytes, with a level's element work. */
-int col_quantize_row_q4_g64_with(const col_q4_search_ops *ops, const float *x, uint8_t *dst, int64_t n);
+/* col_quantize_row_q4_g64's bytes, one block per SIMD lane (quant_q4_g64_lanes.h), on the
+ * AVX2 level (quant_q4_g64_avx2.c) and on the AVX-512 levels (quant_q4_g64_avx512.c). */
+int col_quantize_row_q4_g64_avx2(const float *x, uint8_t *dst, int64_t n);
+int col_quantize_row_q4_g64_avx512(const float *x, uint8_t *dst, int64_t n);
 
 /* ---------------------------------------------------------------------------------------
  * Activations quantized for the integer kernels (SIMD levels only)

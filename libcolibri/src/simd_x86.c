@@ -753,191 +753,6 @@ TARGET_AVX512 static void rms_norm_row_avx512(const float *x, const float *weigh
     for (; i < n; i++) y[i] = weight[i] * (x[i] / rms);
 }
 
-/* ---- q4_g64 quantizer: the search's element work (col_q4_search_ops) ------------------------
- * The levels computed here are the reference's float operations (no FMA: -ffp-contract=off
- * and no fma intrinsic), the clamp to [0, 15] before rounding (the reference's two
- * comparisons), and sums whose order does not matter (see quant_q4_g64.c). */
-
-TARGET_AVX2 static double hsum_pd_avx2(__m256d v) {
-    const __m128d pair = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
-    return _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
-}
-
-TARGET_AVX2 static int32_t hsum_epi32_avx2(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
-
-/* 8 levels (float, exactly as the reference computes q) and their squared errors. */
-TARGET_AVX2 static __m256i q4_levels8_avx2(__m256 xv, __m256 vd, __m256 vm, __m256 vid, __m256 *err) {
-    __m256 v = _mm256_mul_ps(_mm256_sub_ps(xv, vm), vid);
-    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_setzero_ps()), _mm256_set1_ps(15.0f));
-    const __m256i qi = _mm256_cvttps_epi32(_mm256_add_ps(v, _mm256_set1_ps(0.5f)));
-    *err = _mm256_sub_ps(xv, _mm256_add_ps(_mm256_mul_ps(vd, _mm256_cvtepi32_ps(qi)), vm));
-    return qi;
-}
-
-#define Q4_SCAN_F16_MAX 65504.0f /* quant_q4_g64.c's Q4_F16_MAX: larger values cannot be encoded */
-
-/* Adds the sums of 8 levels qi (int32) of the values xv to the accumulators. */
-TARGET_AVX2 static void q4_sums8_avx2(__m256i qi, __m256 xv, __m256i *s, __m256i *ss, __m256d *sqx) {
-    *s = _mm256_add_epi32(*s, qi);
-    *ss = _mm256_add_epi32(*ss, _mm256_mullo_epi32(qi, qi));
-    const __m256 qf = _mm256_cvtepi32_ps(qi);
-    *sqx = _mm256_add_pd(*sqx, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(qf)),
-                                             _mm256_cvtps_pd(_mm256_castps256_ps128(xv))));
-    *sqx = _mm256_add_pd(*sqx, _mm256_mul_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(qf, 1)),
-                                             _mm256_cvtps_pd(_mm256_extractf128_ps(xv, 1))));
-}
-
-TARGET_AVX2 static int q4_assign_avx2(const float *x, float d, float m, float id, float half_step, uint8_t *q,
-                                      col_q4_sums *out) {
-    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m), vid = _mm256_set1_ps(id);
-    const __m256 vhalf = _mm256_set1_ps(half_step), abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256d sse = _mm256_setzero_pd(), sqx = _mm256_setzero_pd();
-    __m256i s = _mm256_setzero_si256(), ss = _mm256_setzero_si256();
-    int out_of_step = 0;
-    for (int j = 0; j < COL_QK4_G64; j += 16) {
-        __m256 err0, err1;
-        const __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
-        const __m256i q0 = q4_levels8_avx2(x0, vd, vm, vid, &err0);
-        const __m256i q1 = q4_levels8_avx2(x1, vd, vm, vid, &err1);
-        const __m256 t0 = _mm256_mul_ps(err0, err0), t1 = _mm256_mul_ps(err1, err1);
-        sse = _mm256_add_pd(sse, _mm256_cvtps_pd(_mm256_castps256_ps128(t0)));
-        sse = _mm256_add_pd(sse, _mm256_cvtps_pd(_mm256_extractf128_ps(t0, 1)));
-        sse = _mm256_add_pd(sse, _mm256_cvtps_pd(_mm256_castps256_ps128(t1)));
-        sse = _mm256_add_pd(sse, _mm256_cvtps_pd(_mm256_extractf128_ps(t1, 1)));
-        out_of_step |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(err0, abs_mask), vhalf, _CMP_GT_OQ));
-        out_of_step |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(err1, abs_mask), vhalf, _CMP_GT_OQ));
-        q4_sums8_avx2(q0, x0, &s, &ss, &sqx);
-        q4_sums8_avx2(q1, x1, &s, &ss, &sqx);
-        const __m256i q16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xd8); /* (16) int16 in order */
-        _mm_storeu_si128((__m128i *)(q + j),
-                         _mm_packus_epi16(_mm256_castsi256_si128(q16), _mm256_extracti128_si256(q16, 1)));
-    }
-    out->sse_wide = hsum_pd_avx2(sse);
-    out->sum_qx = hsum_pd_avx2(sqx);
-    out->sum_q = hsum_epi32_avx2(s);
-    out->sum_qq = hsum_epi32_avx2(ss);
-    return !out_of_step;
-}
-
-TARGET_AVX512 static __m512d q4_high_pd_avx512(__m512 v) {
-    return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
-
-TARGET_AVX512 static int q4_assign_avx512(const float *x, float d, float m, float id, float half_step, uint8_t *q,
-                                          col_q4_sums *out) {
-    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m), vid = _mm512_set1_ps(id);
-    const __m512 vhalf = _mm512_set1_ps(half_step), zero = _mm512_setzero_ps(), top = _mm512_set1_ps(15.0f);
-    const __m512 rounding = _mm512_set1_ps(0.5f);
-    __m512d sse = _mm512_setzero_pd(), sqx = _mm512_setzero_pd();
-    __m512i s = _mm512_setzero_si512(), ss = _mm512_setzero_si512();
-    __mmask16 out_of_step = 0;
-    for (int j = 0; j < COL_QK4_G64; j += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + j);
-        const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(xv, vm), vid), zero), top);
-        const __m512i qi = _mm512_cvttps_epi32(_mm512_add_ps(v, rounding));
-        const __m512 qf = _mm512_cvtepi32_ps(qi);
-        const __m512 err = _mm512_sub_ps(xv, _mm512_add_ps(_mm512_mul_ps(vd, qf), vm));
-        const __m512 t = _mm512_mul_ps(err, err);
-        sse = _mm512_add_pd(sse, _mm512_cvtps_pd(_mm512_castps512_ps256(t)));
-        sse = _mm512_add_pd(sse, q4_high_pd_avx512(t));
-        out_of_step |= _mm512_cmp_ps_mask(_mm512_abs_ps(err), vhalf, _CMP_GT_OQ);
-        s = _mm512_add_epi32(s, qi);
-        ss = _mm512_add_epi32(ss, _mm512_mullo_epi32(qi, qi));
-        sqx = _mm512_add_pd(sqx, _mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(qf)),
-                                               _mm512_cvtps_pd(_mm512_castps512_ps256(xv))));
-        sqx = _mm512_add_pd(sqx, _mm512_mul_pd(q4_high_pd_avx512(qf), q4_high_pd_avx512(xv)));
-        _mm_storeu_si128((__m128i *)(q + j), _mm512_cvtepi32_epi8(qi));
-    }
-    out->sse_wide = _mm512_reduce_add_pd(sse);
-    out->sum_qx = _mm512_reduce_add_pd(sqx);
-    out->sum_q = _mm512_reduce_add_epi32(s);
-    out->sum_qq = _mm512_reduce_add_epi32(ss);
-    return out_of_step == 0;
-}
-
-/* Nonzero lanes' biased exponents (subnormals 1) folded into the running min and max;
- * zero lanes leave them. */
-TARGET_AVX2 static int q4_scan_avx2(const float *x, float *lo, float *hi, int *e_min, int *e_max, double *sum_x) {
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), limit = _mm256_set1_ps(Q4_SCAN_F16_MAX);
-    __m256 vlo = _mm256_loadu_ps(x), vhi = vlo;
-    __m256i emin = _mm256_set1_epi32(255), emax = _mm256_setzero_si256();
-    __m256d sum = _mm256_setzero_pd();
-    int out_of_range = 0;
-    for (int j = 0; j < COL_QK4_G64; j += 8) {
-        const __m256 xv = _mm256_loadu_ps(x + j);
-        out_of_range |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_and_ps(xv, abs_mask), limit, _CMP_NLE_UQ));
-        vlo = _mm256_min_ps(vlo, xv);
-        vhi = _mm256_max_ps(vhi, xv);
-        const __m256i bits = _mm256_castps_si256(_mm256_and_ps(xv, abs_mask));
-        const __m256i nonzero = _mm256_cmpgt_epi32(bits, _mm256_setzero_si256());
-        const __m256i e = _mm256_max_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(1));
-        emin = _mm256_min_epi32(emin, _mm256_blendv_epi8(_mm256_set1_epi32(255), e, nonzero));
-        emax = _mm256_max_epi32(emax, _mm256_and_si256(e, nonzero));
-        sum = _mm256_add_pd(sum, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(xv)),
-                                               _mm256_cvtps_pd(_mm256_extractf128_ps(xv, 1))));
-    }
-    if (out_of_range) return 0;
-    float l[8], h[8];
-    int32_t a[8], b[8];
-    _mm256_storeu_ps(l, vlo);
-    _mm256_storeu_ps(h, vhi);
-    _mm256_storeu_si256((__m256i *)a, emin);
-    _mm256_storeu_si256((__m256i *)b, emax);
-    *lo = l[0], *hi = h[0], *e_min = a[0], *e_max = b[0];
-    for (int i = 1; i < 8; i++) {
-        *lo = l[i] < *lo ? l[i] : *lo;
-        *hi = h[i] > *hi ? h[i] : *hi;
-        *e_min = a[i] < *e_min ? a[i] : *e_min;
-        *e_max = b[i] > *e_max ? b[i] : *e_max;
-    }
-    *sum_x = hsum_pd_avx2(sum);
-    return 1;
-}
-
-TARGET_AVX512 static int q4_scan_avx512(const float *x, float *lo, float *hi, int *e_min, int *e_max, double *sum_x) {
-    const __m512 limit = _mm512_set1_ps(Q4_SCAN_F16_MAX);
-    __m512 vlo = _mm512_loadu_ps(x), vhi = vlo;
-    __m512i emin = _mm512_set1_epi32(255), emax = _mm512_setzero_si512();
-    __m512d sum = _mm512_setzero_pd();
-    __mmask16 out_of_range = 0;
-    for (int j = 0; j < COL_QK4_G64; j += 16) {
-        const __m512 xv = _mm512_loadu_ps(x + j);
-        const __m512 ax = _mm512_abs_ps(xv);
-        out_of_range |= _mm512_cmp_ps_mask(ax, limit, _CMP_NLE_UQ);
-        vlo = _mm512_min_ps(vlo, xv);
-        vhi = _mm512_max_ps(vhi, xv);
-        const __m512i bits = _mm512_castps_si512(ax);
-        const __mmask16 nonzero = _mm512_test_epi32_mask(bits, bits);
-        const __m512i e = _mm512_max_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(1));
-        emin = _mm512_mask_min_epi32(emin, nonzero, emin, e);
-        emax = _mm512_mask_max_epi32(emax, nonzero, emax, e);
-        sum = _mm512_add_pd(sum, _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(xv)), q4_high_pd_avx512(xv)));
-    }
-    if (out_of_range) return 0;
-    *lo = _mm512_reduce_min_ps(vlo);
-    *hi = _mm512_reduce_max_ps(vhi);
-    *e_min = _mm512_reduce_min_epi32(emin);
-    *e_max = _mm512_reduce_max_epi32(emax);
-    *sum_x = _mm512_reduce_add_pd(sum);
-    return 1;
-}
-
-static const col_q4_search_ops q4_search_avx2 = {q4_assign_avx2, q4_scan_avx2};
-static const col_q4_search_ops q4_search_avx512 = {q4_assign_avx512, q4_scan_avx512};
-
-static int quantize_row_q4_g64_avx2(const float *x, uint8_t *dst, int64_t n) {
-    return col_quantize_row_q4_g64_with(&q4_search_avx2, x, dst, n);
-}
-
-static int quantize_row_q4_g64_avx512(const float *x, uint8_t *dst, int64_t n) {
-    return col_quantize_row_q4_g64_with(&q4_search_avx512, x, dst, n);
-}
-
 /* ---- small float products of the linear-attention layers (col_gemm_f32_fn) -------------- */
 
 /* Y = s Y + X M (col_internal.h): a tile of NR rows of Y (4, 2 or 1) by one column block, the
@@ -1054,20 +869,20 @@ col_gemm_f32_fn col_gemm_f32_x86(int level) {
 static const col_kernel_set avx2_kernels = {
     COL_KERNELS_AVX2, {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2, [COL_TYPE_MXFP4] = dot_mxfp4_avx2},
     dot_f32_avx2, axpy_f32_avx2, {NULL}, col_silu_mul_portable, col_quantize_block_portable,
-    col_rms_norm_row_portable, col_clamped_swiglu_portable, {[COL_TYPE_Q4_G64] = quantize_row_q4_g64_avx2},
+    col_rms_norm_row_portable, col_clamped_swiglu_portable, {[COL_TYPE_Q4_G64] = col_quantize_row_q4_g64_avx2},
     col_gelu_tanh_mul_portable};
 static const col_kernel_set avx512_kernels = {
     COL_KERNELS_AVX512,
     {[COL_TYPE_Q8_0] = dot_q8_0_avx512, [COL_TYPE_Q4_G64] = dot_q4_g64_avx512, [COL_TYPE_MXFP4] = dot_mxfp4_avx512},
     dot_f32_avx512, axpy_f32_avx512, {NULL}, silu_mul_avx512, quantize_block_avx512, rms_norm_row_avx512,
-    clamped_swiglu_avx512, {[COL_TYPE_Q4_G64] = quantize_row_q4_g64_avx512}, gelu_tanh_mul_avx512};
+    clamped_swiglu_avx512, {[COL_TYPE_Q4_G64] = col_quantize_row_q4_g64_avx512}, gelu_tanh_mul_avx512};
 static const col_kernel_set vnni_kernels = {
     COL_KERNELS_AVX512_VNNI,
     {[COL_TYPE_Q8_0] = dot_q8_0_vnni, [COL_TYPE_Q4_G64] = dot_q4_g64_vnni, [COL_TYPE_MXFP4] = dot_mxfp4_vnni},
     dot_f32_avx512, axpy_f32_avx512,
     {[COL_TYPE_Q8_0] = dot4_q8_0_vnni, [COL_TYPE_Q4_G64] = dot4_q4_g64_vnni, [COL_TYPE_MXFP4] = dot4_mxfp4_vnni},
     silu_mul_avx512,
-    quantize_block_avx512, rms_norm_row_avx512, clamped_swiglu_avx512, {[COL_TYPE_Q4_G64] = quantize_row_q4_g64_avx512},
+    quantize_block_avx512, rms_norm_row_avx512, clamped_swiglu_avx512, {[COL_TYPE_Q4_G64] = col_quantize_row_q4_g64_avx512},
     gelu_tanh_mul_avx512};
 
 static int has_avx2(void) {

@@ -155,16 +155,19 @@ def write_gguf(checkpoint: Path, out: Path, variant: Variant, c: dict) -> None:
             def v_rows_tiled(w: np.ndarray, qk_rows: int = qk_rows) -> np.ndarray:
                 return np.concatenate([w[:qk_rows], tiled_value_heads(w[qk_rows:], 0, Hk, Dv)])
 
+            rows_tiled = lambda w: tiled_value_heads(w, 0, Hk, Dv)  # noqa: E731  (Hv * Dv, D)
+            columns_tiled = lambda w: tiled_value_heads(w, 1, Hk, Dv)  # noqa: E731  (D, Hv * Dv)
             per_head = lambda w: tiled_value_heads(w, 0, Hk, 1)  # noqa: E731  (Hv,) or (Hv, D)
+            conv = lambda w: v_rows_tiled(w[:, 0, :])  # noqa: E731  (C, 1, Kc) -> (C, Kc)
             tensors += [derived(b + "attn_qkv.weight", a + "in_proj_qkv.weight", q, v_rows_tiled),
-                        derived(b + "attn_gate.weight", a + "in_proj_z.weight", q, lambda w: tiled_value_heads(w, 0, Hk, Dv)),
+                        derived(b + "attn_gate.weight", a + "in_proj_z.weight", q, rows_tiled),
                         derived(b + "ssm_beta.weight", a + "in_proj_b.weight", q, per_head),
                         derived(b + "ssm_alpha.weight", a + "in_proj_a.weight", q, per_head),
-                        derived(b + "ssm_conv1d.weight", a + "conv1d.weight", "F32", lambda w: v_rows_tiled(w[:, 0, :])),
+                        derived(b + "ssm_conv1d.weight", a + "conv1d.weight", "F32", conv),
                         derived(b + "ssm_a", a + "A_log", "F32", lambda w: -np.exp(per_head(w))),
                         derived(b + "ssm_dt.bias", a + "dt_bias", "F32", per_head),
                         tensor(b + "ssm_norm.weight", a + "norm.weight", "F32"),
-                        derived(b + "ssm_out.weight", a + "out_proj.weight", q, lambda w: tiled_value_heads(w, 1, Hk, Dv))]
+                        derived(b + "ssm_out.weight", a + "out_proj.weight", q, columns_tiled)]
         else:
             a = p + "self_attn."
             tensors += [tensor(b + "attn_q.weight", a + "q_proj.weight"),  # per head: Hd query rows, Hd gate rows

@@ -46,7 +46,7 @@
 typedef struct {
     const col_kernel_set *k;
     const col_mla_layer *l;
-    const col_type_traits *kvb; /* wkv_b's type: its rows are dequantized one at a time */
+    col_dequantize_row_fn kvb_row; /* wkv_b's rows to float, one at a time (the level's dequantizer) */
     col_matrix m_in, m_kv, m_qb, m_o;
     int64_t n_tok, n_past, QH, L, rows_in; /* rows_in: rows of wq_a (Cq) or wq (QH) */
     float *x;                 /* (T, D) */
@@ -131,7 +131,7 @@ static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th) 
     rope_part(j, pe, j->cos + t * R, j->sin + t * R, row);
     for (int64_t c = 0; c < C; c++) q_lat[c] = 0.0f;
     for (int64_t n = 0; n < N; n++) { /* q_lat = Wk^T q_nope, row by row of Wk */
-        j->kvb->dequantize_row(wk + (size_t)n * (size_t)kvb_row_bytes, row, C);
+        j->kvb_row(wk + (size_t)n * (size_t)kvb_row_bytes, row, C);
         k->axpy_f32(q_lat, qh[n], row, C);
     }
 
@@ -152,7 +152,7 @@ static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th) 
 
     float *out = j->a + t * l->n_heads * Vd + head * Vd; /* (Vd) = Wv o_lat */
     for (int64_t v = 0; v < Vd; v++) {
-        j->kvb->dequantize_row(wv + (size_t)v * (size_t)kvb_row_bytes, row, C);
+        j->kvb_row(wv + (size_t)v * (size_t)kvb_row_bytes, row, C);
         out[v] = k->dot_f32(row, o_lat, C);
     }
 }
@@ -213,7 +213,7 @@ int col_mla_block(col_pool *pool, const col_mla_layer *layer, float *x, int64_t 
     mla_job job = {0};
     job.k = col_kernels_active();
     job.l = l;
-    job.kvb = col_get_type_traits(l->kvb_type);
+    job.kvb_row = col_dequantize_row_active(l->kvb_type);
     job.QH = l->n_heads * (l->nope_dim + l->rope_dim);
     job.L = l->kv_rank + l->rope_dim;
     job.rows_in = l->q_rank > 0 ? l->q_rank : job.QH;

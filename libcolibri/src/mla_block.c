@@ -46,8 +46,9 @@
 typedef struct {
     const col_kernel_set *k;
     const col_mla_layer *l;
-    col_dequantize_row_fn kvb_row; /* wkv_b's rows to float, one at a time (the level's dequantizer) */
-    col_matrix m_in, m_kv, m_qb, m_o;
+    col_dequantize_row_fn kvb_row; /* wkv_b's key rows to float, one at a time (the level's dequantizer) */
+    col_matrix m_in, m_kv, m_qb, m_o, m_kvb; /* m_kvb: wkv_b, whose value rows meet o_lat as a product */
+    size_t olq_bytes;         /* o_lat quantized for wkv_b's type (integer kernels only; else 0) */
     int64_t n_tok, n_past, QH, L, rows_in; /* rows_in: rows of wq_a (Cq) or wq (QH) */
     float *x;                 /* (T, D) */
     const float *cos, *sin;   /* (T, R) */
@@ -64,7 +65,8 @@ typedef struct {
     uint8_t *aq;              /* (T, aq_bytes) */
     size_t aq_bytes;
     float *o;                 /* (T, D) a @ wo^T */
-    float *scratch;           /* (nth, per_thread) scores (S) | rope (R) | q_lat (C) | o_lat (C) | row (C) */
+    float *scratch;           /* (nth, per_thread) scores (S) | rope (R) | q_lat (C) | o_lat (C) | row (C)
+                                 | o_lat quantized (olq_bytes, 64-byte aligned) */
     int64_t per_thread;
     col_barrier barrier;
 } mla_job;
@@ -125,7 +127,6 @@ static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th) 
     const float *qh = j->q + t * j->QH + head * (N + R); /* (N + R) */
     const int64_t kvb_row_bytes = col_type_row_bytes(l->kvb_type, C);
     const uint8_t *wk = (const uint8_t *)l->wkv_b + (size_t)(head * (N + Vd)) * (size_t)kvb_row_bytes; /* (N, C) */
-    const uint8_t *wv = wk + (size_t)N * (size_t)kvb_row_bytes;                                        /* (Vd, C) */
 
     memcpy(pe, qh + N, (size_t)R * sizeof(float));
     rope_part(j, pe, j->cos + t * R, j->sin + t * R, row);
@@ -150,11 +151,14 @@ static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th) 
     for (int64_t c = 0; c < C; c++) o_lat[c] = 0.0f;
     for (int64_t s = 0; s <= pos; s++) k->axpy_f32(o_lat, sc[s] * inv, j->cache + s * L, C);
 
-    float *out = j->a + t * l->n_heads * Vd + head * Vd; /* (Vd) = Wv o_lat */
-    for (int64_t v = 0; v < Vd; v++) {
-        j->kvb_row(wv + (size_t)v * (size_t)kvb_row_bytes, row, C);
-        out[v] = k->dot_f32(row, o_lat, C);
-    }
+    /* (Vd) = Wv o_lat: an ordinary product of Vd weight rows with one activation row, so
+     * the level's matrix kernels (o_lat quantized to int8 once, as every other product's
+     * activations) instead of dequantizing Vd x C weights per token and head */
+    float *out = j->a + t * l->n_heads * Vd + head * Vd;
+    uint8_t *olq = (uint8_t *)(th + j->per_thread) - j->olq_bytes; /* the end of this thread's scratch */
+    if (j->m_kvb.integer) col_quantize_x(j->m_kvb.type, o_lat, C, olq);
+    const int64_t v0 = head * (N + Vd) + N; /* Wv_j's first row in wkv_b */
+    col_matrix_rows(k, &j->m_kvb, v0, v0 + Vd, o_lat, olq, j->olq_bytes, 1, out, Vd);
 }
 
 static void mla_task(void *arg, int ith, int nth) {
@@ -223,6 +227,8 @@ int col_mla_block(col_pool *pool, const col_mla_layer *layer, float *x, int64_t 
         col_matrix_init(&job.m_o, job.k, l->o_type, l->wo, AV) != COL_OK)
         return COL_EINVAL;
     if (l->q_rank > 0 && col_matrix_init(&job.m_qb, job.k, l->qb_type, l->wq_b, l->q_rank) != COL_OK) return COL_EINVAL;
+    if (col_matrix_init(&job.m_kvb, job.k, l->kvb_type, l->wkv_b, l->kv_rank) != COL_OK) return COL_EINVAL;
+    job.olq_bytes = job.m_kvb.integer ? col_xq_bytes(l->kv_rank / COL_QK_X) : 0;
     job.n_tok = n_tok;
     job.n_past = n_past;
     job.x = x;
@@ -234,7 +240,7 @@ int col_mla_block(col_pool *pool, const col_mla_layer *layer, float *x, int64_t 
     const size_t T = (size_t)n_tok, S = (size_t)(n_past + n_tok);
     const size_t Cq = (size_t)l->q_rank, C = (size_t)l->kv_rank;
 #define F32_BYTES(n) (((n) * sizeof(float) + 63) / 64 * 64)
-    job.per_thread = (int64_t)(F32_BYTES(S + (size_t)l->rope_dim + 3 * C) / sizeof(float));
+    job.per_thread = (int64_t)((F32_BYTES(S + (size_t)l->rope_dim + 3 * C) + job.olq_bytes) / sizeof(float));
     const size_t sz_h = F32_BYTES(T * (size_t)l->dim), sz_qa = F32_BYTES(T * Cq), sz_q = F32_BYTES(T * (size_t)job.QH);
     const size_t sz_kv = F32_BYTES(T * (size_t)job.L), sz_a = F32_BYTES(T * (size_t)AV);
     const size_t sz_scratch = (size_t)nth * (size_t)job.per_thread * sizeof(float);

@@ -33,7 +33,9 @@
  *   1. [q_a or q ; kv][t] = h[t] @ [wq_a or wq ; wkv_a]^T                  rows split
  *   2. kv: latent norm, rope, cache store; q_a: norm (and quantize)          tokens split
  *   3. q[t] = q_a[t] @ wq_b^T (only with Cq > 0)                            rows split
- *   4. a[t, head] = absorbed attention over keys 0 .. n_past + t            (t, head) dealt
+ *   4. a[t, head] = absorbed attention over keys 0 .. n_past + t            (t, head) dealt;
+ *      a prompt (T > 1) deals heads instead, so that each head's key rows Wk_j are
+ *      dequantized once for all T tokens rather than once per token
  *   5. a[t] quantized for wo's type (integer kernels only)                  tokens split
  *   6. x[t] += a[t] @ wo^T + bo                                             D rows split
  * A (t, head) item's numbers do not depend on how many threads run nor on the other tokens
@@ -66,7 +68,9 @@ typedef struct {
     size_t aq_bytes;
     float *o;                 /* (T, D) a @ wo^T */
     float *scratch;           /* (nth, per_thread) scores (S) | rope (R) | q_lat (C) | o_lat (C) | row (C)
+                                 | Wk_j dequantized (N, C), T > 1 only, at wk_off
                                  | o_lat quantized (olq_bytes, 64-byte aligned) */
+    int64_t wk_off;           /* floats from a thread's scratch to its Wk_j buffer */
     int64_t per_thread;
     col_barrier barrier;
 } mla_job;
@@ -117,8 +121,10 @@ static void finish_latent(const mla_job *j, int64_t t, float *tmp) {
     }
 }
 
-/* Phase 4 for one query head: the absorbed attention of token t, head `head`. */
-static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th) {
+/* Phase 4 for one query head: the absorbed attention of token t, head `head`. wk_f: the head's
+ * key rows already dequantized (N, C), or NULL to dequantize them one at a time here; the
+ * same numbers either way. */
+static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th, const float *wk_f) {
     const col_kernel_set *k = j->k;
     const col_mla_layer *l = j->l;
     const int64_t C = l->kv_rank, R = l->rope_dim, N = l->nope_dim, Vd = l->v_dim, L = j->L;
@@ -132,8 +138,9 @@ static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th) 
     rope_part(j, pe, j->cos + t * R, j->sin + t * R, row);
     for (int64_t c = 0; c < C; c++) q_lat[c] = 0.0f;
     for (int64_t n = 0; n < N; n++) { /* q_lat = Wk^T q_nope, row by row of Wk */
-        j->kvb_row(wk + (size_t)n * (size_t)kvb_row_bytes, row, C);
-        k->axpy_f32(q_lat, qh[n], row, C);
+        const float *wk_n = wk_f ? wk_f + n * C : row; /* (C) */
+        if (!wk_f) j->kvb_row(wk + (size_t)n * (size_t)kvb_row_bytes, row, C);
+        k->axpy_f32(q_lat, qh[n], wk_n, C);
     }
 
     float mx = -INFINITY;
@@ -159,6 +166,14 @@ static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th) 
     if (j->m_kvb.integer) col_quantize_x(j->m_kvb.type, o_lat, C, olq);
     const int64_t v0 = head * (N + Vd) + N; /* Wv_j's first row in wkv_b */
     col_matrix_rows(k, &j->m_kvb, v0, v0 + Vd, o_lat, olq, j->olq_bytes, 1, out, Vd);
+}
+
+/* Head `head`'s N key rows of wkv_b to float: wk_f (N, C). */
+static void dequantize_keys(const mla_job *j, int64_t head, float *wk_f) {
+    const int64_t C = j->l->kv_rank, N = j->l->nope_dim;
+    const int64_t row_bytes = col_type_row_bytes(j->l->kvb_type, C);
+    const uint8_t *wk = (const uint8_t *)j->l->wkv_b + (size_t)(head * (N + j->l->v_dim)) * (size_t)row_bytes;
+    for (int64_t n = 0; n < N; n++) j->kvb_row(wk + (size_t)n * (size_t)row_bytes, wk_f + n * C, C);
 }
 
 static void mla_task(void *arg, int ith, int nth) {
@@ -189,8 +204,15 @@ static void mla_task(void *arg, int ith, int nth) {
         col_barrier_wait(&j->barrier, nth);
     }
 
-    for (int64_t item = ith; item < T * H; item += nth) /* 4. attention, round-robin as col_attention */
-        attend_latent(j, item / H, item % H, th);
+    if (T == 1) { /* 4. attention, round-robin as col_attention */
+        for (int64_t head = ith; head < H; head += nth) attend_latent(j, 0, head, th, NULL);
+    } else {
+        float *wk_f = th + j->wk_off; /* (N, C) */
+        for (int64_t head = ith; head < H; head += nth) {
+            dequantize_keys(j, head, wk_f);
+            for (int64_t t = 0; t < T; t++) attend_latent(j, t, head, th, wk_f);
+        }
+    }
     col_barrier_wait(&j->barrier, nth);
 
     /* 5. quantize a, 6. output product and residual */
@@ -240,7 +262,9 @@ int col_mla_block(col_pool *pool, const col_mla_layer *layer, float *x, int64_t 
     const size_t T = (size_t)n_tok, S = (size_t)(n_past + n_tok);
     const size_t Cq = (size_t)l->q_rank, C = (size_t)l->kv_rank;
 #define F32_BYTES(n) (((n) * sizeof(float) + 63) / 64 * 64)
-    job.per_thread = (int64_t)((F32_BYTES(S + (size_t)l->rope_dim + 3 * C) + job.olq_bytes) / sizeof(float));
+    const size_t wk_bytes = T > 1 ? F32_BYTES((size_t)l->nope_dim * C) : 0; /* a prompt's Wk_j buffer */
+    job.wk_off = (int64_t)(F32_BYTES(S + (size_t)l->rope_dim + 3 * C) / sizeof(float));
+    job.per_thread = job.wk_off + (int64_t)((wk_bytes + job.olq_bytes) / sizeof(float));
     const size_t sz_h = F32_BYTES(T * (size_t)l->dim), sz_qa = F32_BYTES(T * Cq), sz_q = F32_BYTES(T * (size_t)job.QH);
     const size_t sz_kv = F32_BYTES(T * (size_t)job.L), sz_a = F32_BYTES(T * (size_t)AV);
     const size_t sz_scratch = (size_t)nth * (size_t)job.per_thread * sizeof(float);

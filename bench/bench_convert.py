@@ -32,9 +32,14 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from bench_kernels import OLMOE_SHAPE, log, tensor_shapes, write_checkpoint  # noqa: E402
+from shapes import olmoe  # noqa: E402
+from shapes.common import log, write_checkpoint  # noqa: E402
 
-SHAPE = dict(OLMOE_SHAPE, num_hidden_layers=2)  # ~1.05 B parameters, 2.1 GB of bf16
+LAYERS = 2  # of the OLMoE-1B-7B shape: ~1.05 B parameters, 2.1 GB of bf16
+
+
+def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    return {name: spec.shape for name, spec in olmoe.checkpoint_tensors(config).items()}
 # (name, --quant, source checkpoint)
 CASES = {
     "q8_0": ("q8_0", "bf16"),
@@ -48,10 +53,8 @@ FP8_BLOCK = 128
 CHUNK_BYTES = 8 << 20
 
 
-def config(model_type: str = "olmoe") -> dict:
-    return dict(SHAPE, model_type=model_type, architectures=["OlmoeForCausalLM"], rms_norm_eps=1e-5,
-                rope_theta=10000.0, max_position_embeddings=4096, hidden_act="silu", norm_topk_prob=False,
-                tie_word_embeddings=False, clip_qkv=None)
+def config() -> dict:
+    return olmoe.hf_config(LAYERS)
 
 
 def write_fp8_checkpoint(bf16: Path, out: Path) -> None:
@@ -96,7 +99,7 @@ def prepare(work: Path) -> dict[str, Path]:
     bf16, fp8 = work / "checkpoint-bf16", work / "checkpoint-fp8"
     if not (bf16 / "model.safetensors.index.json").is_file():
         log(f"writing {bf16}")
-        write_checkpoint(bf16, config())
+        write_checkpoint(bf16, config(), olmoe.checkpoint_tensors(config()))
     if not (fp8 / "model.safetensors.index.json").is_file():
         log(f"writing {fp8}")
         write_fp8_checkpoint(bf16, fp8)

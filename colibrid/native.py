@@ -137,6 +137,8 @@ _SIGNATURES = {
                                      ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]),
     # (g (n) f32, u (n) f32, h (n) f32 out, n)
     "col_silu_mul": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
+    # (g (n) f32, u (n) f32, h (n) f32 out, n)
+    "col_gelu_tanh_mul": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
     "col_attention_layer_size": (ctypes.c_size_t, []),
     # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, Hd), sin (T, Hd), keys (>= S or ring_rows, K, Hd), vals, n_past,
     #  ring_rows (0: a flat cache))
@@ -655,7 +657,7 @@ class ExpertBuffers:
         self._keep = keep
 
 
-EXPERT_ACTIVATION_CODES = {"swiglu": 0, "clamped_swiglu": 1}  # enum col_expert_activation
+EXPERT_ACTIVATION_CODES = {"swiglu": 0, "clamped_swiglu": 1, "geglu_tanh": 2}  # enum col_expert_activation
 
 
 class ExpertFfn(ctypes.Structure):
@@ -768,6 +770,16 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """silu(g) * u elementwise for float32 arrays of one shape, as the fused expert call
     computes it on the active kernel level (see col_silu_mul)."""
+    return _gated(g, u, "col_silu_mul")
+
+
+def gelu_tanh_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """gelu_tanh(g) * u elementwise (transformers' gelu_pytorch_tanh gating) for float32 arrays
+    of one shape, as the fused expert call computes it on the active level (see col_gelu_tanh_mul)."""
+    return _gated(g, u, "col_gelu_tanh_mul")
+
+
+def _gated(g: np.ndarray, u: np.ndarray, function: str) -> np.ndarray:
     for name, a in (("g", g), ("u", u)):
         if not isinstance(a, np.ndarray) or a.dtype != np.float32:
             raise InvalidArgumentError(f"{name} must be a float32 array")
@@ -775,7 +787,7 @@ def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
         raise InvalidArgumentError(f"g and u must have the same shape, got {g.shape} and {u.shape}")
     g, u = np.ascontiguousarray(g), np.ascontiguousarray(u)
     h = np.empty_like(g)
-    check(_lib().col_silu_mul(_ptr(g), _ptr(u), _ptr(h), g.size), "silu_mul")
+    check(getattr(_lib(), function)(_ptr(g), _ptr(u), _ptr(h), g.size), function)
     return h
 
 
@@ -841,6 +853,7 @@ class AttentionLayer(ctypes.Structure):
         ("rotary_dim", ctypes.c_int64), ("sinks", ctypes.c_void_p), ("chunk", ctypes.c_int64), ("wg", ctypes.c_void_p),
         ("rope_interleaved", ctypes.c_int32), ("no_rope", ctypes.c_int32),
         ("temp_floor", ctypes.c_float), ("temp_scale", ctypes.c_float),
+        ("v_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
     ]
 
 
@@ -857,7 +870,8 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
                     bq: np.ndarray | None = None, bk: np.ndarray | None = None, bv: np.ndarray | None = None,
                     bo: np.ndarray | None = None, rotary_dim: int = 0, sinks: np.ndarray | None = None,
                     chunk: int | None = None, wg=None, rope_interleaved: bool = False, no_rope: bool = False,
-                    temperature: tuple[float, float] | None = None) -> AttentionLayer:
+                    temperature: tuple[float, float] | None = None, v_norm: np.ndarray | None = None,
+                    post_norm: np.ndarray | None = None) -> AttentionLayer:
     """One layer's attention for attention_block(): ``wq`` (H*Hd, D), ``wk``/``wv`` (K*Hd, D)
     encoded as ``qkv_type``, ``wo`` (D, H*Hd) as ``o_type`` (contiguous buffers, read in place);
     ``norm`` (D) the input RMSNorm; biases and q/k norm weights float32 or None; ``rotary_dim``
@@ -866,7 +880,9 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
     ``qkv_type``: an output gate, the attention output times sigmoid(h wg^T) (Qwen3.5,
     Qwen3-Next), or None; ``rope_interleaved``: RoPE turns pairs (x0, x1), (x2, x3) ...;
     ``no_rope``: none at all; ``temperature`` (floor, scale): queries scaled by attention
-    temperature tuning (see col_attention_layer), or None."""
+    temperature tuning (see col_attention_layer), or None; ``v_norm`` (Hd) the RMSNorm weight
+    of each value head, ``post_norm`` (D) that of the attention output before the residual
+    add, or None."""
     dim, n_heads, n_kv_heads, head_dim = (_as_count(v, n) for v, n in (
         (dim, "dim"), (n_heads, "n_heads"), (n_kv_heads, "n_kv_heads"), (head_dim, "head_dim")))
     if min(dim, n_heads, n_kv_heads, head_dim) == 0 or n_heads % n_kv_heads or head_dim % 2:
@@ -898,7 +914,8 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
         keep.append(raw)
         setattr(layer, field, _ptr(raw))
     norm_width = {"none": None, "full": (Q, KV), "head": (head_dim, head_dim), "head_after_rope": (head_dim, head_dim)}[qk_norm]
-    vectors = [("bq", bq, Q), ("bk", bk, KV), ("bv", bv, KV), ("bo", bo, dim), ("sinks", sinks, n_heads)]
+    vectors = [("bq", bq, Q), ("bk", bk, KV), ("bv", bv, KV), ("bo", bo, dim), ("sinks", sinks, n_heads),
+               ("v_norm", v_norm, head_dim), ("post_norm", post_norm, dim)]
     if norm_width is not None:
         if q_norm is None or k_norm is None:
             raise InvalidArgumentError(f"qk_norm {qk_norm!r} needs q_norm and k_norm")
@@ -1151,16 +1168,17 @@ class MoeRouter(ctypes.Structure):
         ("type", ctypes.c_int32), ("scoring", ctypes.c_int32), ("group_score", ctypes.c_int32),
         ("normalize", ctypes.c_int32), ("scaling", ctypes.c_float),
         ("weight", ctypes.c_void_p), ("choice_bias", ctypes.c_void_p), ("logit_bias", ctypes.c_void_p),
+        ("expert_scale", ctypes.c_void_p),
     ]
 
 
 def moe_router(type_: TensorType | int | str, data, n_experts: int, dim: int, top_k: int, *, normalize: bool,
                scoring: str = "softmax", choice_bias: np.ndarray | None = None, n_groups: int = 1,
                groups_kept: int = 1, group_score: str = "max", scaling: float = 1.0,
-               logit_bias: np.ndarray | None = None) -> MoeRouter:
+               logit_bias: np.ndarray | None = None, expert_scale: np.ndarray | None = None) -> MoeRouter:
     """A MoE layer's router for moe_router_route() (see col_moe_router_route): ``data`` the
-    router (E, D) encoded as ``type_``, read in place; ``choice_bias`` and ``logit_bias``
-    float32 (E) or None."""
+    router (E, D) encoded as ``type_``, read in place; ``choice_bias``, ``logit_bias`` and
+    ``expert_scale`` float32 (E) or None."""
     t = _as_type(type_)
     n_experts, dim, top_k = _as_count(n_experts, "n_experts"), _as_count(dim, "dim"), _as_count(top_k, "top_k")
     n_groups, groups_kept = _as_count(n_groups, "n_groups"), _as_count(groups_kept, "groups_kept")
@@ -1189,6 +1207,9 @@ def moe_router(type_: TensorType | int | str, data, n_experts: int, dim: int, to
     if logit_bias is not None:
         keep.append(_f32_vector(logit_bias, "logit_bias", n_experts))
         router.logit_bias = _ptr(logit_bias)
+    if expert_scale is not None:
+        keep.append(_f32_vector(expert_scale, "expert_scale", n_experts))
+        router.expert_scale = _ptr(expert_scale)
     router._keep = keep  # the buffers the pointers point into
     return router
 

@@ -252,6 +252,29 @@ def test_silu_mul_matches_numpy_on_every_level(kernel_level):
         np.testing.assert_array_equal(edge[2:], [np.nan, np.inf, np.nan])  # -inf / (1 + inf), as the formula
 
 
+def test_gelu_tanh_mul_matches_the_formula_and_torch_on_every_level(kernel_level):
+    """GeGLU's elementwise step (Gemma 4's gelu_pytorch_tanh), which libcolibri writes through
+    the sigmoid: within a few ulp of the float64 value over the whole range on every level,
+    within float32 rounding of torch's tanh form where that form does not cancel, and the
+    ends as the formula gives them."""
+    import torch
+
+    g = np.concatenate([np.linspace(-30, 30, 4001), gaussian((997,), 152, 3.0)]).astype(np.float32)  # odd: a tail
+    u = gaussian(g.shape, 153, 1.0) + np.float32(0.5)
+    g64 = g.astype(np.float64)
+    with np.errstate(over="ignore"):
+        want = g64 / (1.0 + np.exp(-2.0 * np.sqrt(2.0 / np.pi) * (g64 + 0.044715 * g64 ** 3))) * u.astype(np.float64)
+    torch_h = (torch.nn.functional.gelu(torch.from_numpy(g), approximate="tanh") * torch.from_numpy(u)).numpy()
+    for level in native.supported_kernels():
+        kernel_level(level)
+        got = native.gelu_tanh_mul(g, u)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=level)
+        np.testing.assert_allclose(got, torch_h, rtol=0, atol=2e-6 * np.abs(torch_h).max(), err_msg=level)
+        edge = native.gelu_tanh_mul(np.array([-100, 100, np.nan, np.inf, -np.inf], np.float32), np.ones(5, np.float32))
+        assert edge[0] == 0 and edge[1] == 100, (level, edge)
+        assert np.isnan(edge[2]) and edge[3] == np.inf and np.isnan(edge[4]), (level, edge)  # -inf * 0, as torch
+
+
 def test_fused_experts_reject_bad_arguments():
     experts = _experts(TensorType.Q8_0, 2, 64, 32, 1)
     x, out = gaussian((1, 64), 2), np.zeros((1, 64), np.float32)

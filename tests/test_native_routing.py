@@ -230,3 +230,32 @@ def test_route_chooses_and_weighs_as_transformers(kind, n_groups, groups_kept, n
     np.testing.assert_array_equal(np.take_along_axis(experts, ours, 1), np.take_along_axis(want_experts.numpy(), order, 1))
     np.testing.assert_allclose(np.take_along_axis(weights, ours, 1), np.take_along_axis(want_weights.numpy(), order, 1),
                                rtol=1e-5, atol=1e-7)
+
+
+def test_the_expert_scale_weighs_after_renormalising_as_gemma4(kernel_level, pools):
+    """Gemma 4's router: softmax over all experts, top-k, renormalised, then each weight times
+    its expert's learned scale (which never changes the choice); against transformers'
+    Gemma4TextRouter on the same (normed, scaled) input, on every level and thread count."""
+    import torch
+    import transformers
+
+    D = 64
+    config = transformers.Gemma4TextConfig(hidden_size=D, num_experts=E, top_k_experts=TOP_K, rms_norm_eps=1e-6)
+    module = transformers.models.gemma4.modeling_gemma4.Gemma4TextRouter(config)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        module.proj.weight.copy_(torch.randn(E, D, generator=gen))
+        module.per_expert_scale.copy_(torch.rand(E, generator=gen) * 2 - 0.5)  # some negative
+    x = np.random.default_rng(6).standard_normal((9, D)).astype(np.float32)
+    with torch.no_grad():
+        routed_input = module.norm(torch.from_numpy(x)) * module.scale * module.scalar_root_size
+        _, want_weights, want_experts = module(torch.from_numpy(x))
+    scale = module.per_expert_scale.detach().numpy().copy()
+    router = native.moe_router(TensorType.F32, module.proj.weight.detach().numpy().copy(), E, D, TOP_K, normalize=True,
+                               expert_scale=scale)
+    for level in native.supported_kernels():
+        kernel_level(level)
+        for n, pool in pools.items():
+            experts, weights = native.moe_router_route(router, routed_input.numpy(), pool=pool)
+            np.testing.assert_array_equal(experts, want_experts.numpy(), err_msg=f"{level}, {n} threads")
+            np.testing.assert_allclose(weights, want_weights.numpy(), rtol=2e-6, atol=1e-7)

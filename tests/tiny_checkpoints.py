@@ -38,6 +38,7 @@ ARCH_CLASSES = {
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "gemma4_text": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
     "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
     "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
     "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM),
@@ -83,6 +84,13 @@ EXPERTS.update(qwen3_5_moe=_QWEN3_5, qwen3_next={**_QWEN3_5, "intermediate_size"
 EXPERTS["llama4"] = dict(num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=1, intermediate_size=64,
                          intermediate_size_mlp=128, interleave_moe_layer_step=2, head_dim=16,
                          attention_chunk_size=8, floor_scale=4, attn_scale=0.5)
+# Gemma 4's MoE block beside a dense MLP; sliding layers (Hd 16, 2 kv heads, window 4) and full
+# ones (Hd 32, 1 kv head, values from the keys, proportional RoPE), per-layer inputs (P 16) and
+# logit soft-capping. The per-layer vocabulary is the tokenizer's (build_checkpoint sets it).
+EXPERTS["gemma4_text"] = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=64,
+                              intermediate_size=128, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                              attention_k_eq_v=True, sliding_window=4, hidden_size_per_layer_input=16,
+                              final_logit_softcapping=30.0)
 
 
 @dataclass(frozen=True)
@@ -124,7 +132,7 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if p.ndim == 1 and "norm" in name:
+            if p.ndim == 1 and ("norm" in name or name.endswith("scale")):  # Gemma 4's router scales too
                 p.copy_(1.0 + 0.2 * noise)
             elif p.ndim == 1:
                 p.copy_(0.1 * noise)
@@ -133,6 +141,8 @@ def _randomize(model: torch.nn.Module, std: float, seed: int) -> None:
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # a saved buffer (DeepSeek-V3, GLM-4.5 routers)
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
+            if name.endswith("layer_scalar"):  # a saved buffer (Gemma 4's per-layer output scale)
+                b.copy_(1.0 + 0.2 * torch.randn(b.shape, generator=gen, dtype=torch.float32))
 
 
 def corpus_token_ids(tokenizer) -> list[int]:
@@ -171,6 +181,8 @@ def build_checkpoint(spec: CheckpointSpec, directory: Path, init_std: float = 0.
                                              bos_token_id=None, **text), **wrapper)
     else:
         kwargs = copy.deepcopy({**BASE, **EXPERTS[spec.arch], **spec.overrides})
+        if "hidden_size_per_layer_input" in kwargs:  # Gemma's per-layer embeddings: the tokenizer's vocabulary
+            kwargs.setdefault("vocab_size_per_layer_input", len(tokenizer))
         config = config_cls(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=eos, bos_token_id=None, **kwargs)
     torch.manual_seed(spec.seed)
     model = model_cls(config)

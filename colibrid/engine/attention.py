@@ -1,8 +1,9 @@
 """Grouped-query causal self-attention with RoPE (optionally partial: the leading dims of
 each head only; or on interleaved pairs; or none, on NoPE layers), optional q/k RMSNorm
 (before RoPE, or Llama 4's unweighted one after it), qkv clipping, sliding windows, per-head
-sink logits, attention temperature tuning and an output gate; keys and values go through the
-sequence's KV cache."""
+sink logits, attention temperature tuning and an output gate; Gemma 4's v norm, values taken
+from the keys' projection, and a norm of the output before the residual add; keys and values
+go through the sequence's KV cache."""
 
 from __future__ import annotations
 
@@ -33,7 +34,12 @@ class Attention:
         self.input_norm = input_norm  # (D)
         self.window = config.sliding_window[layer]
         self.chunk = config.attention_chunk[layer] if config.attention_chunk else None  # Llama 4
-        self.scale = np.float32(config.head_dim ** -0.5)
+        self.head_dim, self.kv_heads = config.head_dim_of(layer), config.kv_heads_of(layer)  # Hd, K of this layer
+        self.scale = np.float32(config.attention_scale or self.head_dim ** -0.5)
+        # Gemma 4: without a v projection the values are the k projection, before the k norm
+        self.wv = weights["v"] if config.has_v_projection(layer) else weights["k"]
+        self.v_norm = np.ones(self.head_dim, np.float32) if config.v_norm else None  # (Hd) a norm without weight
+        self.post_norm = weights["post_norm"] if "post_norm" in weights else None  # (D)
         self.no_rope = config.is_nope(layer)
         self.qk_norm, self.q_norm, self.k_norm = self._qk_norm()
         # Llama 4 tunes the temperature of the NoPE layers only, whose queries know no position
@@ -48,7 +54,7 @@ class Attention:
         if c.qk_norm == "l2":
             if self.no_rope:
                 return "none", None, None
-            ones = np.ones(c.head_dim, np.float32)
+            ones = np.ones(self.head_dim, np.float32)
             return "head_after_rope", ones, ones
         if c.qk_norm == "none":
             return "none", None, None
@@ -58,26 +64,27 @@ class Attention:
         """The whole step as one libcolibri call (col_attention_block, the same numbers as the
         numpy path below), or None where it does not apply: q, k and v of different types."""
         c, w = self.c, self.w
-        if len({w[name].type for name in ("q", "k", "v", "gate") if name in w}) != 1:
+        if len({w[name].type for name in ("q", "k", "gate") if name in w} | {self.wv.type}) != 1:
             log.info("layer %d: q, k, v (and gate) have different types; attention runs step by step", self.layer)
             return None
         bias = lambda name: w[name].data if name in w else None  # noqa: E731
         return native.attention_layer(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, self.input_norm.data, w["q"].type,
-            w["q"].data, w["k"].data, w["v"].data, w["o"].type, w["o"].data, eps=c.rms_norm_eps,
+            c.hidden_size, c.num_heads, self.kv_heads, self.head_dim, self.input_norm.data, w["q"].type,
+            w["q"].data, w["k"].data, self.wv.data, w["o"].type, w["o"].data, eps=c.rms_norm_eps,
             scale=float(self.scale), window=self.window, clip_qkv=c.clip_qkv, qk_norm=self.qk_norm,
             q_norm=self.q_norm, k_norm=self.k_norm, bq=bias("q_bias"), bk=bias("k_bias"), bv=bias("v_bias"),
             bo=bias("o_bias"), rotary_dim=c.rotary_dim, sinks=bias("sinks"), rope_interleaved=c.rope_interleaved,
             no_rope=self.no_rope, temperature=self.temperature, chunk=self.chunk,
-            wg=w["gate"].data if "gate" in w else None)
+            wg=w["gate"].data if "gate" in w else None, v_norm=self.v_norm,
+            post_norm=None if self.post_norm is None else self.post_norm.data)
 
     def new_state(self, max_tokens: int, max_step_tokens: int) -> KVCache | RingKVCache:
         """A sequence's cache for this layer: a ring of the keys a window or chunk can still
         see, when that is smaller than the whole context; else every key."""
         spans = [span for span in (self.window, self.chunk) if span]
         if spans and min(spans) + max_step_tokens - 1 < max_tokens:
-            return RingKVCache(self.c.num_kv_heads, self.c.head_dim, min(spans), max_step_tokens)
-        return KVCache(self.c.num_kv_heads, self.c.head_dim, max_tokens)
+            return RingKVCache(self.kv_heads, self.head_dim, min(spans), max_step_tokens)
+        return KVCache(self.kv_heads, self.head_dim, max_tokens)
 
     def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                  kv: KVCache | RingKVCache, start: int) -> np.ndarray:
@@ -87,7 +94,8 @@ class Attention:
             keys, values = kv.buffers(start, x.shape[0])
             native.attention_block(self.fused, x, cos, sin, keys, values, start, ring=kv.ring)
             return x
-        return x + self(rms_norm(x, self.input_norm, self.c.rms_norm_eps), positions, cos, sin, kv, start)
+        out = self(rms_norm(x, self.input_norm, self.c.rms_norm_eps), positions, cos, sin, kv, start)
+        return x + (out if self.post_norm is None else rms_norm(out, self.post_norm, self.c.rms_norm_eps))
 
     def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                  kv: KVCache | RingKVCache, start: int) -> np.ndarray:
@@ -95,10 +103,10 @@ class Attention:
         if c.attention_sinks:
             raise NotImplementedError(f"layer {self.layer}: attention sinks are computed by the fused attention step only, "
                                       "which needs q, k and v of one type (as the converter writes them)")
-        T, H, K, Hd = x.shape[0], c.num_heads, c.num_kv_heads, c.head_dim
+        T, H, K, Hd = x.shape[0], c.num_heads, self.kv_heads, self.head_dim
         q = linear(x, w["q"], w.get("q_bias"))  # (T, H*Hd)
         k = linear(x, w["k"], w.get("k_bias"))  # (T, K*Hd)
-        v = linear(x, w["v"], w.get("v_bias"))  # (T, K*Hd)
+        v = linear(x, self.wv, w.get("v_bias"))  # (T, K*Hd)
         if self.qk_norm == "full":
             q, k = native.rms_norm(q, self.q_norm, c.rms_norm_eps), native.rms_norm(k, self.k_norm, c.rms_norm_eps)
         if c.clip_qkv is not None:
@@ -106,6 +114,8 @@ class Attention:
         q, k, v = q.reshape(T, H, Hd), k.reshape(T, K, Hd), v.reshape(T, K, Hd)
         if self.qk_norm == "head":
             q, k = native.rms_norm(q, self.q_norm, c.rms_norm_eps), native.rms_norm(k, self.k_norm, c.rms_norm_eps)
+        if self.v_norm is not None:
+            v = native.rms_norm(v, self.v_norm, c.rms_norm_eps)
         if not self.no_rope:
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         if self.qk_norm == "head_after_rope":

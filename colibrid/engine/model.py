@@ -15,7 +15,8 @@ from colibrid.engine.deltanet import DeltaNet
 from colibrid.engine.experts import ExpertSource
 from colibrid.engine.layers import linear, rms_norm
 from colibrid.engine.mla import LatentAttention
-from colibrid.engine.moe import DenseMlp, MoeBlock
+from colibrid.engine.moe import DenseAndExperts, DenseMlp, MoeBlock
+from colibrid.engine.per_layer_inputs import LayerInput, PerLayerInputs
 from colibrid.engine.rope import Rotary
 from colibrid.engine.sequence_state import LayerState, SequenceState
 from colibrid.pack.reader import Pack
@@ -38,7 +39,9 @@ def _layer_weights(pack: Pack, layer: int, prefix: str) -> dict[str, PackedTenso
 class Layer:
     def __init__(self, pack: Pack, layer: int, rotary: Rotary, experts: ExpertSource) -> None:
         c = pack.manifest.model
+        self.layer = layer
         self.eps = c.rms_norm_eps
+        self.rotary = rotary  # this layer's RoPE (Gemma 4's full and sliding layers differ)
         self.attn_norm = _dense(pack, f"layers.{layer}.attn_norm")
         self.ffn_norm = _dense(pack, f"layers.{layer}.ffn_norm")
         attn_weights = _layer_weights(pack, layer, "attn.")
@@ -49,14 +52,34 @@ class Layer:
         else:
             self.mixer = Attention(c, layer, attn_weights, rotary, self.attn_norm)
         ffn_weights = _layer_weights(pack, layer, "")
-        self.ffn = MoeBlock(c, layer, ffn_weights, experts) if c.moe_layers[layer] else DenseMlp(ffn_weights)
+        if not c.moe_layers[layer]:
+            self.ffn = DenseMlp(ffn_weights, c.hidden_act)
+        elif c.dense_mlp_with_experts:
+            self.ffn = DenseAndExperts(c, layer, ffn_weights, experts)  # its own input norms
+        else:
+            self.ffn = MoeBlock(c, layer, ffn_weights, experts)
+        self.ffn_normed_inside = c.moe_layers[layer] and c.dense_mlp_with_experts
+        self.ffn_post_norm = ffn_weights.get("ffn_post_norm")  # (D) Gemma: the FFN output normed
+        self.input = LayerInput(c, ffn_weights) if c.per_layer_input else None
+        self.scalar = ffn_weights["layer_scalar"].data if c.layer_scalar else None  # (1)
+
+    @property
+    def moe(self) -> MoeBlock | None:
+        """This layer's routed experts, if it has any."""
+        return self.ffn.moe if isinstance(self.ffn, DenseAndExperts) else self.ffn if isinstance(self.ffn, MoeBlock) else None
 
     def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, state: LayerState,
-                 start: int) -> np.ndarray:
+                 start: int, layer_input: np.ndarray | None = None) -> np.ndarray:
         """The residual stream x (T, D) after this layer, for tokens after the first ``start``
-        of the sequence whose state for this layer is ``state``; x may be updated in place."""
+        of the sequence whose state for this layer is ``state`` (``layer_input`` (T, P): its
+        per-layer input, with PLE); x may be updated in place."""
         x = self.mixer.residual(x, positions, cos, sin, state, start)
-        x += self.ffn(rms_norm(x, self.ffn_norm, self.eps))
+        out = self.ffn(x if self.ffn_normed_inside else rms_norm(x, self.ffn_norm, self.eps))
+        x += out if self.ffn_post_norm is None else rms_norm(out, self.ffn_post_norm, self.eps)
+        if self.input is not None:
+            x += self.input.residual(x, layer_input)
+        if self.scalar is not None:
+            x *= self.scalar
         return x
 
 
@@ -77,18 +100,36 @@ class Model:
         self.embed = _dense(pack, "embed")  # (V, D)
         self.lm_head = _dense(pack, "lm_head") if not c.tie_word_embeddings else self.embed  # (V, D)
         self.final_norm = _dense(pack, "final_norm")
-        self.layers = [Layer(pack, layer, self.rotary, experts) for layer in range(c.num_layers)]
+        self._rotaries: dict[tuple, Rotary] = {}  # (RoPE, Hd) -> Rotary of the layers unlike the first
+        self.layers = [Layer(pack, layer, self._rotary_of(layer), experts) for layer in range(c.num_layers)]
+        self.per_layer_inputs = PerLayerInputs(c, _dense(pack, "per_layer_embed"), _dense(pack, "per_layer_model_proj"),
+                                               _dense(pack, "per_layer_proj_norm")) if c.per_layer_input else None
         self.max_step_tokens = MAX_STEP_TOKENS  # states made by new_state() rely on it: set it before
-        moe_blocks = [layer.ffn for layer in self.layers if isinstance(layer.ffn, MoeBlock)]
+        moe_blocks = [layer.moe for layer in self.layers if layer.moe is not None]
         for block, next_block in zip(moe_blocks, moe_blocks[1:]):
             block.next_block = next_block  # lookahead prefetch: layer l predicts layer l+1's experts
+
+    def _rotary_of(self, layer: int) -> Rotary:
+        """The model's one Rotary, or, where a layer's head width or RoPE differ from it
+        (Gemma 4's full layers), one per distinct (RoPE, width) pair."""
+        c = self.config
+        if c.head_dim_of(layer) == c.head_dim and c.rope_of(layer) == c.rope:
+            return self.rotary
+        key = (c.rope_of(layer), c.head_dim_of(layer))
+        if key not in self._rotaries:
+            self._rotaries[key] = Rotary(*key)
+        return self._rotaries[key]
 
     def embed_tokens(self, token_ids: np.ndarray) -> np.ndarray:
         if token_ids.size and (token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size):
             raise ValueError(f"token id out of range [0, {self.config.vocab_size})")
         if self.embed.type is native.TensorType.F32:
-            return self.embed.data[token_ids].astype(np.float32)
-        return native.get_rows(self.embed.type, self.embed.data, self.config.hidden_size, token_ids.astype(np.int32))
+            x = self.embed.data[token_ids].astype(np.float32)
+        else:
+            x = native.get_rows(self.embed.type, self.embed.data, self.config.hidden_size, token_ids.astype(np.int32))
+        if self.config.embed_scale != 1.0:
+            x *= np.float32(self.config.embed_scale)  # Gemma: sqrt(D), in float32 as transformers scales it
+        return x
 
     def new_state(self, max_tokens: int) -> SequenceState:
         """A new sequence's state: each layer's cache for up to ``max_tokens`` tokens."""
@@ -113,13 +154,22 @@ class Model:
         """One pass of at most max_step_tokens tokens; logits of "all" of them, the "last", or None."""
         start = state.length
         positions = np.arange(start, start + token_ids.shape[0])
-        cos, sin = self.rotary.cos_sin(positions)
+        tables = {}  # id(rotary) -> (cos, sin) of these positions, each computed once
         x = self.embed_tokens(token_ids)  # (T, D)
+        inputs = self.per_layer_inputs(token_ids, x) if self.per_layer_inputs is not None else None  # (T, L, P)
         for layer, layer_state in zip(self.layers, state.layers):
-            x = layer(x, positions, cos, sin, layer_state, start)
+            rotary = layer.rotary
+            if id(rotary) not in tables:
+                tables[id(rotary)] = rotary.cos_sin(positions)
+            x = layer(x, positions, *tables[id(rotary)], layer_state, start,
+                      None if inputs is None else inputs[:, layer.layer])
         state.advance(token_ids.shape[0])
         if logits is None:
             return None
         if logits == "last":
             x = x[-1:]
-        return linear(rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head)
+        logits = linear(rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head)
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
+        return logits

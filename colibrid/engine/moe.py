@@ -3,7 +3,9 @@ router (optionally with a logit bias) -> scores (softmax, or sigmoid with a choi
 -> optional group limit -> top-k (or top-k logits, then a softmax over them) -> optional
 renormalisation and scaling, then each selected expert runs once over all the tokens routed
 to it (batch-union), with optional biases and the config's activation, its output weighted
-(or its input, Llama 4), plus an optional shared expert with an optional sigmoid gate."""
+(or its input, Llama 4), plus an optional shared expert with an optional sigmoid gate.
+Gemma 4 runs a dense MLP beside the experts (DenseAndExperts), its router reading the normed
+residual stream and scaling each chosen expert's weight."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import numpy as np
 
 from colibrid import native
 from colibrid.engine.experts import ExpertSource
-from colibrid.engine.layers import linear, silu, swiglu_mlp
+from colibrid.engine.layers import linear, rms_norm, silu, swiglu_mlp
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
@@ -36,15 +38,22 @@ class Router:
         router = weights["router"]  # (E, D)
         bias = weights["router_choice_bias"] if config.router_choice_bias else None  # (E)
         logit_bias = weights["router_bias"] if config.router_bias else None  # (E)
+        expert_scale = weights["router_expert_scale"] if config.router_expert_scale else None  # (E)
+        self.input_norm = weights["router_norm"] if config.router_input_norm else None  # (D)
+        self.eps = config.rms_norm_eps
         num_experts, dim = router.shape
+        self.input_scale = np.float32(dim ** -0.5)
         self.native = native.moe_router(
             router.type, router.data, num_experts, dim, config.num_experts_per_tok, normalize=config.norm_topk_prob,
             scoring=config.router_scoring, choice_bias=None if bias is None else bias.data,
             n_groups=config.router_groups, groups_kept=config.router_groups_kept,
             group_score=config.router_group_score, scaling=config.routed_scaling_factor,
-            logit_bias=None if logit_bias is None else logit_bias.data)
+            logit_bias=None if logit_bias is None else logit_bias.data,
+            expert_scale=None if expert_scale is None else expert_scale.data)
 
     def __call__(self, x: np.ndarray) -> Routing:
+        if self.input_norm is not None:  # Gemma 4: rms_norm(x) * scale * D^-0.5, in transformers' order
+            x = rms_norm(x, self.input_norm, self.eps) * self.input_scale
         return Routing(*native.moe_router_route(self.native, x))
 
 
@@ -70,9 +79,10 @@ class MoeBlock:
         self.router = Router(config, weights)
         self.next_block: "MoeBlock | None" = None  # the next MoE layer, for lookahead prefetch (Model sets it)
 
-    def __call__(self, x: np.ndarray) -> np.ndarray:
+    def __call__(self, x: np.ndarray, router_input: np.ndarray | None = None) -> np.ndarray:
+        """The experts' sum for x (T, D), routed on ``router_input`` (T, D) (default: x)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
-        routing = self.router(x)
+        routing = self.router(x if router_input is None else router_input)
         out = np.zeros_like(x)  # (T, D)
         selected = _distinct(routing.experts)  # batch-union: each expert once per step
         # A long prompt may touch more experts than the cache can pin at once: run them in waves.
@@ -159,16 +169,50 @@ def _expert_ffn(c: ModelConfig, x: np.ndarray, ew) -> np.ndarray:
         u = np.clip(u, -np.float32(c.swiglu_limit), np.float32(c.swiglu_limit))
         with np.errstate(over="ignore"):
             h = (u + np.float32(1.0)) * (g * (np.float32(1.0) / (np.float32(1.0) + np.exp(-(g * np.float32(c.swiglu_alpha))))))
+    elif c.expert_activation == "geglu_tanh":
+        h = native.gelu_tanh_mul(g, u)
     else:
         h = silu(g) * u
     return linear(h.astype(np.float32), ew.down, ew.down_bias)
 
 
 class DenseMlp:
-    """A layer without routed experts (mlp_only_layers, decoder_sparse_step)."""
+    """A layer without routed experts (mlp_only_layers, decoder_sparse_step), or Gemma 4's MLP
+    beside them: SwiGLU, or GeGLU computed by libcolibri."""
 
-    def __init__(self, weights: dict[str, PackedTensor]) -> None:
+    def __init__(self, weights: dict[str, PackedTensor], activation: str = "silu") -> None:
         self.w = weights
+        self.activation = activation
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        return swiglu_mlp(x, self.w["mlp.gate"], self.w["mlp.up"], self.w["mlp.down"])
+        w = self.w
+        if self.activation == "silu":
+            return swiglu_mlp(x, w["mlp.gate"], w["mlp.up"], w["mlp.down"])
+        return linear(native.gelu_tanh_mul(linear(x, w["mlp.gate"]), linear(x, w["mlp.up"])), w["mlp.down"])
+
+
+class DenseAndExperts:
+    """Gemma 4's feed-forward: the dense MLP and the routed experts side by side on the layer's
+    residual stream x, each behind its own input norm and after its own output norm; the
+    router scores the un-normed x (Router applies its own norm). Returns their sum (T, D),
+    which the layer norms again before the residual add."""
+
+    def __init__(self, config: ModelConfig, layer: int, weights: dict[str, PackedTensor], experts: ExpertSource) -> None:
+        self.eps = config.rms_norm_eps
+        self.w = weights
+        self.mlp = DenseMlp(weights, config.hidden_act)
+        self.moe = MoeBlock(config, layer, weights, experts)
+
+    @property
+    def experts(self) -> ExpertSource:
+        return self.moe.experts
+
+    @experts.setter
+    def experts(self, source: ExpertSource) -> None:
+        self.moe.experts = source
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        w, eps = self.w, self.eps
+        dense = rms_norm(self.mlp(rms_norm(x, w["ffn_norm"], eps)), w["mlp_post_norm"], eps)
+        routed = self.moe(rms_norm(x, w["experts_norm"], eps), router_input=x)
+        return dense + rms_norm(routed, w["experts_post_norm"], eps)

@@ -50,6 +50,16 @@ def _llama3_inv_freq(rope: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(f32)
 
 
+def _proportional_inv_freq(rope: RopeConfig, dim: int) -> np.ndarray:
+    """Gemma 4's proportional RoPE over a whole head of ``dim``: the first int(p * dim / 2) pairs
+    rotate with exponents over dim (not over the rotated dims, as partial rotary has it), the
+    others with frequency 0: cos 1 and sin 0 leave them as they are, exactly."""
+    angles = int(rope.partial_rotary_factor * dim // 2)
+    rotated = np.float32(1.0) / (np.float32(rope.theta) ** (np.arange(0, 2 * angles, 2, dtype=np.float32) / np.float32(dim)))
+    inv_freq = np.concatenate([rotated, np.zeros(dim // 2 - angles, np.float32)])
+    return (inv_freq / np.float32(rope.factor)).astype(np.float32)
+
+
 class Rotary:
     """cos/sin tables for the rotated dims of a head: all Hd, or the leading Hr with partial
     rotary (whose frequencies transformers computes over Hr, as here)."""
@@ -58,6 +68,8 @@ class Rotary:
         self.head_dim = head_dim  # Hd, or Hr with partial rotary
         if rope.type == "yarn":
             self.inv_freq, self.scale = _yarn_inv_freq(rope, head_dim)
+        elif rope.type == "proportional":
+            self.inv_freq, self.scale = _proportional_inv_freq(rope, head_dim), 1.0
         else:
             exponents = np.arange(0, head_dim, 2, dtype=np.float32) / np.float32(head_dim)
             self.inv_freq = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)  # (Hd/2,)

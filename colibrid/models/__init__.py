@@ -7,6 +7,7 @@ from typing import Any
 from colibrid.models.base import Architecture, UnsupportedConfig
 from colibrid.models.deepseek_v2 import DeepseekV2
 from colibrid.models.deepseek_v3 import DeepseekV3
+from colibrid.models.gemma4 import Gemma4
 from colibrid.models.glm4_moe import Glm4Moe
 from colibrid.models.gpt_oss import GptOss
 from colibrid.models.llama4 import Llama4
@@ -19,7 +20,7 @@ from colibrid.models.qwen3_next import Qwen3Next
 
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch for arch in (Olmoe(), Mixtral(), Qwen2Moe(), Qwen3Moe(), Glm4Moe(), DeepseekV2(), DeepseekV3(), GptOss(),
-                                 Qwen35Moe(), Qwen3Next(), Llama4())
+                                 Qwen35Moe(), Qwen3Next(), Llama4(), Gemma4())
 }
 
 

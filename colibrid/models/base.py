@@ -45,6 +45,7 @@ class Architecture:
     experts_prefix = "mlp.experts"  # under model.layers.{l}.
     dense_mlp_prefix = "mlp"  # under model.layers.{l}., a dense layer's gate_proj / up_proj / down_proj
     expert_projections = ("gate_proj", "up_proj", "down_proj")  # gate, up, down
+    ffn_norm_name = "post_attention_layernorm"  # under model.layers.{l}.: the norm before the FFN
 
     def model_config(self, hf: dict[str, Any]) -> ModelConfig:
         raise NotImplementedError
@@ -68,6 +69,10 @@ class Architecture:
         names = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
         if not config.tie_word_embeddings:
             names["lm_head"] = "lm_head.weight"
+        if config.per_layer_input:  # Gemma's per-layer input embeddings, all layers in one table
+            names.update(per_layer_embed="model.embed_tokens_per_layer.weight",
+                         per_layer_model_proj="model.per_layer_model_projection.weight",
+                         per_layer_proj_norm="model.per_layer_projection_norm.weight")
         for layer in range(config.num_layers):
             names.update(self.layer_tensor_names(config, layer))
         return names
@@ -76,7 +81,7 @@ class Architecture:
         hf, pk = f"model.layers.{layer}.", f"layers.{layer}."
         names = {
             pk + "attn_norm": hf + "input_layernorm.weight",
-            pk + "ffn_norm": hf + "post_attention_layernorm.weight",
+            pk + "ffn_norm": hf + f"{self.ffn_norm_name}.weight",
         }
         attention = config.layer_mixer(layer) == "attention"  # else Gated DeltaNet: none of the attention tensors
         if not attention:
@@ -84,7 +89,8 @@ class Architecture:
         elif config.mla is not None:
             names.update(mla_tensor_names(config, hf, pk))
         for proj in "qkvo" if config.mla is None and attention else "":
-            names[pk + f"attn.{proj}"] = hf + f"self_attn.{proj}_proj.weight"
+            if proj != "v" or config.has_v_projection(layer):
+                names[pk + f"attn.{proj}"] = hf + f"self_attn.{proj}_proj.weight"
         if config.attention_output_gate and attention:
             names.update(self.gated_query_names(config, layer))
         if config.qkv_bias and attention:
@@ -97,6 +103,9 @@ class Architecture:
         if config.qk_norm in ("full", "head") and attention:  # "l2" has no weight
             names[pk + "attn.q_norm"] = hf + "self_attn.q_norm.weight"
             names[pk + "attn.k_norm"] = hf + "self_attn.k_norm.weight"
+        if config.post_norms:
+            names[pk + "attn.post_norm"] = hf + "post_attention_layernorm.weight"
+            names[pk + "ffn_post_norm"] = hf + "post_feedforward_layernorm.weight"
         if config.moe_layers[layer]:
             names[pk + "router"] = hf + self.router_name + ".weight"
             if config.router_choice_bias:
@@ -108,9 +117,10 @@ class Architecture:
                     names[pk + f"shared.{part}"] = hf + f"{self.shared_expert_prefix}.{part}_proj.weight"
             if config.shared_expert_gated:
                 names[pk + "shared_gate"] = hf + "mlp.shared_expert_gate.weight"
-        else:
+        if not config.moe_layers[layer] or config.dense_mlp_with_experts:
             for part in ("gate", "up", "down"):
                 names[pk + f"mlp.{part}"] = hf + f"{self.dense_mlp_prefix}.{part}_proj.weight"
+        names.update(gemma_layer_tensor_names(config, layer))
         return names
 
     def deltanet_tensor_names(self, config: ModelConfig, layer: int) -> dict[str, "str | TensorRef"]:
@@ -135,6 +145,26 @@ class Architecture:
         """Pack names of the norms the checkpoint stores zero-centred (the model scales by
         1 + w): the converter stores 1 + w, so the engine runs a plain RMSNorm."""
         return []
+
+
+def gemma_layer_tensor_names(config: ModelConfig, layer: int) -> dict[str, str]:
+    """A layer's tensors of the Gemma 4 features (Gemma's naming, the only family that has
+    them): the norms and router parts of a dense MLP beside the experts, per-layer inputs,
+    the layer scalar."""
+    names = {}
+    if config.moe_layers[layer] and config.dense_mlp_with_experts:
+        names.update(mlp_post_norm="post_feedforward_layernorm_1.weight", experts_norm="pre_feedforward_layernorm_2.weight",
+                     experts_post_norm="post_feedforward_layernorm_2.weight")
+    if config.moe_layers[layer] and config.router_input_norm:
+        names["router_norm"] = "router.scale"
+    if config.moe_layers[layer] and config.router_expert_scale:
+        names["router_expert_scale"] = "router.per_expert_scale"
+    if config.per_layer_input:
+        names.update({"per_layer.gate": "per_layer_input_gate.weight", "per_layer.proj": "per_layer_projection.weight",
+                      "per_layer.norm": "post_per_layer_input_norm.weight"})
+    if config.layer_scalar:
+        names["layer_scalar"] = "layer_scalar"
+    return {f"layers.{layer}.{name}": f"model.layers.{layer}.{hf}" for name, hf in names.items()}
 
 
 def mla_tensor_names(config: ModelConfig, hf: str, pk: str) -> dict[str, str]:

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 QK_NORM_KINDS = ("none", "full", "head", "l2")
-ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "yarn", "llama3", "proportional")
 ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
-EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu", "geglu_tanh")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the dense MLPs' gate activation (transformers' names)
 GROUP_SCORES = ("max", "top2_sum")
 LAYER_MIXERS = ("attention", "deltanet")  # a layer's token mixer: softmax attention, or Gated DeltaNet
 
@@ -40,6 +41,8 @@ class RopeConfig:
     truncate: bool = True  # yarn
     low_freq_factor: float = 1.0  # llama3: wavelengths above original / low_freq_factor are divided by factor,
     high_freq_factor: float = 4.0  # those below original / high_freq_factor kept, those between interpolated
+    partial_rotary_factor: float = 1.0  # proportional (Gemma 4): the first int(factor * Hd / 2) frequency
+    # pairs of the whole head, exponents over Hd; the other pairs have frequency 0 (cos 1, sin 0)
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,25 @@ class ModelConfig:
     attn_temperature_floor: int = 0  # > 0: on NoPE layers the query of position p is multiplied by
     attn_temperature_scale: float = 0.0  # log1p(floor((p + 1) / floor)) * scale + 1
     router_weight_on_input: bool = False  # an expert runs on weight * x and its output is added unweighted
+    # Gemma 4 (colibrid/models/gemma4.py): layers of two shapes, sandwich norms, a dense MLP beside
+    # the experts, per-layer input embeddings. The defaults switch every one of them off.
+    layer_head_dim: tuple[int, ...] = ()  # per layer Hd where layers differ; () = head_dim everywhere
+    layer_kv_heads: tuple[int, ...] = ()  # per layer K where layers differ; () = num_kv_heads everywhere
+    full_attention_rope: RopeConfig | None = None  # RoPE of the full-attention layers (sliding_window None)
+    # when it differs from `rope`, which the sliding ones keep
+    values_from_keys: bool = False  # full-attention layers have no v projection: v is k's (before the k norm)
+    attention_scale: float = 0.0  # softmax scale of q.k; 0 = Hd^-0.5 (Gemma 4: 1, its q norm does the scaling)
+    v_norm: bool = False  # each value head RMS-normed without a weight before it is cached
+    post_norms: bool = False  # the attention and the FFN outputs RMS-normed (own weights) before each residual add
+    dense_mlp_with_experts: bool = False  # MoE layers also run the dense MLP (dense_ffn) beside the experts,
+    # each with its own input and output norms, their sum normed by ffn_post_norm
+    router_input_norm: bool = False  # the router reads rms_norm(x) * router_norm * D^-0.5 of the layer's
+    # residual stream, not the experts' normed input
+    router_expert_scale: bool = False  # each chosen expert's weight times its learned scale (E)
+    embed_scale: float = 1.0  # token embeddings times this (Gemma: sqrt(D)); a tied head is not scaled
+    final_logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
+    per_layer_input: int = 0  # P: width of the per-layer input embeddings (Gemma's PLE); 0 = none
+    layer_scalar: bool = False  # each layer's output times a learned scalar
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -143,8 +165,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORM_KINDS:
             raise ValueError(f"qk_norm must be one of {QK_NORM_KINDS}, got {self.qk_norm!r}")
-        if self.rope.type not in ROPE_TYPES:
-            raise ValueError(f"rope type must be one of {ROPE_TYPES}, got {self.rope.type!r}")
+        for rope in (self.rope, self.full_attention_rope or self.rope):
+            if rope.type not in ROPE_TYPES:
+                raise ValueError(f"rope type must be one of {ROPE_TYPES}, got {rope.type!r}")
+        for name in ("layer_head_dim", "layer_kv_heads"):
+            if len(getattr(self, name)) not in (0, self.num_layers):
+                raise ValueError(f"{name} needs one entry per layer, or none")
         if len(self.moe_layers) != self.num_layers or len(self.sliding_window) != self.num_layers:
             raise ValueError("moe_layers and sliding_window need one entry per layer")
         if self.attention_chunk and len(self.attention_chunk) != self.num_layers:
@@ -166,8 +192,8 @@ class ModelConfig:
             raise ValueError(f"layer_mixers must name one of {LAYER_MIXERS} per layer, got {self.layer_mixers!r}")
         if ("deltanet" in self.layer_mixers) != (self.deltanet is not None):
             raise ValueError("deltanet dims are needed exactly when a layer's mixer is deltanet")
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
 
     @property
     def rotated_dims(self) -> int:
@@ -184,6 +210,22 @@ class ModelConfig:
         """True when ``layer`` has no RoPE (Llama 4's NoPE layers)."""
         return bool(self.nope_layers) and self.nope_layers[layer]
 
+    def head_dim_of(self, layer: int) -> int:
+        """Hd of ``layer`` (Gemma 4's full-attention layers have wider heads)."""
+        return self.layer_head_dim[layer] if self.layer_head_dim else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.layer_kv_heads[layer] if self.layer_kv_heads else self.num_kv_heads
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        """The RoPE settings of ``layer``: full_attention_rope on full-attention layers if set."""
+        if self.full_attention_rope is not None and self.sliding_window[layer] is None:
+            return self.full_attention_rope
+        return self.rope
+
+    def has_v_projection(self, layer: int) -> bool:
+        return not (self.values_from_keys and self.sliding_window[layer] is None)
+
     @property
     def moe_layer_ids(self) -> list[int]:
         return [layer for layer, is_moe in enumerate(self.moe_layers) if is_moe]
@@ -199,42 +241,52 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"unknown model config keys: {sorted(unknown)}")
         data["rope"] = RopeConfig(**data["rope"])
+        if data.get("full_attention_rope") is not None:
+            data["full_attention_rope"] = RopeConfig(**data["full_attention_rope"])
         if data.get("mla") is not None:
             data["mla"] = MlaConfig(**data["mla"])
         if data.get("deltanet") is not None:
             data["deltanet"] = DeltaNetConfig(**data["deltanet"])
         for key in ("sliding_window", "attention_chunk", "moe_layers", "eos_token_ids", "layer_mixers",
-                    "nope_layers"):
+                    "nope_layers", "layer_head_dim", "layer_kv_heads"):
             data[key] = tuple(data.get(key, ()))
         return cls(**data)
 
 
 def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     """(total, active per token) parameter counts, embeddings and head included."""
-    D, V = config.hidden_size, config.vocab_size
-    attn = D * config.num_heads * config.head_dim * 2 + D * config.num_kv_heads * config.head_dim * 2
-    if config.mla is not None:
-        attn = _mla_parameters(config)
-    attn += config.num_heads if config.attention_sinks else 0
-    norms = 2 * D
+    D, V, P = config.hidden_size, config.vocab_size, config.per_layer_input
+    norms = 2 * D * (2 if config.post_norms else 1)
     embed = V * D * (1 if config.tie_word_embeddings else 2) + D
+    embed += (V + D + 1) * config.num_layers * P + P if P else 0  # per-layer embeddings, projection, norm
     expert = 3 * D * config.expert_ffn + ((2 * config.expert_ffn + D) if config.expert_bias else 0)
     shared = 3 * D * config.shared_expert_ffn + (D if config.shared_expert_gated else 0)
-    attn += D * config.num_heads * config.head_dim if config.attention_output_gate else 0
+    dense = 3 * D * config.dense_ffn
     total = active = embed
     for layer, is_moe in enumerate(config.moe_layers):
-        mixer = _deltanet_parameters(config) if config.layer_mixer(layer) == "deltanet" else attn
-        total += mixer + norms
-        active += mixer + norms
+        mixer = _deltanet_parameters(config) if config.layer_mixer(layer) == "deltanet" else _attention_parameters(config, layer)
+        per_layer = mixer + norms + (2 * D * P + D if P else 0)
+        total += per_layer
+        active += per_layer
         if is_moe:
             router = config.num_experts * (D + int(config.router_choice_bias) + int(config.router_bias))
-            total += router + shared + config.num_experts * expert
-            active += router + shared + config.num_experts_per_tok * expert
+            beside = dense + 3 * D if config.dense_mlp_with_experts else 0  # the MLP and its extra norms
+            total += router + shared + beside + config.num_experts * expert
+            active += router + shared + beside + config.num_experts_per_tok * expert
         else:
-            total += 3 * D * config.dense_ffn
-            active += 3 * D * config.dense_ffn
+            total += dense
+            active += dense
     return total, active
 
+
+def _attention_parameters(config: ModelConfig, layer: int) -> int:
+    """One layer's attention matrices (and sinks)."""
+    if config.mla is not None:
+        return _mla_parameters(config) + (config.num_heads if config.attention_sinks else 0)
+    D, Hd, K = config.hidden_size, config.head_dim_of(layer), config.kv_heads_of(layer)
+    kv = D * K * Hd * (2 if config.has_v_projection(layer) else 1)
+    gate = D * config.num_heads * Hd if config.attention_output_gate else 0
+    return 2 * D * config.num_heads * Hd + kv + gate + (config.num_heads if config.attention_sinks else 0)
 
 
 def _deltanet_parameters(config: ModelConfig) -> int:

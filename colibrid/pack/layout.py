@@ -20,7 +20,7 @@ ALWAYS_F32 = ("router", "shared_gate", "conv")  # pack-name leaves kept in f32 w
 
 def tensor_class(pack_name: str) -> str:
     """The --quant class of a dense tensor: "embeddings" for embed/lm_head, else "dense"."""
-    if pack_name in ("embed", "lm_head"):
+    if pack_name in ("embed", "lm_head", "per_layer_embed"):
         return "embeddings"
     return "dense"
 
@@ -49,8 +49,9 @@ def dense_tensor_names(config: ModelConfig) -> list[str]:
 
 def expected_dense_shape(name: str, c: ModelConfig) -> tuple[int, ...]:
     """The shape every pack tensor must have, from the normalised config."""
-    D, V, Hd = c.hidden_size, c.vocab_size, c.head_dim
-    q_out, kv_out = c.num_heads * Hd, c.num_kv_heads * Hd
+    layer = int(name.split(".", 2)[1]) if name.startswith("layers.") else 0
+    D, V, Hd, P, L = c.hidden_size, c.vocab_size, c.head_dim_of(layer), c.per_layer_input, c.num_layers
+    q_out, kv_out = c.num_heads * Hd, c.kv_heads_of(layer) * Hd
     leaf = name.split(".", 2)[-1] if name.startswith("layers.") else name
     ffn = c.shared_expert_ffn if leaf.startswith("shared.") else c.dense_ffn
     shapes = {
@@ -65,6 +66,11 @@ def expected_dense_shape(name: str, c: ModelConfig) -> tuple[int, ...]:
         "shared_gate": (1, D),
         "shared.gate": (ffn, D), "shared.up": (ffn, D), "shared.down": (D, ffn),
         "mlp.gate": (ffn, D), "mlp.up": (ffn, D), "mlp.down": (D, ffn),
+        # Gemma 4
+        "attn.post_norm": (D,), "ffn_post_norm": (D,), "mlp_post_norm": (D,), "experts_norm": (D,),
+        "experts_post_norm": (D,), "router_norm": (D,), "router_expert_scale": (c.num_experts,), "layer_scalar": (1,),
+        "per_layer_embed": (V, L * P), "per_layer_model_proj": (L * P, D), "per_layer_proj_norm": (P,),
+        "per_layer.gate": (P, D), "per_layer.proj": (D, P), "per_layer.norm": (D,),
     }
     if c.mla is not None:
         shapes.update(_mla_shapes(c))

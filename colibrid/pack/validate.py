@@ -41,10 +41,11 @@ MAX_EXPERTS = 1 << 16
 # ModelConfig fields by kind; every dimension is an integer >= 1 (or >= 0 where 0 means "none").
 POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                        "max_position_embeddings", "num_experts", "num_experts_per_tok", "expert_ffn")
-COUNT_FIELDS = ("dense_ffn", "shared_expert_ffn")
+COUNT_FIELDS = ("dense_ffn", "shared_expert_ffn", "per_layer_input")
 BOOL_FIELDS = ("tie_word_embeddings", "qkv_bias", "o_bias", "norm_topk_prob", "shared_expert_gated",
                "router_choice_bias", "attention_sinks", "router_bias", "expert_bias", "attention_output_gate",
-               "rope_interleaved", "router_weight_on_input")
+               "rope_interleaved", "router_weight_on_input", "values_from_keys", "v_norm", "post_norms",
+               "dense_mlp_with_experts", "router_input_norm", "router_expert_scale", "layer_scalar")
 
 
 def check_manifest(m: Manifest) -> None:
@@ -83,7 +84,9 @@ def check_model_config(c: ModelConfig) -> None:
     if not all(w is None or (type(w) is int and 1 <= w <= MAX_DIM) for w in c.attention_chunk):
         raise ValueError("model.attention_chunk must hold null or a chunk of >= 1 tokens per layer")
     _check_nope_layers(c)
-    for name, needed in (("dense_ffn", not all(c.moe_layers)), ("shared_expert_ffn", c.shared_expert_gated)):
+    _check_layer_shapes(c)
+    for name, needed in (("dense_ffn", not all(c.moe_layers) or c.dense_mlp_with_experts),
+                         ("shared_expert_ffn", c.shared_expert_gated)):
         if needed and getattr(c, name) == 0:
             raise ValueError(f"model.{name} is 0 but the model needs it")
     _check_router(c)
@@ -96,7 +99,13 @@ def check_model_config(c: ModelConfig) -> None:
     _positive_float(c.rms_norm_eps, "model.rms_norm_eps")
     if c.clip_qkv is not None:
         _positive_float(c.clip_qkv, "model.clip_qkv")
-    _check_rope(c)
+    _check_rope(c.rope, "model.rope")
+    if c.full_attention_rope is not None:
+        _check_rope(c.full_attention_rope, "model.full_attention_rope")
+    for name in ("embed_scale", "final_logit_softcap", "attention_scale"):
+        if _finite_float(getattr(c, name), f"model.{name}") < 0:
+            raise ValueError(f"model.{name} must be >= 0, got {getattr(c, name)!r:.40}")
+    _positive_float(c.embed_scale, "model.embed_scale")
     token_ids = ([] if c.bos_token_id is None else [c.bos_token_id]) + list(c.eos_token_ids)
     if not all(type(t) is int and 0 <= t < c.vocab_size for t in token_ids):
         raise ValueError(f"model.bos_token_id / eos_token_ids must be token ids below vocab_size {c.vocab_size}")
@@ -178,23 +187,39 @@ def _check_layer_mixers(c: ModelConfig) -> None:
         raise ValueError("Gated DeltaNet layers do not mix with latent attention")
 
 
-def _check_rope(c: ModelConfig) -> None:
-    rope = c.rope
-    _positive_float(rope.theta, "model.rope.theta")
-    _positive_float(rope.factor, "model.rope.factor")
-    _finite_float(rope.beta_fast, "model.rope.beta_fast")
-    _finite_float(rope.beta_slow, "model.rope.beta_slow")
+def _check_layer_shapes(c: ModelConfig) -> None:
+    """Per-layer head shapes (Gemma 4): integers in range, the heads a multiple of the kv heads."""
+    for name in ("layer_head_dim", "layer_kv_heads"):
+        values = getattr(c, name)
+        if len(values) not in (0, c.num_layers) or not all(type(v) is int and 1 <= v <= MAX_DIM for v in values):
+            raise ValueError(f"model.{name} must be empty or hold an integer in [1, {MAX_DIM}] per layer")
+    for layer in range(c.num_layers):
+        if c.head_dim_of(layer) % 2 or c.num_heads % c.kv_heads_of(layer):
+            raise ValueError(f"layer {layer}: head dim {c.head_dim_of(layer)} must be even and num_heads "
+                             f"{c.num_heads} a multiple of its {c.kv_heads_of(layer)} kv heads")
+    if c.mla is not None and (c.layer_head_dim or c.layer_kv_heads or c.values_from_keys or c.v_norm):
+        raise ValueError("latent attention has no per-layer head shapes, values from keys or v norm")
+
+
+def _check_rope(rope, what: str) -> None:
+    _positive_float(rope.theta, f"{what}.theta")
+    _positive_float(rope.factor, f"{what}.factor")
+    _finite_float(rope.beta_fast, f"{what}.beta_fast")
+    _finite_float(rope.beta_slow, f"{what}.beta_slow")
     if rope.attention_factor is not None:
-        _finite_float(rope.attention_factor, "model.rope.attention_factor")
+        _finite_float(rope.attention_factor, f"{what}.attention_factor")
     original = rope.original_max_position_embeddings
     if original is not None and not (type(original) is int and 1 <= original <= MAX_DIM):
-        raise ValueError(f"model.rope.original_max_position_embeddings must be an integer >= 1, got {original!r:.40}")
+        raise ValueError(f"{what}.original_max_position_embeddings must be an integer >= 1, got {original!r:.40}")
     if type(rope.truncate) is not bool:
-        raise ValueError("model.rope.truncate must be true or false")
-    _positive_float(rope.low_freq_factor, "model.rope.low_freq_factor")
-    _positive_float(rope.high_freq_factor, "model.rope.high_freq_factor")
+        raise ValueError(f"{what}.truncate must be true or false")
+    factor = _finite_float(rope.partial_rotary_factor, f"{what}.partial_rotary_factor")
+    if not 0 < factor <= 1:
+        raise ValueError(f"{what}.partial_rotary_factor must be in (0, 1], got {factor!r:.40}")
+    _positive_float(rope.low_freq_factor, f"{what}.low_freq_factor")
+    _positive_float(rope.high_freq_factor, f"{what}.high_freq_factor")
     if rope.type == "llama3" and original is None:
-        raise ValueError("model.rope of type llama3 needs original_max_position_embeddings")
+        raise ValueError(f"{what} of type llama3 needs original_max_position_embeddings")
 
 
 def _config_int(c: ModelConfig, name: str, low: int) -> None:

@@ -313,6 +313,7 @@ enum col_expert_activation {
     COL_ACT_SWIGLU         = 0, /* h = silu(g) * u, silu(g) = g / (1 + exp(-g)) */
     COL_ACT_CLAMPED_SWIGLU = 1, /* gpt-oss: g = min(g, limit), u = clamp(u, -limit, limit),
                                    h = (u + 1) * (g * sigmoid(alpha * g)) */
+    COL_ACT_GELU_TANH      = 2, /* Gemma 4: h = gelu_tanh(g) * u (see col_gelu_tanh_mul) */
 };
 
 /* What an expert's feed-forward computes beyond col_moe_experts' plain SwiGLU: the activation
@@ -380,6 +381,16 @@ COL_API int col_rope_partial(float *x, int64_t n_tok, int64_t n_heads, int64_t h
  *   g, u, h: (n) float32 (h may equal g or u).
  * COL_EINVAL: negative n or NULL buffers; h untouched. */
 COL_API int col_silu_mul(const float *g, const float *u, float *h, int64_t n);
+
+/* GeGLU's elementwise step with the tanh-approximated GELU (transformers' gelu_pytorch_tanh),
+ * as the fused expert call computes it on the active level:
+ * h[i] = 0.5 g (1 + tanh(y)) u[i] = g / (1 + exp(-2y)) * u[i], y = sqrt(2/pi) (g + 0.044715 g^3)
+ * (the sigmoid form: no cancellation where tanh(y) nears -1). Portable: expf; AVX-512 levels:
+ * the vectorized exp of col_silu_mul. NaN stays NaN; g = +inf gives +inf * u, g = -inf NaN
+ * (-inf / inf; torch's tanh form gives -inf * 0).
+ *   g, u, h: (n) float32 (h may equal g or u).
+ * COL_EINVAL: negative n or NULL buffers; h untouched. */
+COL_API int col_gelu_tanh_mul(const float *g, const float *u, float *h, int64_t n);
 
 /* Causal grouped-query attention of n_q query tokens over n_keys cached keys, heads split
  * across the pool:
@@ -450,6 +461,10 @@ typedef struct col_attention_layer {
     float temp_floor;     /* > 0: attention temperature tuning: the query of position p is multiplied by
                              log1p(floor((p + 1) / temp_floor)) * temp_scale + 1; 0: off */
     float temp_scale;
+    const float *v_norm;  /* (Hd) RMSNorm weight of each value head before it is cached (Gemma 4,
+                             whose v norm has no weight: pass ones), or NULL: none */
+    const float *post_norm; /* (D) RMSNorm weight of the attention output before the residual
+                               add (Gemma's post-attention norm), or NULL: none */
 } col_attention_layer;
 
 /* sizeof(col_attention_layer), for bindings that mirror the struct. */
@@ -462,6 +477,7 @@ COL_API size_t col_attention_layer_size(void);
  *     FULL: q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm
  *     clip: q, k, v clamped to [-clip_qkv, clip_qkv]
  *     HEAD: each head of q, k = rms_norm(head) * q_norm / k_norm
+ *     v_norm: each head of v = rms_norm(head) * v_norm
  *     q, k = rope(q, cos, sin), rope(k, cos, sin)   (the first Hr dims of each head, in pairs
  *         with rope_interleaved; not at all with no_rope)
  *     HEAD_AFTER_ROPE: each head of q, k = rms_norm(head) * q_norm / k_norm
@@ -472,7 +488,7 @@ COL_API size_t col_attention_layer_size(void);
  *         m = max(max_s scale q.k_s, sinks[h]), p_s = exp(scale q.k_s - m) /
  *         (sum_s exp(scale q.k_s - m) + exp(sinks[h] - m)), a = sum_s p_s v_s
  *     gate: a = a * sigmoid(h wg^T)     (1 / (1 + expf(-g)), elementwise)
- *     x += a wo^T + bo
+ *     x += a wo^T + bo                 (post_norm: x += rms_norm(a wo^T + bo) * post_norm)
  * each step with the arithmetic of col_rms_norm, col_matmul, col_rope and col_attention, so
  * the result equals that sequence of calls (and numpy's float32 adds and clamps) bit for bit.
  *   x:          (n_tok, D) float32, read and updated in place
@@ -647,6 +663,9 @@ typedef struct col_moe_router {
     const float *choice_bias; /* (E) added to the scores for choosing only, or NULL */
     const float *logit_bias;  /* (E) added to the logits before anything else (gpt-oss's
                                  router bias), or NULL */
+    const float *expert_scale; /* (E) each chosen expert's weight times its entry, after
+                                  normalize and before scaling (Gemma 4's per_expert_scale),
+                                  or NULL */
 } col_moe_router;
 
 /* sizeof(col_moe_router), for bindings that mirror the struct. */
@@ -662,7 +681,8 @@ COL_API size_t col_moe_router_size(void);
  *     if groups_kept < G: keep the groups_kept best groups by group_score of c; the experts
  *            of the other groups cannot be chosen
  *     experts[t] = the top_k allowed experts by c, best first
- *     weights[t] = s[experts[t]], / (their sum + 1e-20) if normalize, * scaling
+ *     weights[t] = s[experts[t]], / (their sum + 1e-20) if normalize,
+ *                  * expert_scale[experts[t]] if given, * scaling
  * Every choice prefers the larger value and, on equal values, the lower index. col_moe_route
  * is this with softmax scoring, no bias, one group and scaling 1.
  *   x:       (n_tok, D) float32

@@ -12,11 +12,13 @@
  * Phases, with a barrier between each two:
  *   0. h[t] = rms_norm(x[t]) * norm, quantized for the q/k/v type          tokens split
  *   1. qkv[t] = h[t] @ [wq; wk; wv; wg]^T + [bq; bk; bv; 0]                R rows split
- *   2. q/k norms, clamp, RoPE, temperature; k, v stored at n_past + t      tokens split
+ *   2. q/k/v norms, clamp, RoPE, temperature; k, v stored at n_past + t    tokens split
  *   3. a[t, head] = attention over keys 0 .. n_past + t (window, chunk, sink),
  *      times sigmoid(g[t, head]) with an output gate                       (t, head) dealt
  *   4. a[t] quantized for wo's type (integer kernels only)                  tokens split
  *   5. x[t] += a[t] @ wo^T + bo                                             D rows split
+ *      (with a post norm: o = a @ wo^T + bo, D rows split; a barrier; then
+ *      x[t] += rms_norm(o[t]) * post_norm, tokens split)
  * Each phase calls the code of the separate entry points (col_rms_norm, col_matrix_rows as in
  * col_matmul, col_rope, col_attend_head as in col_attention) on the same values, so this call
  * returns bit for bit what the sequence of those calls returns.
@@ -104,6 +106,7 @@ static void finish_qkv(const block_job *j, int64_t t) {
         col_rms_norm(q, l->q_norm, H, Hd, l->eps, q);
         col_rms_norm(kt, l->k_norm, K, Hd, l->eps, kt);
     }
+    if (l->v_norm) col_rms_norm(vt, l->v_norm, K, Hd, l->eps, vt);
     if (!l->no_rope) {
         const int64_t Hr = l->rotary_dim > 0 ? l->rotary_dim : Hd; /* rotated dims of each head */
         void (*rope)(float *, int64_t, int64_t, int64_t, const float *, const float *) =
@@ -161,12 +164,19 @@ static void block_task(void *arg, int ith, int nth) {
     col_barrier_wait(&j->barrier, nth);
 
     /* 4. quantize a, 5. output product and residual */
-    col_attention_output(j->k, &j->mo, &j->barrier, ith, nth, T, D, j->Q, j->a, j->aq, j->aq_bytes, j->o, j->x, l->bo);
+    col_attention_output_normed(j->k, &j->mo, &j->barrier, ith, nth, T, D, j->Q, j->a, j->aq, j->aq_bytes, j->o, j->x,
+                                l->bo, l->post_norm, l->eps);
 }
 
 void col_attention_output(const col_kernel_set *k, const col_matrix *mo, col_barrier *barrier, int ith, int nth,
                           int64_t T, int64_t D, int64_t A, const float *a, uint8_t *aq, size_t aq_bytes, float *o,
                           float *x, const float *bo) {
+    col_attention_output_normed(k, mo, barrier, ith, nth, T, D, A, a, aq, aq_bytes, o, x, bo, NULL, 0.0f);
+}
+
+void col_attention_output_normed(const col_kernel_set *k, const col_matrix *mo, col_barrier *barrier, int ith, int nth,
+                                 int64_t T, int64_t D, int64_t A, const float *a, uint8_t *aq, size_t aq_bytes,
+                                 float *o, float *x, const float *bo, const float *post_norm, float eps) {
     int64_t b, e;
     if (mo->integer) {
         col_split(T, ith, nth, &b, &e);
@@ -174,6 +184,19 @@ void col_attention_output(const col_kernel_set *k, const col_matrix *mo, col_bar
         col_barrier_wait(barrier, nth);
     }
     col_split(D, ith, nth, &b, &e);
+    if (post_norm) { /* the norm needs each token's whole row: product first, then a barrier */
+        if (b < e) col_matrix_rows(k, mo, b, e, a, aq, aq_bytes, T, o + b, D);
+        for (int64_t t = 0; t < T && bo; t++)
+            for (int64_t r = b; r < e; r++) o[t * D + r] += bo[r];
+        col_barrier_wait(barrier, nth);
+        col_split(T, ith, nth, &b, &e);
+        for (int64_t t = b; t < e; t++) {
+            float *xt = x + t * D, *ot = o + t * D;
+            col_rms_norm(ot, post_norm, 1, D, eps, ot);
+            for (int64_t r = 0; r < D; r++) xt[r] += ot[r];
+        }
+        return;
+    }
     if (b >= e) return;
     col_matrix_rows(k, mo, b, e, a, aq, aq_bytes, T, o + b, D);
     for (int64_t t = 0; t < T; t++) {

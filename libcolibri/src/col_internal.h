@@ -263,6 +263,11 @@ typedef void (*col_silu_mul_fn)(const float *g, const float *u, float *h, int64_
  * h[i] = (u' + 1) * (g' * (1 / (1 + exp(-(g' * alpha))))); a NaN stays NaN. */
 typedef void (*col_clamped_swiglu_fn)(const float *g, const float *u, float *h, int64_t n, float alpha, float limit);
 
+/* GeGLU with the tanh-approximated GELU (Gemma's gelu_pytorch_tanh), written through the
+ * sigmoid, 0.5 (1 + tanh(y)) = 1 / (1 + exp(-2y)), which keeps full precision where the
+ * tanh form cancels: h[i] = g / (1 + exp(-2y)) * u[i], y = sqrt(2/pi) (g + 0.044715 g^3). */
+typedef void (*col_gelu_tanh_mul_fn)(const float *g, const float *u, float *h, int64_t n);
+
 /* One activation block of n (32 or 64) values: *d = max|x| / 127, qs = nearbyint(x / d)
  * (round half to even, clamped to +-127; NaN to -127); returns sum(qs). Every level's
  * version gives the same bytes (col_quantize_x's contract). */
@@ -283,6 +288,7 @@ typedef struct {
     col_clamped_swiglu_fn clamped_swiglu;   /* NULL: col_clamped_swiglu_portable */
     col_quantize_row_fn quantize_row[COL_TYPE_COUNT]; /* NULL: the type's reference quantizer;
                                                          else the same bytes, faster */
+    col_gelu_tanh_mul_fn gelu_tanh_mul;     /* NULL: col_gelu_tanh_mul_portable */
     col_dequantize_row_fn dequantize_row[COL_TYPE_COUNT]; /* NULL: the type's reference
                                                              dequantizer; else the same bits */
 } col_kernel_set;
@@ -292,6 +298,7 @@ float col_dot_f32_portable(const float *a, const float *b, int64_t n);
 void col_axpy_f32_portable(float *y, float a, const float *x, int64_t n);
 void col_silu_mul_portable(const float *g, const float *u, float *h, int64_t n);
 void col_clamped_swiglu_portable(const float *g, const float *u, float *h, int64_t n, float alpha, float limit);
+void col_gelu_tanh_mul_portable(const float *g, const float *u, float *h, int64_t n);
 int32_t col_quantize_block_portable(const float *x, int n, int8_t *qs, float *d);
 void col_rms_norm_row_portable(const float *x, const float *weight, int64_t n, float eps, float *y);
 
@@ -381,6 +388,12 @@ void col_barrier_wait(col_barrier *b, int nth);
 void col_attention_output(const col_kernel_set *k, const col_matrix *mo, col_barrier *barrier, int ith, int nth,
                           int64_t T, int64_t D, int64_t A, const float *a, uint8_t *aq, size_t aq_bytes, float *o,
                           float *x, const float *bo);
+/* col_attention_output with a post_norm (D) (Gemma's post-attention norm; NULL: none): each
+ * token's whole o + bo is RMS-normed (eps) before the add, so a barrier separates the product
+ * (rows split) from the norm and the add (tokens split). */
+void col_attention_output_normed(const col_kernel_set *k, const col_matrix *mo, col_barrier *barrier, int ith, int nth,
+                                 int64_t T, int64_t D, int64_t A, const float *a, uint8_t *aq, size_t aq_bytes,
+                                 float *o, float *x, const float *bo, const float *post_norm, float eps);
 
 /* [begin, end) of share ith of n items split as evenly as possible over nth. */
 static inline void col_split(int64_t n, int ith, int nth, int64_t *begin, int64_t *end) {

@@ -34,10 +34,21 @@ void col_clamped_swiglu_portable(const float *g, const float *u, float *h, int64
     }
 }
 
+/* sqrt(2 / pi) and the cubic coefficient of the tanh approximation, as torch writes them. */
+#define GELU_BETA 0.7978845608028654f
+#define GELU_KAPPA 0.044715f
+
+void col_gelu_tanh_mul_portable(const float *g, const float *u, float *h, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = g[i], y = GELU_BETA * (x + GELU_KAPPA * (x * x * x));
+        h[i] = x / (1.0f + expf(-2.0f * y)) * u[i];
+    }
+}
+
 static const col_kernel_set portable_kernels = {COL_KERNELS_PORTABLE, {NULL}, col_dot_f32_portable,
                                                 col_axpy_f32_portable, {NULL}, col_silu_mul_portable,
                                                 col_quantize_block_portable, col_rms_norm_row_portable,
-                                                col_clamped_swiglu_portable, {NULL}, {NULL}};
+                                                col_clamped_swiglu_portable, {NULL}, col_gelu_tanh_mul_portable, {NULL}};
 
 static _Atomic(const col_kernel_set *) active_kernels = NULL;
 

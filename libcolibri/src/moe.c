@@ -9,7 +9,8 @@
  * The job runs in four phases separated by barriers:
  *   0. quantize the T activation rows (integer path only), tokens split across threads;
  *   1. h[n] = silu(gate_e x_t) * (up_e x_t) for every assignment n = (t, e) (with a
- *      col_expert_ffn: the gate and up biases added first, and its activation): the E * F
+ *      col_expert_ffn: the gate and up biases added first, and its activation: clamped
+ *      SwiGLU for gpt-oss, GeGLU for Gemma 4): the E * F
  *      (expert, row) pairs are split evenly across threads, so 8 experts on 2 threads or 1
  *      expert on 2 threads are both balanced;
  *   2. quantize the N rows of h (integer path only);
@@ -74,6 +75,8 @@ static void activate(const moe_job *j, int64_t ex, int64_t r0, float *g, float *
     }
     if (kind->activation == COL_ACT_CLAMPED_SWIGLU)
         (j->k->clamped_swiglu ? j->k->clamped_swiglu : col_clamped_swiglu_portable)(g, u, h, n, kind->alpha, kind->limit);
+    else if (kind->activation == COL_ACT_GELU_TANH)
+        (j->k->gelu_tanh_mul ? j->k->gelu_tanh_mul : col_gelu_tanh_mul_portable)(g, u, h, n);
     else
         j->silu_mul(g, u, h, n);
 }
@@ -193,7 +196,9 @@ size_t col_expert_ffn_size(void) { return sizeof(col_expert_ffn); }
 
 static int ffn_kind_valid(const col_expert_ffn *kind, int64_t n_experts) {
     if (!kind) return 1;
-    if (kind->activation != COL_ACT_SWIGLU && kind->activation != COL_ACT_CLAMPED_SWIGLU) return 0;
+    if (kind->activation != COL_ACT_SWIGLU && kind->activation != COL_ACT_CLAMPED_SWIGLU &&
+        kind->activation != COL_ACT_GELU_TANH)
+        return 0;
     if (kind->weight_on_input != 0 && kind->weight_on_input != 1) return 0;
     if (kind->activation == COL_ACT_CLAMPED_SWIGLU &&
         (!isfinite(kind->alpha) || !isfinite(kind->limit) || !(kind->limit > 0.0f)))

@@ -33,6 +33,15 @@ int col_silu_mul(const float *g, const float *u, float *h, int64_t n) {
     return COL_OK;
 }
 
+int col_gelu_tanh_mul(const float *g, const float *u, float *h, int64_t n) {
+    if (n < 0) return COL_EINVAL;
+    if (n == 0) return COL_OK;
+    if (!g || !u || !h) return COL_EINVAL;
+    const col_kernel_set *k = col_kernels_active();
+    (k->gelu_tanh_mul ? k->gelu_tanh_mul : col_gelu_tanh_mul_portable)(g, u, h, n);
+    return COL_OK;
+}
+
 void col_rope_heads(float *x, int64_t n_heads, int64_t head_dim, int64_t rotary_dim, const float *c, const float *s) {
     const int64_t half = rotary_dim / 2;
     for (int64_t h = 0; h < n_heads; h++) {

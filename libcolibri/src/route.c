@@ -18,7 +18,7 @@
  *            chosen;
  *   weights  the chosen experts' scores, renormalised to sum 1 if asked (plus 1e-20 in the
  *            denominator, as transformers writes it: a no-op unless the sum is below 1e-12),
- *            times `scaling`.
+ *            times a per-expert scale (Gemma 4) if given, times `scaling`.
  * Every choice takes the larger value first and, on equal values, the lower index, so the
  * decision is a function of the logits alone.
  */
@@ -115,6 +115,8 @@ static void route_token(const col_moe_router *r, float *scores, const route_scra
     }
     if (r->normalize)
         for (int64_t a = 0; a < r->top_k; a++) weights[a] /= sum + 1e-20f;
+    if (r->expert_scale)
+        for (int64_t a = 0; a < r->top_k; a++) weights[a] *= r->expert_scale[experts[a]];
     for (int64_t a = 0; a < r->top_k; a++) weights[a] *= r->scaling;
 }
 
@@ -163,7 +165,7 @@ int col_moe_route(col_pool *pool, int type, const void *router, int64_t n_expert
     const col_moe_router r = {.n_experts = n_experts, .dim = dim, .top_k = top_k, .n_groups = 1, .groups_kept = 1,
                               .type = type, .scoring = COL_ROUTER_SOFTMAX, .group_score = COL_GROUP_SCORE_MAX,
                               .normalize = normalize != 0, .scaling = 1.0f, .weight = router, .choice_bias = NULL,
-                              .logit_bias = NULL};
+                              .logit_bias = NULL, .expert_scale = NULL};
     if (!router) return n_tok == 0 && n_experts > 0 && top_k >= 1 && top_k <= n_experts ? COL_OK : COL_EINVAL;
     return col_moe_router_route(pool, &r, x, n_tok, experts, weights);
 }

@@ -68,7 +68,7 @@ def test_unknown_architecture_lists_supported(packs, tmp_path):
     config["model_type"] = "llama"
     (ckpt / "config.json").write_text(json.dumps(config))
     _assert_one_line_error(_run_cli(str(ckpt), str(tmp_path / "out")),
-                           "unsupported architecture 'llama'", "deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, llama4, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next")
+                           "unsupported architecture 'llama'", "deepseek_v2, deepseek_v3, gemma4, glm4_moe, gpt_oss, llama4, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next")
 
 
 def test_missing_tensor_is_named(packs, tmp_path):

@@ -70,9 +70,12 @@ QWEN3_5_SPEC = CheckpointSpec("qwen3_5_moe")
 # Llama 4's: top-1 by logit with the sigmoid weight on the expert's input, a shared expert, dense MLPs on
 # layers 0 and 2, chunked attention, a NoPE layer (8 experts, MoE layers 1 and 3).
 LLAMA4_SPEC = CheckpointSpec("llama4")
+# Gemma 4's: GeGLU experts beside a dense MLP, a router with its own norm and per-expert scales,
+# per-layer inputs, a sliding and a full layer of different head shapes (8 experts, top-2).
+GEMMA4_SPEC = CheckpointSpec("gemma4_text")
 FAMILIES = {"qwen2_moe": (SPEC, MOE_LAYERS), "glm4_moe": (GLM_SPEC, [1, 2]), "deepseek_v3": (DEEPSEEK_SPEC, [1, 2]),
             "gpt_oss": (GPT_OSS_SPEC, [0, 1]), "qwen3_5_moe": (QWEN3_5_SPEC, [0, 1, 2, 3]),
-            "llama4": (LLAMA4_SPEC, [1, 3])}
+            "llama4": (LLAMA4_SPEC, [1, 3]), "gemma4": (GEMMA4_SPEC, [0, 1])}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

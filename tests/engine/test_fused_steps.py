@@ -15,6 +15,8 @@ SPECS = [
     CheckpointSpec("qwen3_moe", {"head_dim": 32}),  # per-head q/k norm, Q != D
     CheckpointSpec("qwen2_moe", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),  # biases, window
     CheckpointSpec("mixtral", {"num_key_value_heads": 1, "sliding_window": 5}),  # GQA 4:1, window
+    # v norm, post-attention norm, values from the k projection on the full layer (Hd 32, 1 kv head), scale 1
+    CheckpointSpec("gemma4_text", {"hidden_size_per_layer_input": 0}),
 ]
 PROMPT = [5, 17, 42, 99, 3, 50, 7, 61, 11, 20, 31, 8]
 
@@ -58,6 +60,7 @@ def test_specs_exercise_the_features_they_claim(packs):
     assert configs[1].qk_norm == "head" and configs[1].num_heads * configs[1].head_dim != configs[1].hidden_size
     assert configs[2].qkv_bias and any(configs[2].sliding_window) and not all(configs[2].sliding_window)
     assert configs[3].num_kv_heads == 1 and all(configs[3].sliding_window)
+    assert configs[4].v_norm and configs[4].post_norms and configs[4].values_from_keys and configs[4].layer_head_dim
 
 
 def test_the_cache_grows_under_the_fused_step_and_refuses_past_its_end(packs):

@@ -46,5 +46,5 @@ def test_mixtral_counts_experts_as_local_experts():
 
 
 def test_unknown_architecture_lists_supported():
-    with pytest.raises(UnsupportedArchitecture, match="supported: deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, llama4, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next"):
+    with pytest.raises(UnsupportedArchitecture, match="supported: deepseek_v2, deepseek_v3, gemma4, glm4_moe, gpt_oss, llama4, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next"):
         architecture_for({"model_type": "llama"})

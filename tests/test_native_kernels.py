@@ -512,3 +512,40 @@ def test_moe_route_breaks_ties_toward_the_lower_index():
     np.testing.assert_allclose(weights, 0.25)
     with pytest.raises(native.InvalidArgumentError):
         native.moe_route(TensorType.F32, router, 6, 32, gaussian((2, 32), 102), 7, True)
+
+
+# (type, values per row): odd block counts and, for bf16, tails past the 8- and 16-wide loops
+DEQUANT_CASES = [(TensorType.Q8_0, 32 * 7), (TensorType.Q4_G64, 64 * 9), (TensorType.MXFP4, 32 * 5),
+                 (TensorType.BF16, 37), (TensorType.BF16, 512)]
+
+
+def _rows_to_dequantize(type_, cols, seed):
+    """(bytes, rows): quantized gaussian rows with edge values (zeros, a huge and a tiny row,
+    an all-equal row) and rows of random bytes, which give every code and every scale bit
+    pattern: f16 subnormals, infinities, NaNs, e8m0 255."""
+    rng = np.random.default_rng(seed)
+    values = gaussian((6, cols), seed)
+    values[1] = 0.0
+    values[2] *= 6e4 / np.abs(values[2]).max()
+    values[3] *= 1e-6
+    values[4] = 0.75
+    packed = np.frombuffer(native.quantize(type_, values), dtype=np.uint8)
+    noise = rng.integers(0, 256, size=16 * type_.row_bytes(cols), dtype=np.uint8)
+    return np.concatenate([packed, noise]), 6 + 16
+
+
+@pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: f"{c[0].name_in_pack}-{c[1]}")
+def test_every_level_dequantizes_rows_to_the_reference_bits(case, kernel_level):
+    """The SIMD row dequantizers (col_dequantize, col_get_rows, MLA's kv_b rows) give the
+    portable dequantizer's float32 bits, NaN payloads and -0.0 included."""
+    type_, cols = case
+    data, rows = _rows_to_dequantize(type_, cols, 7 + cols)
+    ids = np.array([rows - 1, 0, 3, 3, 9], dtype=np.int32)
+    kernel_level("portable")
+    want = native.dequantize(type_, data, rows, cols).view(np.uint32)
+    want_rows = native.get_rows(type_, data, cols, ids).view(np.uint32)
+    assert np.isnan(want.view(np.float32)).any() or type_ is TensorType.MXFP4  # the random bytes reach NaN scales
+    for level in SIMD_LEVELS:
+        kernel_level(level)
+        np.testing.assert_array_equal(native.dequantize(type_, data, rows, cols).view(np.uint32), want, err_msg=level)
+        np.testing.assert_array_equal(native.get_rows(type_, data, cols, ids).view(np.uint32), want_rows, err_msg=level)

@@ -2,12 +2,13 @@
 numpy reference written the way transformers computes it: the expanded form (per-head keys
 kv_b_k @ latent and values kv_b_v @ latent), interleaved RoPE pairs, a latent cache of C + R
 floats per token. On every kernel level, for 1, 2 and 3 threads (bit-identical), with and
-without q's low-rank path, for f32 and q8_0 weights; a prompt in one call and the same
-tokens one call each give the same bits.
+without q's low-rank path, for f32, q8_0 and q4_g64 weights; a prompt in one call and the
+same tokens one call each give the same bits.
 
 Tolerances (relative to max |reference|): portable and f32 weights 1e-5 (float32 sums in
 another order: the absorbed form sums over the latent, the reference over head dims); SIMD
-levels with q8_0 weights quantize the activations of each product to int8, 3e-2.
+levels with q8_0 / q4_g64 weights quantize the activations of each product to int8 (o_lat
+too, before kv_b's value rows), 3e-2.
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def _layer(w: dict, q_rank: int, interleaved: bool, scale: float):
                             rope_interleaved=interleaved)
 
 
-CASES = [(32, TensorType.F32, True), (0, TensorType.F32, False), (32, TensorType.Q8_0, True), (0, TensorType.Q8_0, True)]
+CASES = [(32, TensorType.F32, True), (0, TensorType.F32, False), (32, TensorType.Q8_0, True), (0, TensorType.Q8_0, True),
+         (64, TensorType.Q4_G64, True)]
 
 
 @pytest.mark.parametrize("q_rank, type_, interleaved", CASES, ids=lambda v: getattr(v, "name_in_pack", str(v)))
@@ -133,7 +135,7 @@ def test_mla_block_matches_the_expanded_reference(q_rank, type_, interleaved, ke
         assert np.abs(delta - want_delta).max() <= limit * np.abs(want_delta).max(), level
 
 
-@pytest.mark.parametrize("q_rank, type_", [(32, TensorType.F32), (0, TensorType.Q8_0)])
+@pytest.mark.parametrize("q_rank, type_", [(32, TensorType.F32), (0, TensorType.Q8_0), (64, TensorType.Q4_G64)])
 def test_a_prompt_in_one_call_equals_one_token_per_call(q_rank, type_, kernel_level):
     """Prefill and decode run the same absorbed form: the same bits either way."""
     T, scale = 6, (N + R) ** -0.5

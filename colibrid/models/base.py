@@ -32,6 +32,16 @@ class ExpertTensorNames:
     down_bias: "str | TensorRef | None" = None  # (D)
 
 
+def fused_gate_up_names(experts_prefix: str, expert: int, ffn: int, transposed: bool = False) -> ExpertTensorNames:
+    """One expert's parts of its layer's fused ``{experts_prefix}.gate_up_proj`` (E, 2F, D), the
+    gate's F rows first, and ``down_proj`` (E, D, F); ``transposed``: stored as transformers
+    multiplies them, x @ W, gate_up (E, D, 2F) and down (E, F, D) (Llama 4)."""
+    gate_up, down, at = experts_prefix + ".gate_up_proj", experts_prefix + ".down_proj", (expert,)
+    return ExpertTensorNames(gate=TensorRef(gate_up, at, slice(0, ffn), transposed=transposed),
+                             up=TensorRef(gate_up, at, slice(ffn, 2 * ffn), transposed=transposed),
+                             down=TensorRef(down, at, transposed=transposed))
+
+
 class Architecture:
     """Base class: Llama-style tensor naming shared by every supported MoE family."""
 

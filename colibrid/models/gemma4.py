@@ -26,8 +26,8 @@ import copy
 import math
 from typing import Any, Callable
 
-from colibrid.convert.safetensors import TensorRef
-from colibrid.models.base import Architecture, ExpertTensorNames, UnsupportedConfig, common_fields, require
+from colibrid.models.base import (Architecture, ExpertTensorNames, UnsupportedConfig, common_fields, fused_gate_up_names,
+                                  require)
 from colibrid.models.config import ModelConfig, RopeConfig
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -164,10 +164,7 @@ class Gemma4(Architecture):
         F = self.expert_ffn
         if F is None:
             raise ValueError("gemma4 expert names need the experts' width: use for_checkpoint(config, ...)")
-        base, at = f"model.layers.{layer}.{self.experts_prefix}.", (expert,)
-        return ExpertTensorNames(gate=TensorRef(base + "gate_up_proj", at, slice(0, F)),
-                                 up=TensorRef(base + "gate_up_proj", at, slice(F, 2 * F)),
-                                 down=TensorRef(base + "down_proj", at))
+        return fused_gate_up_names(f"model.layers.{layer}.{self.experts_prefix}", expert, F)
 
     def conversion_notes(self, hf: dict[str, Any]) -> list[str]:
         notes = []

@@ -21,8 +21,8 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from colibrid.convert.safetensors import TensorRef
-from colibrid.models.base import Architecture, ExpertTensorNames, UnsupportedConfig, common_fields, num_experts, require
+from colibrid.models.base import (Architecture, ExpertTensorNames, UnsupportedConfig, common_fields, fused_gate_up_names,
+                                  num_experts, require)
 from colibrid.models.config import ModelConfig
 
 DEFAULT_THETA = 500000.0  # transformers' Llama4TextConfig.default_theta
@@ -120,9 +120,4 @@ class Llama4(Architecture):
         F = self.expert_ffn
         if F is None:
             raise ValueError("llama4: expert_tensor_names needs the architecture for_checkpoint() returns")
-        base, at = f"model.layers.{layer}.{self.experts_prefix}.", (expert,)
-        return ExpertTensorNames(
-            gate=TensorRef(base + "gate_up_proj", at, slice(0, F), transposed=True),
-            up=TensorRef(base + "gate_up_proj", at, slice(F, 2 * F), transposed=True),
-            down=TensorRef(base + "down_proj", at, transposed=True),
-        )
+        return fused_gate_up_names(f"model.layers.{layer}.{self.experts_prefix}", expert, F, transposed=True)

@@ -25,7 +25,8 @@ import copy
 from typing import Any, Callable
 
 from colibrid.convert.safetensors import TensorRef
-from colibrid.models.base import Architecture, ExpertTensorNames, UnsupportedConfig, common_fields, num_experts, require
+from colibrid.models.base import (Architecture, ExpertTensorNames, UnsupportedConfig, common_fields, fused_gate_up_names,
+                                  num_experts, require)
 from colibrid.models.config import DeltaNetConfig, ModelConfig
 
 # transformers' Qwen3_5MoeTextConfig / Qwen3NextConfig defaults, for keys config.json leaves out
@@ -121,10 +122,7 @@ class Qwen35Moe(Architecture):
         F = self.fused_expert_ffn
         if F is None:
             return super().expert_tensor_names(layer, expert)
-        base, at = f"model.layers.{layer}.{self.experts_prefix}.", (expert,)
-        return ExpertTensorNames(gate=TensorRef(base + "gate_up_proj", at, slice(0, F)),
-                                 up=TensorRef(base + "gate_up_proj", at, slice(F, 2 * F)),
-                                 down=TensorRef(base + "down_proj", at))
+        return fused_gate_up_names(f"model.layers.{layer}.{self.experts_prefix}", expert, F)
 
     def conversion_notes(self, hf: dict[str, Any]) -> list[str]:
         count = mtp_layers(hf)

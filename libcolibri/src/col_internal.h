@@ -289,6 +289,8 @@ typedef struct {
     col_quantize_row_fn quantize_row[COL_TYPE_COUNT]; /* NULL: the type's reference quantizer;
                                                          else the same bytes, faster */
     col_gelu_tanh_mul_fn gelu_tanh_mul;     /* NULL: col_gelu_tanh_mul_portable */
+    col_dequantize_row_fn dequantize_row[COL_TYPE_COUNT]; /* NULL: the type's reference
+                                                             dequantizer; else the same bits */
 } col_kernel_set;
 
 /* The portable float helpers (kernels.c), also used by levels without their own. */
@@ -306,6 +308,9 @@ const col_kernel_set *col_kernels_active(void);
 /* The row quantizer of a valid `type` on the active level: the level's faster one if it has
  * one (same bytes), else the reference (types.c). */
 col_quantize_row_fn col_quantize_row_active(int type);
+
+/* The row dequantizer of a valid `type` on the active level, likewise (same float bits). */
+col_dequantize_row_fn col_dequantize_row_active(int type);
 
 /* Per-level kernel sets, NULL when not compiled in (simd_x86.c, simd_neon.c). */
 const col_kernel_set *col_kernels_avx2(void);

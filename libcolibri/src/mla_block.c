@@ -33,7 +33,9 @@
  *   1. [q_a or q ; kv][t] = h[t] @ [wq_a or wq ; wkv_a]^T                  rows split
  *   2. kv: latent norm, rope, cache store; q_a: norm (and quantize)          tokens split
  *   3. q[t] = q_a[t] @ wq_b^T (only with Cq > 0)                            rows split
- *   4. a[t, head] = absorbed attention over keys 0 .. n_past + t            (t, head) dealt
+ *   4. a[t, head] = absorbed attention over keys 0 .. n_past + t            (t, head) dealt;
+ *      a prompt (T > 1) deals heads instead, so that each head's key rows Wk_j are
+ *      dequantized once for all T tokens rather than once per token
  *   5. a[t] quantized for wo's type (integer kernels only)                  tokens split
  *   6. x[t] += a[t] @ wo^T + bo                                             D rows split
  * A (t, head) item's numbers do not depend on how many threads run nor on the other tokens
@@ -46,8 +48,9 @@
 typedef struct {
     const col_kernel_set *k;
     const col_mla_layer *l;
-    const col_type_traits *kvb; /* wkv_b's type: its rows are dequantized one at a time */
-    col_matrix m_in, m_kv, m_qb, m_o;
+    col_dequantize_row_fn kvb_row; /* wkv_b's key rows to float, one at a time (the level's dequantizer) */
+    col_matrix m_in, m_kv, m_qb, m_o, m_kvb; /* m_kvb: wkv_b, whose value rows meet o_lat as a product */
+    size_t olq_bytes;         /* o_lat quantized for wkv_b's type (integer kernels only; else 0) */
     int64_t n_tok, n_past, QH, L, rows_in; /* rows_in: rows of wq_a (Cq) or wq (QH) */
     float *x;                 /* (T, D) */
     const float *cos, *sin;   /* (T, R) */
@@ -64,7 +67,10 @@ typedef struct {
     uint8_t *aq;              /* (T, aq_bytes) */
     size_t aq_bytes;
     float *o;                 /* (T, D) a @ wo^T */
-    float *scratch;           /* (nth, per_thread) scores (S) | rope (R) | q_lat (C) | o_lat (C) | row (C) */
+    float *scratch;           /* (nth, per_thread) scores (S) | rope (R) | q_lat (C) | o_lat (C) | row (C)
+                                 | Wk_j dequantized (N, C), T > 1 only, at wk_off
+                                 | o_lat quantized (olq_bytes, 64-byte aligned) */
+    int64_t wk_off;           /* floats from a thread's scratch to its Wk_j buffer */
     int64_t per_thread;
     col_barrier barrier;
 } mla_job;
@@ -115,8 +121,10 @@ static void finish_latent(const mla_job *j, int64_t t, float *tmp) {
     }
 }
 
-/* Phase 4 for one query head: the absorbed attention of token t, head `head`. */
-static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th) {
+/* Phase 4 for one query head: the absorbed attention of token t, head `head`. wk_f: the head's
+ * key rows already dequantized (N, C), or NULL to dequantize them one at a time here; the
+ * same numbers either way. */
+static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th, const float *wk_f) {
     const col_kernel_set *k = j->k;
     const col_mla_layer *l = j->l;
     const int64_t C = l->kv_rank, R = l->rope_dim, N = l->nope_dim, Vd = l->v_dim, L = j->L;
@@ -125,14 +133,14 @@ static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th) 
     const float *qh = j->q + t * j->QH + head * (N + R); /* (N + R) */
     const int64_t kvb_row_bytes = col_type_row_bytes(l->kvb_type, C);
     const uint8_t *wk = (const uint8_t *)l->wkv_b + (size_t)(head * (N + Vd)) * (size_t)kvb_row_bytes; /* (N, C) */
-    const uint8_t *wv = wk + (size_t)N * (size_t)kvb_row_bytes;                                        /* (Vd, C) */
 
     memcpy(pe, qh + N, (size_t)R * sizeof(float));
     rope_part(j, pe, j->cos + t * R, j->sin + t * R, row);
     for (int64_t c = 0; c < C; c++) q_lat[c] = 0.0f;
     for (int64_t n = 0; n < N; n++) { /* q_lat = Wk^T q_nope, row by row of Wk */
-        j->kvb->dequantize_row(wk + (size_t)n * (size_t)kvb_row_bytes, row, C);
-        k->axpy_f32(q_lat, qh[n], row, C);
+        const float *wk_n = wk_f ? wk_f + n * C : row; /* (C) */
+        if (!wk_f) j->kvb_row(wk + (size_t)n * (size_t)kvb_row_bytes, row, C);
+        k->axpy_f32(q_lat, qh[n], wk_n, C);
     }
 
     float mx = -INFINITY;
@@ -150,11 +158,22 @@ static void attend_latent(const mla_job *j, int64_t t, int64_t head, float *th) 
     for (int64_t c = 0; c < C; c++) o_lat[c] = 0.0f;
     for (int64_t s = 0; s <= pos; s++) k->axpy_f32(o_lat, sc[s] * inv, j->cache + s * L, C);
 
-    float *out = j->a + t * l->n_heads * Vd + head * Vd; /* (Vd) = Wv o_lat */
-    for (int64_t v = 0; v < Vd; v++) {
-        j->kvb->dequantize_row(wv + (size_t)v * (size_t)kvb_row_bytes, row, C);
-        out[v] = k->dot_f32(row, o_lat, C);
-    }
+    /* (Vd) = Wv o_lat: an ordinary product of Vd weight rows with one activation row, so
+     * the level's matrix kernels (o_lat quantized to int8 once, as every other product's
+     * activations) instead of dequantizing Vd x C weights per token and head */
+    float *out = j->a + t * l->n_heads * Vd + head * Vd;
+    uint8_t *olq = (uint8_t *)(th + j->per_thread) - j->olq_bytes; /* the end of this thread's scratch */
+    if (j->m_kvb.integer) col_quantize_x(j->m_kvb.type, o_lat, C, olq);
+    const int64_t v0 = head * (N + Vd) + N; /* Wv_j's first row in wkv_b */
+    col_matrix_rows(k, &j->m_kvb, v0, v0 + Vd, o_lat, olq, j->olq_bytes, 1, out, Vd);
+}
+
+/* Head `head`'s N key rows of wkv_b to float: wk_f (N, C). */
+static void dequantize_keys(const mla_job *j, int64_t head, float *wk_f) {
+    const int64_t C = j->l->kv_rank, N = j->l->nope_dim;
+    const int64_t row_bytes = col_type_row_bytes(j->l->kvb_type, C);
+    const uint8_t *wk = (const uint8_t *)j->l->wkv_b + (size_t)(head * (N + j->l->v_dim)) * (size_t)row_bytes;
+    for (int64_t n = 0; n < N; n++) j->kvb_row(wk + (size_t)n * (size_t)row_bytes, wk_f + n * C, C);
 }
 
 static void mla_task(void *arg, int ith, int nth) {
@@ -185,8 +204,15 @@ static void mla_task(void *arg, int ith, int nth) {
         col_barrier_wait(&j->barrier, nth);
     }
 
-    for (int64_t item = ith; item < T * H; item += nth) /* 4. attention, round-robin as col_attention */
-        attend_latent(j, item / H, item % H, th);
+    if (T == 1) { /* 4. attention, round-robin as col_attention */
+        for (int64_t head = ith; head < H; head += nth) attend_latent(j, 0, head, th, NULL);
+    } else {
+        float *wk_f = th + j->wk_off; /* (N, C) */
+        for (int64_t head = ith; head < H; head += nth) {
+            dequantize_keys(j, head, wk_f);
+            for (int64_t t = 0; t < T; t++) attend_latent(j, t, head, th, wk_f);
+        }
+    }
     col_barrier_wait(&j->barrier, nth);
 
     /* 5. quantize a, 6. output product and residual */
@@ -213,7 +239,7 @@ int col_mla_block(col_pool *pool, const col_mla_layer *layer, float *x, int64_t 
     mla_job job = {0};
     job.k = col_kernels_active();
     job.l = l;
-    job.kvb = col_get_type_traits(l->kvb_type);
+    job.kvb_row = col_dequantize_row_active(l->kvb_type);
     job.QH = l->n_heads * (l->nope_dim + l->rope_dim);
     job.L = l->kv_rank + l->rope_dim;
     job.rows_in = l->q_rank > 0 ? l->q_rank : job.QH;
@@ -223,6 +249,8 @@ int col_mla_block(col_pool *pool, const col_mla_layer *layer, float *x, int64_t 
         col_matrix_init(&job.m_o, job.k, l->o_type, l->wo, AV) != COL_OK)
         return COL_EINVAL;
     if (l->q_rank > 0 && col_matrix_init(&job.m_qb, job.k, l->qb_type, l->wq_b, l->q_rank) != COL_OK) return COL_EINVAL;
+    if (col_matrix_init(&job.m_kvb, job.k, l->kvb_type, l->wkv_b, l->kv_rank) != COL_OK) return COL_EINVAL;
+    job.olq_bytes = job.m_kvb.integer ? col_xq_bytes(l->kv_rank / COL_QK_X) : 0;
     job.n_tok = n_tok;
     job.n_past = n_past;
     job.x = x;
@@ -234,7 +262,9 @@ int col_mla_block(col_pool *pool, const col_mla_layer *layer, float *x, int64_t 
     const size_t T = (size_t)n_tok, S = (size_t)(n_past + n_tok);
     const size_t Cq = (size_t)l->q_rank, C = (size_t)l->kv_rank;
 #define F32_BYTES(n) (((n) * sizeof(float) + 63) / 64 * 64)
-    job.per_thread = (int64_t)(F32_BYTES(S + (size_t)l->rope_dim + 3 * C) / sizeof(float));
+    const size_t wk_bytes = T > 1 ? F32_BYTES((size_t)l->nope_dim * C) : 0; /* a prompt's Wk_j buffer */
+    job.wk_off = (int64_t)(F32_BYTES(S + (size_t)l->rope_dim + 3 * C) / sizeof(float));
+    job.per_thread = job.wk_off + (int64_t)((wk_bytes + job.olq_bytes) / sizeof(float));
     const size_t sz_h = F32_BYTES(T * (size_t)l->dim), sz_qa = F32_BYTES(T * Cq), sz_q = F32_BYTES(T * (size_t)job.QH);
     const size_t sz_kv = F32_BYTES(T * (size_t)job.L), sz_a = F32_BYTES(T * (size_t)AV);
     const size_t sz_scratch = (size_t)nth * (size_t)job.per_thread * sizeof(float);

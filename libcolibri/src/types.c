@@ -53,6 +53,11 @@ col_quantize_row_fn col_quantize_row_active(int type) {
     return fast ? fast : type_traits[type].quantize_row;
 }
 
+col_dequantize_row_fn col_dequantize_row_active(int type) {
+    const col_dequantize_row_fn fast = col_kernels_active()->dequantize_row[type];
+    return fast ? fast : type_traits[type].dequantize_row;
+}
+
 int col_quantize(int type, const float *src, int64_t rows, int64_t cols, void *dst) {
     const col_type_traits *tt;
     int64_t row_bytes;
@@ -72,8 +77,9 @@ int col_dequantize(int type, const void *src, int64_t rows, int64_t cols, float 
     int64_t row_bytes;
     int st = check_matrix(type, rows, cols, src, dst, &tt, &row_bytes);
     if (st != COL_OK || cols == 0) return st;
+    const col_dequantize_row_fn dequantize_row = col_dequantize_row_active(type);
     const uint8_t *in = src;
-    for (int64_t r = 0; r < rows; r++) tt->dequantize_row(in + r * row_bytes, dst + r * cols, cols);
+    for (int64_t r = 0; r < rows; r++) dequantize_row(in + r * row_bytes, dst + r * cols, cols);
     return COL_OK;
 }
 
@@ -85,8 +91,9 @@ int col_get_rows(int type, const void *w, int64_t cols, const int32_t *ids, int6
     if (st != COL_OK) return st;
     if (n_ids > 0 && !ids) return COL_EINVAL;
     if (cols == 0) return COL_OK;
+    const col_dequantize_row_fn dequantize_row = col_dequantize_row_active(type);
     const uint8_t *rows = w;
     for (int64_t i = 0; i < n_ids; i++)
-        tt->dequantize_row(rows + (int64_t)ids[i] * row_bytes, out + i * cols, cols);
+        dequantize_row(rows + (int64_t)ids[i] * row_bytes, out + i * cols, cols);
     return COL_OK;
 }

@@ -62,10 +62,8 @@ class DeltaNet:
         self.fused = self._fused_layer()
 
     def _fused_layer(self):
-        """The whole step as one libcolibri call, or None: a library without col_deltanet_block,
-        or projections of different types (the converter writes one)."""
-        if not hasattr(native, "deltanet_block"):
-            return None
+        """The whole step as one libcolibri call, or None where projections have different types
+        (the converter writes one type; the numpy path below then runs)."""
         w, d = self.w, self.d
         if len({w[name].type for name in ("qkv", "z", "b", "a")}) != 1:
             log.info("layer %d: DeltaNet projections of different types; the step runs in numpy", self.layer)

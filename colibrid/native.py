@@ -333,6 +333,15 @@ def _byte_view(data, name: str) -> np.ndarray:
         raise InvalidArgumentError(f"{name} must be a contiguous buffer: {exc}") from None
 
 
+def _matrix_bytes(data, name: str, t: TensorType, rows: int, cols: int) -> np.ndarray:
+    """``data`` as the flat bytes of a (rows, cols) matrix encoded as ``t``, its size checked."""
+    raw = _byte_view(data, name)
+    if raw.nbytes != rows * t.row_bytes(cols):
+        raise InvalidArgumentError(f"{name} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs "
+                                   f"{rows * t.row_bytes(cols)}")
+    return raw
+
+
 _char_from_buffer, _addressof = ctypes.c_char.from_buffer, ctypes.addressof
 
 
@@ -513,10 +522,7 @@ def dequantize(type_: TensorType | int | str, data, rows: int, cols: int) -> np.
     """Decodes ``data`` (exactly R * row_bytes(C) bytes, any buffer) to float32 (R, C)."""
     t = _as_type(type_)
     rows, cols = _as_count(rows, "rows"), _as_count(cols, "cols")
-    raw = _byte_view(data, "data")
-    need = rows * t.row_bytes(cols)
-    if raw.size != need:
-        raise InvalidArgumentError(f"data has {raw.size} bytes, {t.name_in_pack} ({rows}, {cols}) needs {need}")
+    raw = _matrix_bytes(data, "data", t, rows, cols)
     out = np.empty((rows, cols), dtype=np.float32)
     check(_lib().col_dequantize(int(t), _ptr(raw), rows, cols, _ptr(out)), f"dequantize {t.name_in_pack}")
     return out
@@ -643,10 +649,7 @@ class ExpertBuffers:
         keep = []
         for field, data, rows, cols in (("gate", gate, self.ffn, self.dim), ("up", up, self.ffn, self.dim),
                                         ("down", down, self.dim, self.ffn)):
-            raw = _byte_view(data, f"expert {field}")
-            if raw.nbytes != rows * t.row_bytes(cols):
-                raise InvalidArgumentError(f"expert {field} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) "
-                                           f"needs {rows * t.row_bytes(cols)}")
+            raw = _matrix_bytes(data, f"expert {field}", t, rows, cols)
             keep.append(raw)
             setattr(self, field, _ptr(raw))
         self.gate_bias = self.up_bias = self.down_bias = None
@@ -908,9 +911,7 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
         layer.temp_floor, layer.temp_scale = floor, scale_
     matrices = [("wq", wq, t_qkv, Q, dim), ("wk", wk, t_qkv, KV, dim), ("wv", wv, t_qkv, KV, dim), ("wo", wo, t_o, dim, Q)]
     for field, data, t, rows, cols in matrices + ([("wg", wg, t_qkv, Q, dim)] if wg is not None else []):
-        raw = _byte_view(data, field)
-        if raw.nbytes != rows * t.row_bytes(cols):
-            raise InvalidArgumentError(f"{field} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs {rows * t.row_bytes(cols)}")
+        raw = _matrix_bytes(data, field, t, rows, cols)
         keep.append(raw)
         setattr(layer, field, _ptr(raw))
     norm_width = {"none": None, "full": (Q, KV), "head": (head_dim, head_dim), "head_after_rope": (head_dim, head_dim)}[qk_norm]
@@ -1006,11 +1007,7 @@ def mla_layer(dim: int, n_heads: int, q_rank: int, kv_rank: int, nope_dim: int, 
     fields = {"q_a": "wq_a", "q_b": "wq_b", "q": "wq", "kv_a": "wkv_a", "kv_b": "wkv_b", "o": "wo"}
     for name, (rows, cols) in matrices.items():
         type_, data = weights[name]
-        t = _as_type(type_)
-        raw = _byte_view(data, name)
-        if raw.nbytes != rows * t.row_bytes(cols):
-            raise InvalidArgumentError(f"{name} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs "
-                                       f"{rows * t.row_bytes(cols)}")
+        raw = _matrix_bytes(data, name, _as_type(type_), rows, cols)
         keep.append(raw)
         setattr(layer, fields[name], _ptr(raw))
     layer.in_type = int(_as_type(weights["kv_a"][0]))
@@ -1086,11 +1083,7 @@ def deltanet_layer(dim: int, n_k_heads: int, n_v_heads: int, k_head_dim: int, v_
     fields = {"qkv": "wqkv", "z": "wz", "b": "wb", "a": "wa", "o": "wo"}
     for name, (rows, cols) in {"qkv": (C, D), "z": (Z, D), "b": (Hv, D), "a": (Hv, D), "o": (D, Z)}.items():
         type_, data = weights[name]
-        t = _as_type(type_)
-        raw = _byte_view(data, name)
-        if raw.nbytes != rows * t.row_bytes(cols):
-            raise InvalidArgumentError(f"{name} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs "
-                                       f"{rows * t.row_bytes(cols)}")
+        raw = _matrix_bytes(data, name, _as_type(type_), rows, cols)
         keep.append(raw)
         setattr(layer, fields[name], _ptr(raw))
     conv = weights["conv"]

@@ -134,12 +134,7 @@ static void block_task(void *arg, int ith, int nth) {
     const int64_t T = j->n_tok, D = l->dim, H = l->n_heads, Hd = l->head_dim;
     int64_t b, e;
 
-    col_split(T, ith, nth, &b, &e); /* 0. input norm */
-    for (int64_t t = b; t < e; t++) {
-        col_rms_norm(j->x + t * D, l->norm, 1, D, l->eps, j->h + t * D);
-        if (j->mq.integer) col_quantize_x(j->mq.type, j->h + t * D, D, j->hq + (size_t)t * j->hq_bytes);
-    }
-    col_barrier_wait(&j->barrier, nth);
+    col_input_norm_phase(&j->mq, &j->barrier, ith, nth, T, D, j->x, l->norm, l->eps, j->h, j->hq, j->hq_bytes); /* 0. */
 
     col_split(j->R, ith, nth, &b, &e); /* 1. q, k, v */
     qkv_rows(j, &j->mq, l->bq, 0, j->Q, b, e);
@@ -166,6 +161,17 @@ static void block_task(void *arg, int ith, int nth) {
     /* 4. quantize a, 5. output product and residual */
     col_attention_output_normed(j->k, &j->mo, &j->barrier, ith, nth, T, D, j->Q, j->a, j->aq, j->aq_bytes, j->o, j->x,
                                 l->bo, l->post_norm, l->eps);
+}
+
+void col_input_norm_phase(const col_matrix *m, col_barrier *barrier, int ith, int nth, int64_t T, int64_t D,
+                          const float *x, const float *norm, float eps, float *h, uint8_t *hq, size_t hq_bytes) {
+    int64_t b, e;
+    col_split(T, ith, nth, &b, &e);
+    for (int64_t t = b; t < e; t++) {
+        col_rms_norm(x + t * D, norm, 1, D, eps, h + t * D);
+        if (m->integer) col_quantize_x(m->type, h + t * D, D, hq + (size_t)t * hq_bytes);
+    }
+    col_barrier_wait(barrier, nth);
 }
 
 void col_attention_output(const col_kernel_set *k, const col_matrix *mo, col_barrier *barrier, int ith, int nth,

@@ -381,6 +381,13 @@ typedef struct {
 
 void col_barrier_wait(col_barrier *b, int nth);
 
+/* The first phase of a fused layer step (attention_block.c, mla_block.c, deltanet_block.c),
+ * run by each of the job's nth threads: its share of the T tokens of h (T, D) = rms_norm(x)
+ * * norm, each quantized into hq (T, hq_bytes) when m (the first product's matrix) is an
+ * integer type; then a barrier. */
+void col_input_norm_phase(const col_matrix *m, col_barrier *barrier, int ith, int nth, int64_t T, int64_t D,
+                          const float *x, const float *norm, float eps, float *h, uint8_t *hq, size_t hq_bytes);
+
 /* The last phases of a fused attention step (attention_block.c, mla_block.c), run by each of
  * the job's nth threads: the attention output a (T, A) quantized for an integer wo (then a
  * barrier), then this thread's rows of o = a @ wo^T added, with bo (NULL: none), into the

@@ -276,12 +276,7 @@ static void delta_task(void *arg, int ith, int nth) {
     const int64_t T = j->n_tok, D = l->dim, C = j->C, Z = j->Z, Hv = l->n_v_heads;
     int64_t b, e;
 
-    col_split(T, ith, nth, &b, &e); /* 0. input norm */
-    for (int64_t t = b; t < e; t++) {
-        col_rms_norm(j->x + t * D, l->norm, 1, D, l->eps, j->h + t * D);
-        if (j->m_qkv.integer) col_quantize_x(j->m_qkv.type, j->h + t * D, D, j->hq + (size_t)t * j->hq_bytes);
-    }
-    col_barrier_wait(&j->barrier, nth);
+    col_input_norm_phase(&j->m_qkv, &j->barrier, ith, nth, T, D, j->x, l->norm, l->eps, j->h, j->hq, j->hq_bytes); /* 0. */
 
     col_split(j->R, ith, nth, &b, &e); /* 1. qkv | z | b | a */
     input_rows(j, &j->m_qkv, 0, C, b, e);

@@ -183,12 +183,7 @@ static void mla_task(void *arg, int ith, int nth) {
     float *th = j->scratch + ith * j->per_thread;
     int64_t b, e;
 
-    col_split(T, ith, nth, &b, &e); /* 0. input norm */
-    for (int64_t t = b; t < e; t++) {
-        col_rms_norm(j->x + t * D, l->norm, 1, D, l->eps, j->h + t * D);
-        if (j->m_in.integer) col_quantize_x(j->m_in.type, j->h + t * D, D, j->hq + (size_t)t * j->hq_bytes);
-    }
-    col_barrier_wait(&j->barrier, nth);
+    col_input_norm_phase(&j->m_in, &j->barrier, ith, nth, T, D, j->x, l->norm, l->eps, j->h, j->hq, j->hq_bytes); /* 0. */
 
     col_split(j->rows_in + j->L, ith, nth, &b, &e); /* 1. q_a (or q) and kv_a */
     if (b < e) input_rows(j, b, e);

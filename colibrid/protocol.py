@@ -15,7 +15,7 @@ from typing import Any, Union
 import msgpack
 
 from colibrid import __version__
-from colibrid.engine.sampling import SamplingParams
+from colibrid.sampling_params import SamplingParams  # a plain value type: the protocol imports no engine
 
 PROTOCOL_VERSION = 1
 SERVER_NAME = f"colibrid {__version__}"
@@ -210,9 +210,8 @@ def _parse_ask(message: dict[str, Any], request_id: RequestId, default_max_token
         raise ProtocolError("bad_request", "ask needs exactly one of `prompt` and `messages`", request_id)
     sampling = {"max_tokens": default_max_tokens, **sampling_defaults,
                 **{name: fields[name] for name in _SAMPLING_FIELDS if fields[name] is not None}}
-    params = SamplingParams(**sampling)
     try:
-        params.validate()
+        params = SamplingParams(**sampling)  # the one check of a client's parameters: built valid or not at all
     except ValueError as exc:
         raise ProtocolError("invalid_params", str(exc), request_id) from None
     return Ask(request_id, fields["prompt"], fields["messages"], fields["system"], bool(fields["raw"]), params)

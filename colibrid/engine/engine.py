@@ -103,7 +103,7 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  session: Session | None = None) -> Iterator[GenerationEvent | GenerationDone]:
-        params.validate()
+        """The events of a generation of ``prompt_ids``; ``params`` were checked when they were built."""
         return generate(session or self.new_session(), self.tokenizer, prompt_ids, params)
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:

@@ -14,62 +14,20 @@ Legend: V vocabulary size, K candidate tokens still in play.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+# SamplingParams is shared with the wire protocol, so it lives outside the engine; re-exported
+# here, next to the sampler that reads it.
+from colibrid.sampling_params import GREEDY_TEMPERATURE_BELOW, MAX_TOP_LOGPROBS, SamplingParams
+
 logger = logging.getLogger(__name__)
 
-# A temperature below this samples as greedy (argmax). Dividing logits by a tiny temperature
-# overflows (1e-310 is a denormal: every score becomes +-inf and softmax NaN, garbage tokens);
-# long before that, softmax(scores / T) puts all its mass on the best token anyway. vLLM uses
-# the same threshold.
-GREEDY_TEMPERATURE_BELOW = 1e-5
-# OpenAI and vLLM cap alternatives per token at 20; more is rarely useful and costs a sort.
-MAX_TOP_LOGPROBS = 20
 # Top-p first looks for its nucleus among this many best tokens (one partial sort), then among
 # 16 times as many, and sorts the whole vocabulary only when their mass still falls short of top_p.
 TOP_P_FIRST_CANDIDATES = 1024
-
-
-@dataclass
-class SamplingParams:
-    """How to pick tokens and when to stop. Defaults mean: plain sampling at temperature 1."""
-
-    temperature: float = 1.0  # 0 (or below GREEDY_TEMPERATURE_BELOW) = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    min_p: float = 0.0  # 0 = off
-    repetition_penalty: float = 1.0  # 1 = off; >1 discourages tokens already in prompt or output
-    seed: int | None = None  # None = a fresh, unpredictable seed
-    max_tokens: int = 256
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # None = no alternatives; n = the n most likely tokens per step
-    ignore_eos: bool = False
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first field that is out of range and what it accepts."""
-        _check_real("temperature", self.temperature, "a number >= 0 (0 = greedy)", lambda v: v >= 0)
-        _check_int("top_k", self.top_k, "an integer >= 0 (0 = off)", lambda v: v >= 0)
-        _check_real("top_p", self.top_p, "a number in (0, 1] (1 = off)", lambda v: 0 < v <= 1)
-        _check_real("min_p", self.min_p, "a number in [0, 1] (0 = off)", lambda v: 0 <= v <= 1)
-        _check_real("repetition_penalty", self.repetition_penalty, "a number > 0 (1 = off)", lambda v: v > 0)
-        if self.seed is not None:
-            _check_int("seed", self.seed, "null or an integer >= 0", lambda v: v >= 0)
-        _check_int("max_tokens", self.max_tokens, "an integer >= 1", lambda v: v >= 1)
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if self.logprobs is not None:
-            allowed = f"null or an integer in [0, {MAX_TOP_LOGPROBS}]"
-            _check_int("logprobs", self.logprobs, allowed, lambda v: 0 <= v <= MAX_TOP_LOGPROBS)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE_BELOW
 
 
 # generation_config.json keys that set a sampling default, and SamplingParams' name for each.
@@ -97,23 +55,12 @@ def model_sampling_defaults(generation_config: dict) -> dict:
         if value is None:
             continue
         try:
-            SamplingParams(**{field_name: value}).validate()
+            SamplingParams(**{field_name: value})  # raises for a value out of range
         except (TypeError, ValueError) as exc:
             logger.warning("generation_config.json: ignoring %s: %s", key, exc)
             continue
         defaults[field_name] = value
     return defaults
-
-
-def _check_real(name: str, value: object, allowed: str, in_range) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and in_range(value)
-    if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _check_int(name: str, value: object, allowed: str, in_range) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and in_range(value)):
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -255,7 +202,6 @@ class Sampler:
     """
 
     def __init__(self, params: SamplingParams) -> None:
-        params.validate()
         self.params = params
         self._rng = np.random.default_rng(params.seed)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 
 import msgpack
 import pytest
@@ -49,7 +51,7 @@ def test_each_op_parses_to_its_request():
     assert parse({"op": "models", "id": "m"}) == Models("m")
     ask = parse({"op": "ask", "id": 1, "prompt": "hi", "temperature": 0, "stop": ["\n"], "seed": 4, "top_k": 5})
     assert isinstance(ask, Ask) and (ask.prompt, ask.messages, ask.raw) == ("hi", None, False)
-    assert (ask.params.temperature, ask.params.stop, ask.params.seed, ask.params.top_k) == (0, ["\n"], 4, 5)
+    assert (ask.params.temperature, ask.params.stop, ask.params.seed, ask.params.top_k) == (0, ("\n",), 4, 5)
 
 
 def test_ask_defaults_come_from_the_server_and_nil_means_absent():
@@ -112,3 +114,12 @@ def test_a_cancel_target_longer_than_256_bytes_is_a_bad_request():
     with pytest.raises(ProtocolError) as caught:
         parse({"op": "cancel", "id": "c", "target": "t" * 257})
     assert caught.value.code == "bad_request" and caught.value.request_id == "c"
+
+
+def test_the_protocol_imports_nothing_from_the_engine():
+    """The wire format stands alone (a client, a gateway, a test can use it without numpy or
+    libcolibri); what it shares with the engine, SamplingParams, is a plain value type."""
+    script = "import sys, colibrid.protocol; print(sorted(m for m in sys.modules if m.startswith('colibrid.engine')))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+

@@ -3,6 +3,7 @@ reproducible and follow the distribution; StopMatcher holds back and cuts at sto
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -258,17 +259,25 @@ def test_broken_logits_raise(bad):
         ("ignore_eos", "yes"),
     ],
 )
-def test_validate_names_the_field(field, value):
-    params = SamplingParams(**{field: value})
+def test_a_value_out_of_range_cannot_be_built_and_the_error_names_its_field(field, value):
     with pytest.raises(ValueError, match=f"^{field} must be"):
-        params.validate()
-    with pytest.raises(ValueError, match=field):
-        Sampler(params)
+        SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match=f"^{field} must be"):  # nor reached by replacing a field of valid ones
+        dataclasses.replace(SamplingParams(), **{field: value})
 
 
-def test_validate_accepts_the_edges():
-    SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=1.0, seed=0, max_tokens=1, stop=["x"],
-                   logprobs=MAX_TOP_LOGPROBS, ignore_eos=True).validate()
+def test_the_edges_are_accepted():
+    params = SamplingParams(temperature=0, top_k=0, top_p=1.0, min_p=1.0, seed=0, max_tokens=1, stop=["x"],
+                            logprobs=MAX_TOP_LOGPROBS, ignore_eos=True)
+    assert params.stop == ("x",)
+
+
+def test_params_cannot_change_after_they_were_checked():
+    params = SamplingParams(stop=["x"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.max_tokens = 0
+    with pytest.raises(AttributeError):
+        params.stop.append("")  # kept as a tuple: the list the caller passed is not shared either
 
 
 # ---- stop strings ------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibrid.engine.experts import PlainExpertSource
 from shapes import SHAPES, Shape, Variant, log
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +44,7 @@ ISAS = ("native", "avx2")  # llama.cpp build; Colibri: its best level, or COLIBR
 # --------------------------------------------------------------------------------------------
 
 
-class ResidentExpertSource:
+class ResidentExpertSource(PlainExpertSource):
     """Every expert record read once (CRC-checked) into RAM: the fully cached case."""
 
     def __init__(self, pack) -> None:
@@ -51,8 +52,7 @@ class ResidentExpertSource:
 
         from colibrid import native
 
-        self.pack = pack
-        self.max_pinned = pack.manifest.model.num_experts
+        super().__init__(pack)
         # Transparent huge pages where the kernel allows them, as the AEPC slab will have:
         # streaming gigabytes through 4 KiB pages costs TLB misses neither side should pay.
         size = pack.manifest.experts_size
@@ -72,10 +72,9 @@ class ResidentExpertSource:
     def get(self, layer: int, expert: int):
         return self._weights[layer, expert]
 
-    def acquire(self, layer: int, experts):
-        from contextlib import nullcontext
-
-        return nullcontext({e: self._weights[layer, e] for e in experts})
+    def summary(self) -> dict:
+        """Everything was read at start: every lookup is a hit."""
+        return {"kind": "resident", "hits": 0, "misses": 0, "bytes_read": self.pack.manifest.experts_size}
 
 
 def active_bytes_per_token(pack) -> int:

@@ -62,8 +62,8 @@ class Engine:
         previous, self.experts = self.experts, experts
         self.model.experts = experts
         for layer in self.model.layers:
-            if hasattr(layer.ffn, "experts"):
-                layer.ffn.experts = experts
+            if layer.moe is not None:
+                layer.moe.experts = experts
         return previous
 
     def new_session(self, max_context: int | None = None) -> Session:

@@ -24,13 +24,14 @@ import logging
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from colibrid import native
-from colibrid.engine.experts import ExpertChecksumError, ExpertLoadError
+from colibrid.engine.experts import (AcquiredExperts, ExpertChecksumError, ExpertLoadError, ExpertLoadingPaused,
+                                     ExpertSource, LoadingPause)
 from colibrid.memory import (DEFAULT_HUGEPAGE_RECORD, HugepageRecord, HugepageReservation, MemoryBudget, format_bytes,
                              measure_budget, memlock_fix_hint, parse_size, reserve_hugepages)
 from colibrid.pack.reader import ExpertWeights, Pack
@@ -45,23 +46,6 @@ BACKING_NAMES = {native.SlabBacking.PAGES: "pages", native.SlabBacking.THP: "thp
 
 class ExpertCacheError(Exception):
     """The expert cache cannot be set up as configured; the message says how to fix it."""
-
-
-@dataclass(frozen=True)
-class LoadingPause:
-    """Why expert loading is paused (set by the thermal watch): misses fail, hits still serve."""
-
-    code: str  # the protocol error code a refused request gets: "thermal" or "device_missing"
-    reason: str  # one line for people: "nvme0 at 84 °C (critical threshold 80 °C)"
-
-
-class ExpertLoadingPaused(ExpertLoadError):
-    """A request needed an expert that is not in the cache while loading is paused; ``code``
-    is the protocol error code for it."""
-
-    def __init__(self, message: str, code: str, layer: int, expert: int, offset: int, path) -> None:
-        super().__init__(message, layer, expert, offset, path)
-        self.code = code
 
 
 @dataclass
@@ -90,7 +74,7 @@ def _percentile_ms(hist: np.ndarray, q: float) -> float | None:
     return round(max(upper_us, 1.0) / 1000.0, 3)
 
 
-class _PinnedExperts(Mapping):
+class _PinnedExperts(AcquiredExperts):
     """{expert: ExpertWeights} for one acquire; looking an expert up waits for that expert's
     read only, so the experts already cached are computed on while the misses still load."""
 
@@ -123,7 +107,7 @@ class _PinnedExperts(Mapping):
         return len(self._slot)
 
 
-class CachedExpertSource:
+class CachedExpertSource(ExpertSource):
     """An ExpertSource whose experts live in a bounded slab cache.
 
     cache_bytes      int or a size string ("6G", "40%" of the memory budget: MemAvailable, or
@@ -181,7 +165,6 @@ class CachedExpertSource:
             log.info("cache_size holds %d slots, the pack has %d experts: using %d", n_slots, len(records), len(records))
             n_slots = len(records)
         self.n_slots = int(n_slots)
-        self.max_pinned = self.n_slots
         self.notes: list[str] = []  # every fallback taken, for status
         self._check_budget(cache_bytes)
 
@@ -204,8 +187,8 @@ class CachedExpertSource:
             self.close()
             raise
         self.policy = policy
-        self.prefetch_enabled = bool(prefetch)
-        self.loading_pause: LoadingPause | None = None
+        self._prefetch_enabled = bool(prefetch)
+        self._loading_pause: LoadingPause | None = None
         self._slot_views: list[ExpertWeights | None] = [None] * self.n_slots  # _slot_weights
         self._region = self._slab.data.view()
         self._region.flags.writeable = False  # experts are read-only to the model
@@ -314,8 +297,25 @@ class CachedExpertSource:
 
     # ---- the ExpertSource protocol ------------------------------------------------------
 
+    @property
+    def max_pinned(self) -> int:
+        return self.n_slots  # every slot may be pinned by one acquire
+
+    @property
+    def prefetch_enabled(self) -> bool:
+        return self._prefetch_enabled
+
+    @property
+    def io_queue_depth(self) -> int:
+        """Reads in flight at most, as the C loader has it now."""
+        return self._loader.info()["queue_depth"]
+
+    @property
+    def loading_pause(self) -> LoadingPause | None:
+        return self._loading_pause
+
     @contextmanager
-    def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[dict[int, ExpertWeights]]:
+    def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[AcquiredExperts]:
         """Pins ``experts`` of ``layer`` (at most max_pinned, distinct) and starts reading the
         misses; yields a mapping {expert: weights} valid until the block exits, whose lookup
         waits for that one expert (so cached experts compute while the misses load).
@@ -425,12 +425,12 @@ class CachedExpertSource:
         log.info("io_queue_depth = %d", depth)
 
     def set_prefetch(self, enabled: bool) -> None:
-        self.prefetch_enabled = bool(enabled)
+        self._prefetch_enabled = bool(enabled)
         log.info("prefetch %s", "on" if enabled else "off")
 
     def set_loading_paused(self, pause: LoadingPause | None) -> None:
         """Pause expert loading (misses fail with ExpertLoadingPaused, hits serve) or resume it (None)."""
-        self.loading_pause = pause
+        self._loading_pause = pause
         if pause is None:
             log.info("expert loading resumed")
         else:

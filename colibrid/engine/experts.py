@@ -1,18 +1,26 @@
-"""The one narrow door to routed expert weights: ``source.get(layer, expert)``.
+"""The one narrow door to routed expert weights: an ExpertSource.
 
-Model code asks for an expert and receives its three projections; where the bytes come
-from — a plain read now, the AEPC slab cache later — is this module's business only.
-Every record is checked against its CRC-32C before use.
+Model code asks for a layer step's experts and receives their three projections; where the
+bytes come from - a plain read (PreadExpertSource, here) or the AEPC slab cache
+(CachedExpertSource, expert_cache.py) - is the source's business only. Every record is
+checked against its CRC-32C before use.
+
+ExpertSource declares every member its callers use - the MoE block (acquire, prefetch,
+max_pinned, prefetch_enabled), the engine (summary, close) and the thermal watch (the
+loader's queue depth, prefetch and loading pause) - so no caller probes a source for what it
+can do. A source without a capability implements it trivially and says so (PlainExpertSource).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from contextlib import contextmanager
-from typing import ContextManager, Iterator, Protocol, Sequence
+from typing import ContextManager
 
 import numpy as np
 
@@ -34,24 +42,182 @@ class ExpertChecksumError(ExpertLoadError):
     """An expert record's bytes do not match the CRC-32C in the manifest."""
 
 
-class ExpertSource(Protocol):
-    """Where expert weights come from.
+@dataclass(frozen=True)
+class LoadingPause:
+    """Why expert loading is paused (set by the thermal watch): misses fail, hits still serve."""
 
-    ``acquire`` is what the model uses for a layer step: every expert it names is
-    loaded (or found) and stays valid — never evicted or reused — until the context
-    exits. ``get`` is a one-off convenience for tools and tests. ``max_pinned`` is
-    how many experts one ``acquire`` may name (a cache's slot count); callers with
-    more split the work into waves. ``summary`` gives the counters status shows
-    (hits, misses, bytes_read, and what the cache is made of).
+    code: str  # the protocol error code a refused request gets: "thermal" or "device_missing"
+    reason: str  # one line for people: "nvme0 at 84 °C (critical threshold 80 °C)"
+
+
+class ExpertLoadingPaused(ExpertLoadError):
+    """A request needed an expert that is not in memory while loading is paused; ``code``
+    is the protocol error code for it."""
+
+    def __init__(self, message: str, code: str, layer: int, expert: int, offset: int, path) -> None:
+        super().__init__(message, layer, expert, offset, path)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class LoadingLimits:
+    """How an expert source may read right now: reads in flight at most, whether prefetch
+    reads, and why loading is paused (None: it is not). The thermal watch decides them."""
+
+    io_queue_depth: int
+    prefetch: bool
+    pause: LoadingPause | None = None
+
+
+class AcquiredExperts(Mapping[int, ExpertWeights]):
+    """{expert: weights} of one ``acquire``, valid until its block exits. Looking an expert up
+    may wait for its read; ``is_ready`` says, without waiting, whether it would."""
+
+    @abstractmethod
+    def is_ready(self, expert: int) -> bool: ...
+
+
+class ExpertSource(ABC):
+    """Where routed expert weights come from.
+
+    ``acquire`` is what the model uses for a layer step: every expert it names is loaded (or
+    found) and stays valid - never evicted or reused - until the context exits. ``get`` is a
+    one-off convenience for tools and tests. ``max_pinned`` is how many experts one
+    ``acquire`` may name (a cache's slot count); callers with more split the work into waves.
+    ``prefetch`` starts reads of experts a later step will likely need, when
+    ``prefetch_enabled``. ``summary`` gives the counters status shows (kind, hits, misses,
+    bytes_read, and what the cache is made of).
+
+    The loader's settings (``io_queue_depth``, prefetch, ``loading_pause``) change at run time,
+    from any thread: the thermal watch lowers them on a hot drive (apply_loading_limits).
+    ``close`` frees everything; ``return_hugepages`` gives back only the hugetlb pages raised
+    for the source, safe while another thread may still read from it.
     """
 
-    max_pinned: int
+    @property
+    @abstractmethod
+    def max_pinned(self) -> int: ...
 
-    def acquire(self, layer: int, experts: Sequence[int]) -> ContextManager[dict[int, ExpertWeights]]: ...
+    @property
+    @abstractmethod
+    def prefetch_enabled(self) -> bool: ...
 
+    @property
+    @abstractmethod
+    def io_queue_depth(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def loading_pause(self) -> LoadingPause | None: ...
+
+    @abstractmethod
+    def acquire(self, layer: int, experts: Sequence[int]) -> ContextManager[AcquiredExperts]: ...
+
+    @abstractmethod
     def get(self, layer: int, expert: int) -> ExpertWeights: ...
 
+    @abstractmethod
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Start reads of ``experts`` of ``layer`` without waiting; returns reads started."""
+
+    @abstractmethod
     def summary(self) -> dict: ...
+
+    @abstractmethod
+    def set_io_queue_depth(self, depth: int) -> None: ...
+
+    @abstractmethod
+    def set_prefetch(self, enabled: bool) -> None: ...
+
+    @abstractmethod
+    def set_loading_paused(self, pause: LoadingPause | None) -> None: ...
+
+    @abstractmethod
+    def return_hugepages(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def apply_loading_limits(source: ExpertSource, limits: LoadingLimits) -> None:
+    """Make ``source`` read as ``limits`` say, touching only what differs (each setter logs)."""
+    if source.io_queue_depth != limits.io_queue_depth:
+        source.set_io_queue_depth(limits.io_queue_depth)
+    if source.prefetch_enabled != limits.prefetch:
+        source.set_prefetch(limits.prefetch)
+    current = source.loading_pause
+    if (current and current.code) != (limits.pause and limits.pause.code):
+        source.set_loading_paused(limits.pause)
+
+
+class LoadedExperts(AcquiredExperts):
+    """An acquire's experts that are all in memory already: nothing to wait for."""
+
+    def __init__(self, weights: dict[int, ExpertWeights]) -> None:
+        self._weights = weights
+
+    def __getitem__(self, expert: int) -> ExpertWeights:
+        return self._weights[expert]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    def is_ready(self, expert: int) -> bool:
+        return True
+
+
+class PlainExpertSource(ExpertSource):
+    """A source without a slab cache, a loader queue or prefetch: what ``get`` returns is its own
+    bytes, so nothing is pinned and any number of experts may be acquired at once. Subclasses
+    implement ``get``; the capabilities they lack are trivial here."""
+
+    def __init__(self, pack: Pack) -> None:
+        self.pack = pack
+        self._loading_pause: LoadingPause | None = None
+
+    @property
+    def max_pinned(self) -> int:
+        return self.pack.manifest.model.num_experts  # nothing is pinned: a whole layer at once
+
+    @property
+    def prefetch_enabled(self) -> bool:
+        return False  # reads happen when asked, never ahead
+
+    @property
+    def io_queue_depth(self) -> int:
+        return 1  # get() reads one record at a time, on the caller's thread
+
+    @property
+    def loading_pause(self) -> LoadingPause | None:
+        return self._loading_pause
+
+    @contextmanager
+    def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[AcquiredExperts]:
+        # Each record is its own bytes: nothing to pin or release.
+        yield LoadedExperts({int(expert): self.get(layer, int(expert)) for expert in experts})
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Never reads ahead: 0 reads started."""
+        return 0
+
+    def set_io_queue_depth(self, depth: int) -> None:
+        """A no-op: reads are one synchronous read each, there is no queue to shorten."""
+
+    def set_prefetch(self, enabled: bool) -> None:
+        """A no-op: this source has no prefetch to turn on or off."""
+
+    def set_loading_paused(self, pause: LoadingPause | None) -> None:
+        """Remembered; a subclass that reads the drive refuses reads while paused."""
+        self._loading_pause = pause
+
+    def return_hugepages(self) -> None:
+        """A no-op: no hugepages were raised for this source."""
+
+    def close(self) -> None:
+        """Nothing to free here; subclasses that hold a file close it."""
 
 
 @dataclass
@@ -60,24 +226,23 @@ class ExpertReadStats:
     bytes_read: int = 0
 
 
-class PreadExpertSource:
-    """Reads a whole expert record with one pread and verifies its checksum."""
+class PreadExpertSource(PlainExpertSource):
+    """Reads a whole expert record with one pread and verifies its checksum. While loading is
+    paused (the drive is hot or gone) every read is refused: nothing here is cached."""
 
     def __init__(self, pack: Pack) -> None:
-        self.pack = pack
+        super().__init__(pack)
         self.path = pack.experts_path
         self.stats = ExpertReadStats()
-        self.max_pinned = pack.manifest.model.num_experts  # nothing is pinned: any number at once
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-
-    @contextmanager
-    def acquire(self, layer: int, experts: Sequence[int]) -> Iterator[dict[int, ExpertWeights]]:
-        # Each record is its own bytes object: nothing to pin or release.
-        yield {expert: self.get(layer, expert) for expert in experts}
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         record = self.pack.expert_record(layer, expert)
         where = f"expert {expert} of layer {layer} at offset {record.offset} of {self.path}"
+        pause = self.loading_pause
+        if pause is not None:
+            raise ExpertLoadingPaused(f"{where} would be read while expert loading is paused: {pause.reason}",
+                                      pause.code, layer, expert, record.offset, self.path)
         try:
             data = os.pread(self._fd, record.length, record.offset)
         except OSError as exc:

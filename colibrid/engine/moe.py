@@ -86,7 +86,7 @@ class MoeBlock:
         out = np.zeros_like(x)  # (T, D)
         selected = _distinct(routing.experts)  # batch-union: each expert once per step
         # A long prompt may touch more experts than the cache can pin at once: run them in waves.
-        wave_size = max(1, getattr(self.experts, "max_pinned", len(selected)))
+        wave_size = max(1, self.experts.max_pinned)
         lookahead = self._lookahead_enabled()
         for start in range(0, len(selected), wave_size):
             wave = selected[start : start + wave_size]
@@ -104,7 +104,7 @@ class MoeBlock:
         return out
 
     def _lookahead_enabled(self) -> bool:
-        return self.next_block is not None and getattr(self.experts, "prefetch_enabled", False)
+        return self.next_block is not None and self.experts.prefetch_enabled
 
     def _lookahead(self, x: np.ndarray, wave_size: int) -> None:
         """Prefetches the next MoE layer's likeliest experts, predicted by applying its router
@@ -125,11 +125,10 @@ class MoeBlock:
         each call taking the longest run of experts already loaded: cached experts compute
         while the reads of later ones are still in flight. ``when_all_loaded`` is called once
         every expert of the wave is loaded, before the last run computes."""
-        is_ready = getattr(weights, "is_ready", None)
         start = 0
         while start < len(wave):
             end = start + 1  # weights[wave[start]] waits for that expert if needed
-            while end < len(wave) and (is_ready is None or is_ready(wave[end])):
+            while end < len(wave) and weights.is_ready(wave[end]):
                 end += 1
             run = wave[start:end]
             ready = [weights[e] for e in run]

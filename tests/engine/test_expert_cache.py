@@ -110,22 +110,58 @@ def test_any_cache_size_gives_bit_identical_output(family, n_slots, policy):
         source.close()
 
 
-class _PrefetchingSource:
+def _wrapping(source):
+    """An ExpertSource that passes every member on to ``source``; tests override a few."""
+    from colibrid.engine.experts import ExpertSource
+
+    class Wrapper(ExpertSource):
+        max_pinned = property(lambda self: source.max_pinned)
+        prefetch_enabled = property(lambda self: source.prefetch_enabled)
+        io_queue_depth = property(lambda self: source.io_queue_depth)
+        loading_pause = property(lambda self: source.loading_pause)
+
+        def acquire(self, layer, experts):
+            return source.acquire(layer, experts)
+
+        def get(self, layer, expert):
+            return source.get(layer, expert)
+
+        def prefetch(self, layer, experts):
+            return source.prefetch(layer, experts)
+
+        def summary(self):
+            return source.summary()
+
+        def set_io_queue_depth(self, depth):
+            source.set_io_queue_depth(depth)
+
+        def set_prefetch(self, enabled):
+            source.set_prefetch(enabled)
+
+        def set_loading_paused(self, pause):
+            source.set_loading_paused(pause)
+
+        def return_hugepages(self):
+            source.return_hugepages()
+
+        def close(self):
+            source.close()
+
+    return Wrapper
+
+
+def _prefetching_source(source, rng):
     """Wraps a CachedExpertSource and, at every layer step, prefetches a guess for the next
-    MoE layer (the real lookahead is wired in moe.py): checks that prefetch, even one that
+    MoE layer (besides the real lookahead of moe.py): checks that prefetch, even one that
     guesses wrong and fights a tiny cache for slots, never changes the output."""
 
-    def __init__(self, source, rng):
-        self.source, self.rng = source, rng
-        self.max_pinned = source.max_pinned
+    class PrefetchingSource(_wrapping(source)):
+        def acquire(self, layer, experts):
+            nxt = (layer + 2) % 4
+            source.prefetch(nxt, [int(e) for e in rng.choice(8, size=3, replace=False)])
+            return source.acquire(layer, experts)
 
-    def acquire(self, layer, experts):
-        nxt = (layer + 2) % 4
-        self.source.prefetch(nxt, [int(e) for e in self.rng.choice(8, size=3, replace=False)])
-        return self.source.acquire(layer, experts)
-
-    def get(self, layer, expert):
-        return self.source.get(layer, expert)
+    return PrefetchingSource()
 
 
 @pytest.mark.parametrize("n_slots", [1, 3, 16])
@@ -137,7 +173,7 @@ def test_prefetch_never_changes_the_output(pack_path, reference, n_slots):
     pack = Pack.open(pack_path)
     source = CachedExpertSource(pack, n_slots * _slot_bytes(pack_path), hugepages="off", io_queue_depth=4)
     try:
-        engine = Engine(pack, experts=_PrefetchingSource(source, np.random.default_rng(n_slots)))
+        engine = Engine(pack, experts=_prefetching_source(source, np.random.default_rng(n_slots)))
         assert np.array_equal(engine.forward(PROMPT), reference[0])
         assert engine.greedy(PROMPT, 10) == reference[1]
         total = source.stats()["total"]
@@ -149,45 +185,52 @@ def test_prefetch_never_changes_the_output(pack_path, reference, n_slots):
         source.close()
 
 
-class _RecordingSource:
+def _recording_source(source):
     """Wraps a CachedExpertSource and records every prefetch the engine's lookahead makes,
     with the layer step in progress and whether the engine had already taken (waited for)
     every expert of that step."""
+    from colibrid.engine.experts import AcquiredExperts
 
-    def __init__(self, source):
-        self.source, self.max_pinned, self.prefetch_enabled = source, source.max_pinned, True
-        self.step = None  # (layer, experts, the experts the engine has looked up) in progress
-        self.prefetches = []  # (step layer, predicted layer, predicted experts, step all taken)
+    class Lookups(AcquiredExperts):
+        """An acquire's {expert: weights} that notes which experts were looked up."""
 
-    @contextmanager
-    def acquire(self, layer, experts):
-        taken = set()
-        with self.source.acquire(layer, experts) as weights:
-            self.step = (layer, list(experts), taken)
-            yield _Lookups(weights, taken)
-            self.step = None
+        def __init__(self, weights, taken):
+            self.weights, self.taken = weights, taken
 
-    def prefetch(self, layer, experts):
-        step_layer, ids, taken = self.step
-        self.prefetches.append((step_layer, layer, list(experts), taken == set(ids)))
-        return self.source.prefetch(layer, experts)
+        def __getitem__(self, expert):
+            self.taken.add(expert)
+            return self.weights[expert]
 
-    def get(self, layer, expert):
-        return self.source.get(layer, expert)
+        def __iter__(self):
+            return iter(self.weights)
 
+        def __len__(self):
+            return len(self.weights)
 
-class _Lookups:
-    """An acquire's {expert: weights} that notes which experts were looked up."""
+        def is_ready(self, expert):
+            return self.weights.is_ready(expert)
 
-    def __init__(self, weights, taken):
-        self.weights, self.taken = weights, taken
+    class RecordingSource(_wrapping(source)):
+        prefetch_enabled = True
+        step = None  # (layer, experts, the experts the engine has looked up) in progress
 
-    def __getitem__(self, expert):
-        self.taken.add(expert)
-        return self.weights[expert]
+        def __init__(self):
+            self.prefetches = []  # (step layer, predicted layer, predicted experts, step all taken)
 
-    def is_ready(self, expert):
-        return self.weights.is_ready(expert)
+        @contextmanager
+        def acquire(self, layer, experts):
+            taken = set()
+            with source.acquire(layer, experts) as weights:
+                self.step = (layer, list(experts), taken)
+                yield Lookups(weights, taken)
+                self.step = None
+
+        def prefetch(self, layer, experts):
+            step_layer, ids, taken = self.step
+            self.prefetches.append((step_layer, layer, list(experts), taken == set(ids)))
+            return source.prefetch(layer, experts)
+
+    return RecordingSource()
 
 
 @pytest.mark.parametrize("n_slots", [2, 3])
@@ -203,7 +246,7 @@ def test_lookahead_reads_the_next_layer_only_once_this_layer_is_loaded(pack_path
     pack = Pack.open(pack_path)
     source = CachedExpertSource(pack, n_slots * _slot_bytes(pack_path), hugepages="off", prefetch=True)
     try:
-        recorder = _RecordingSource(source)
+        recorder = _recording_source(source)
         engine = Engine(pack, experts=recorder)
         assert np.array_equal(engine.forward(PROMPT), reference[0])
         assert engine.greedy(PROMPT, 10) == reference[1]
@@ -268,18 +311,18 @@ def _flip(path, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-class _Recorder:
-    """A PreadExpertSource that remembers which experts each layer step asked for."""
+def _asking_recorder(source):
+    """Wraps a PreadExpertSource and remembers which experts each layer step asked for."""
 
-    def __init__(self, source):
-        self.source, self.max_pinned, self.asked = source, source.max_pinned, {}
+    class Recorder(_wrapping(source)):
+        def __init__(self):
+            self.asked = {}
 
-    def acquire(self, layer, experts):
-        self.asked.setdefault(layer, set()).update(int(e) for e in experts)
-        return self.source.acquire(layer, experts)
+        def acquire(self, layer, experts):
+            self.asked.setdefault(layer, set()).update(int(e) for e in experts)
+            return source.acquire(layer, experts)
 
-    def get(self, layer, expert):
-        return self.source.get(layer, expert)
+    return Recorder()
 
 
 def test_a_flipped_byte_fails_that_request_and_the_next_one_succeeds(pack_path, reference, tmp_path):
@@ -288,7 +331,7 @@ def test_a_flipped_byte_fails_that_request_and_the_next_one_succeeds(pack_path, 
     from colibrid.pack.reader import Pack
 
     path = shutil.copytree(pack_path, tmp_path / "pack")
-    recorder = _Recorder(PreadExpertSource(Pack.open(path)))
+    recorder = _asking_recorder(PreadExpertSource(Pack.open(path)))
     Engine(Pack.open(path), experts=recorder).forward(PROMPT)
     layer = MOE_LAYERS[0]
     assert sorted(recorder.asked) == MOE_LAYERS

@@ -29,18 +29,16 @@ import dataclasses
 import logging
 import signal
 import sys
-import time
 from collections.abc import Sequence
 
 from colibrid import affinity
-from colibrid.access import AccessPolicy
 from colibrid.config import KEYS, ConfigError, DaemonConfig, load_config
 from colibrid.listener import Listener, ListenerError, check_free, open_listeners
 from colibrid.logsetup import configure_logging, set_level
 from colibrid.memory import HugepageRecord, format_bytes, return_orphaned_hugepages
 from colibrid.protocol import LENGTH_PREFIX, PROTOCOL_VERSION, decode_body, encode_frame
 from colibrid.scheduler import Scheduler
-from colibrid.server import ClientLimits, Server, model_name
+from colibrid.server import ClientLimits, Server, ServerSettings, model_name
 from colibrid.systemd_notify import Notifier, watchdog_interval_s
 from colibrid.thermal.watch import ThermalSettings, ThermalWatch
 from colibrid.watchdog import Watchdog
@@ -81,7 +79,7 @@ class Daemon:
         self._listeners: list[Listener] = []
         self._scheduler: Scheduler | None = None
         self._server: Server | None = None
-        self._engine = None  # once loaded; its expert cache is freed on every way out
+        self._engine = None  # once loaded; it frees its expert cache on every way out
         self._thermal: ThermalWatch | None = None
         self._background: list[asyncio.Task] = []
 
@@ -149,13 +147,10 @@ class Daemon:
         self._scheduler = Scheduler(engine, self.config.max_queue)
         self._scheduler.start()
         affinity.pin_current_thread(cpus.io)  # the event loop and the threads it starts later
-        self._server = Server(engine, self._scheduler, self.config.model, self.config.max_frame_bytes,
-                              self.config.default_max_tokens,
-                              AccessPolicy(self.config.allow_users, self.config.allow_groups),
-                              ClientLimits.from_config(self.config))
-        self._server.machine = {"cpus": cpus.describe(), "nice": nice, "memory_budget": engine.experts.budget_status()}
-        self._show_settings()
         await self._start_thermal_watch(engine)
+        self._server = Server(engine, self._scheduler, self.config.model, ServerSettings.from_config(self.config),
+                              shown_settings=self._shown_settings(), machine={"cpus": cpus.describe(), "nice": nice},
+                              thermal=self._thermal)
         await self._server.start(self._listeners)
         await self._check_socket_answers()
         if self._watchdog is not None:
@@ -166,20 +161,24 @@ class Daemon:
         log.info("serving %s (%s params, %s active) from %s on %s \u2014 stop with Ctrl-C or SIGTERM",
                  model_name(self.config.model), _count(engine.parameters_total),
                  _count(engine.parameters_active), self.config.model, where)
-        self._log_budget(engine.experts)
+        self._log_budget(engine)
         log.debug("compute threads on CPUs %s, I/O threads on CPUs %s", cpus.describe()["compute"],
                   cpus.describe()["io"])
         self._notifier.ready(self._server.service_status(0.0))
 
     async def _start_thermal_watch(self, engine) -> None:
         """Find the drive under the experts file and start watching it; from here on the watch
-        owns the loader's queue depth and prefetch (it applies the configured values when cool)."""
-        assert self._server is not None
-        self._thermal = ThermalWatch(engine.pack.experts_path, lambda: engine.experts, self._thermal_settings(),
-                                     on_drive_back=lambda: self._scheduler.run_between_requests(
-                                         lambda: self._reopen_expert_cache(engine)))
+        sets the loader's queue depth and prefetch through the engine (the configured values
+        when cool). A drive that comes back gets a cache on a fresh descriptor of the experts
+        file (the old one died with the device), built between requests."""
+
+        def reopen() -> None:
+            if engine.rebuild_cache():
+                self._log_cache(engine, "rebuilt on the experts file, reopened after its drive came back")
+
+        self._thermal = ThermalWatch(engine.pack.experts_path, engine.limit_loading, self._thermal_settings(),
+                                     on_drive_back=lambda: self._scheduler.run_between_requests(reopen))
         await asyncio.to_thread(self._thermal.start)
-        self._server.thermal = self._thermal
         self._background.append(asyncio.create_task(self._thermal.run()))
 
     def _thermal_settings(self) -> ThermalSettings:
@@ -194,44 +193,15 @@ class Daemon:
         except affinity.CpuListError as exc:  # the config checked it; the cpuset can shrink in between
             raise StartupError(f"cannot pin threads: {exc}") from None
 
-    def _expert_cache(self, pack, cache_size):
-        from colibrid.engine.expert_cache import CachedExpertSource
+    def _cache_settings(self):
+        """The expert cache as the config describes it; its loader threads run on the I/O CPUs."""
+        from colibrid.engine.expert_cache import ExpertCacheSettings  # imported here: it loads libcolibri
 
         c = self.config
-        # Called on a compute thread; the cache's loader threads are I/O threads and inherit
-        # the CPUs of the thread that creates them.
-        affinity.pin_current_thread(self._cpus.io)
-        try:
-            return CachedExpertSource(pack, cache_size, policy=c.cache_policy, io_queue_depth=c.io_queue_depth,
-                                      hugepages=c.hugepages, lock_memory=c.lock_memory,
-                                      prefetch=c.prefetch == "lookahead", hugepage_record=c.hugepage_record)
-        finally:
-            affinity.pin_current_thread(self._cpus.compute)
-
-    def _reopen_expert_cache(self, engine) -> None:
-        """The pack's drive came back: a new cache on a fresh descriptor of the experts file
-        (the old one died with the device); the experts are read again as requests need them."""
-        self._resize_expert_cache(engine, self.config.cache_size,
-                                  reason="rebuilt on the experts file, reopened after its drive came back")
-
-    def _resize_expert_cache(self, engine, cache_size, reason: str | None = None) -> None:
-        """On the engine thread, between requests: build the new pool, swap it in, free the old.
-        Both pools exist for a moment; if the new one cannot be had, the old one stays."""
-        from colibrid.engine.expert_cache import ExpertCacheError
-
-        try:
-            new = self._expert_cache(engine.pack, cache_size)
-        except (ExpertCacheError, ValueError, OSError) as exc:
-            log.error("cache_size = %s cannot be applied, keeping the current cache: %s", cache_size, exc)
-            return
-        engine.set_experts(new).close()
-        if self._thermal is not None:
-            self._thermal.reconcile()  # the new cache starts unthrottled: apply what the drive's heat allows
-        self._log_cache(new)
-        if self._server is not None:
-            self._server.machine["memory_budget"] = new.budget_status()
-        log.info("expert cache %s: %d slots (cache_size = %s)", reason or "resized", new.n_slots, cache_size)
-        self._log_budget(new)
+        return ExpertCacheSettings(cache_size=c.cache_size, policy=c.cache_policy, io_queue_depth=c.io_queue_depth,
+                                   prefetch=c.prefetch == "lookahead", hugepages=c.hugepages,
+                                   lock_memory=c.lock_memory, hugepage_record=c.hugepage_record,
+                                   loader_cpus=self._cpus.io if self._cpus is not None else None)
 
     def _load_engine(self):
         # Imported here: they pull in numpy and libcolibri.
@@ -243,13 +213,8 @@ class Daemon:
         c = self.config
         try:
             pack = Pack.open(c.model)
-            experts = self._expert_cache(pack, c.cache_size)
-            try:
-                engine = Engine(pack, experts=experts, max_context=c.max_context,
-                                parse_special_tokens_in_content=c.parse_special_tokens_in_content)
-            except BaseException:
-                experts.close()  # frees the cache and gives back the hugepages raised for it
-                raise
+            engine = Engine(pack, max_context=c.max_context, cache=self._cache_settings(),
+                            parse_special_tokens_in_content=c.parse_special_tokens_in_content)
         except PackError as exc:  # its message already names the pack and the fix
             raise StartupError(f"cannot load the model: {exc}") from None
         except ExpertCacheError as exc:  # its message says how to fix the machine
@@ -257,7 +222,6 @@ class Daemon:
         except Exception as exc:  # anything else is unexpected: one line here, the details at debug level
             log.debug("loading %s failed", self.config.model, exc_info=True)
             raise StartupError(f"cannot load the model {self.config.model}: {type(exc).__name__}: {exc}") from None
-        self._log_cache(experts)
         if engine.max_context < self.config.max_context:
             # A warning when someone asked for more; the default meeting a small model is routine.
             chosen = self.config.max_context != DaemonConfig.__dataclass_fields__["max_context"].default
@@ -266,10 +230,16 @@ class Daemon:
                     self.config.max_context, model_name(self.config.model), engine.max_context)
         return engine
 
+    def _log_cache(self, engine, what: str) -> None:
+        """After a rebuild: what the new cache is (the engine's log is quieter than the daemon's)."""
+        log.info("expert cache %s: %d slots (cache_size = %s)", what, engine.cache_status()["slots"],
+                 self.config.cache_size)
+        self._log_budget(engine)
+
     @staticmethod
-    def _log_budget(experts) -> None:
+    def _log_budget(engine) -> None:
         """Which memory cache_size was measured against: MemAvailable or the cgroup limit."""
-        budget = experts.budget_status()
+        budget = engine.memory_budget()
         log.info("expert cache %s: cache_size = %s of the memory budget %s (%s)", format_bytes(budget["cache_bytes"]),
                  budget["cache_size"], format_bytes(budget["available_bytes"]), budget["basis"])
 
@@ -282,18 +252,9 @@ class Daemon:
         if self._scheduler is not None:
             self._scheduler.stop()
             if not self._scheduler.join(5.0):
-                engine.experts.return_hugepages()  # the slab stays mapped for the engine thread
+                engine.return_hugepages()  # the slab stays mapped for the engine thread
                 return
-        engine.experts.close()
-
-    @staticmethod
-    def _log_cache(experts) -> None:
-        info = experts.backing_info()
-        log.debug("expert cache: %d slots of %d KiB (%s, %s, O_DIRECT %s, %s)", info["slots"], info["slot_bytes"] // 1024,
-                 info["backing"], "locked" if info["locked"] else "not locked", "on" if info["direct"] else "off",
-                 info["policy"])
-        for note in info["notes"]:  # every fallback the machine forced on us
-            log.warning("expert cache: %s", note)
+        engine.close()
 
     async def _check_socket_answers(self) -> None:
         """Say hello to ourselves on every socket: READY=1 promises that a client is answered now."""
@@ -357,31 +318,31 @@ class Daemon:
                 log.warning("%s changed to %s; it takes effect at the next restart", key.name, new_value)
         self.config = dataclasses.replace(self.config, **changes)
         set_level(self.config.log_level)
-        assert self._server is not None and self._scheduler is not None
+        assert self._server is not None and self._scheduler is not None and self._engine is not None
         self._scheduler.max_queue = self.config.max_queue
-        engine = self._server.engine
+        engine = self._engine
         if "cache_size" in changes:
-            # The new pool is built with every new cache setting; the old one is not touched
-            # from this thread again (the engine thread closes it after the swap).
-            cache_size = self.config.cache_size
-            self._scheduler.run_between_requests(lambda: self._resize_expert_cache(engine, cache_size))
+            # The new pool is built with every new cache setting, on the engine thread between
+            # requests (the engine swaps it in and closes the old one there).
+            cache = self._cache_settings()
+
+            def resize() -> None:
+                if engine.rebuild_cache(cache):
+                    self._log_cache(engine, "resized")
+
+            self._scheduler.run_between_requests(resize)
         else:
-            engine.experts.set_policy(self.config.cache_policy)
+            engine.set_cache_policy(self.config.cache_policy)
         if self._thermal is not None:
             # io_queue_depth and prefetch go through the watch: a reload must not lift a throttle.
             self._thermal.update_settings(self._thermal_settings())
-        self._server.max_frame_bytes = self.config.max_frame_bytes
-        self._server.default_max_tokens = self.config.default_max_tokens
-        self._server.access = AccessPolicy(self.config.allow_users, self.config.allow_groups)
-        self._server.limits = ClientLimits.from_config(self.config)
+        self._server.reconfigure(ServerSettings.from_config(self.config), self._shown_settings())
         if self._watchdog is not None:
             self._watchdog.stall_timeout_s = self.config.stall_timeout_s
-        self._show_settings()
 
-    def _show_settings(self) -> None:
+    def _shown_settings(self) -> dict:
         """The settings that reload can change and status does not show otherwise."""
-        assert self._server is not None
-        self._server.machine["settings"] = {
+        return {
             "log_level": self.config.log_level, "shutdown_grace_s": self.config.shutdown_grace_s,
             "stall_timeout_s": self.config.stall_timeout_s, "max_frame_bytes": self.config.max_frame_bytes,
             "default_max_tokens": self.config.default_max_tokens,
@@ -390,14 +351,10 @@ class Daemon:
         }
 
     async def _report_status(self) -> None:
-        assert self._server is not None and self._scheduler is not None
-        tokens_before, time_before = self._scheduler.tokens_generated, time.monotonic()
+        assert self._server is not None
         while True:
             await asyncio.sleep(STATUS_INTERVAL_S)
-            tokens, now = self._scheduler.tokens_generated, time.monotonic()
-            self._server.recent_tokens_per_s = (tokens - tokens_before) / (now - time_before)  # status shows it too
-            self._notifier.status(self._server.service_status(self._server.recent_tokens_per_s))
-            tokens_before, time_before = tokens, now
+            self._notifier.status(self._server.service_status(self._server.sample_token_rate()))
 
     # -- shutdown -------------------------------------------------------------------------
 
@@ -414,12 +371,12 @@ class Daemon:
     def _close_expert_cache(self) -> None:
         """Free the cache and give back the hugetlb pages we added to vm.nr_hugepages — but
         only once the engine thread is gone: it may still be reading from the slots."""
-        assert self._server is not None and self._scheduler is not None
+        assert self._engine is not None and self._scheduler is not None
         if self._scheduler.finished:
-            self._server.engine.experts.close()
+            self._engine.close()
         else:
             log.warning("the engine thread is still running; leaving the expert cache to the kernel")
-            self._server.engine.experts.return_hugepages()  # freed by the kernel when the slab is unmapped at exit
+            self._engine.return_hugepages()  # freed by the kernel when the slab is unmapped at exit
 
     def _close_listeners(self) -> None:
         for listener in self._listeners:

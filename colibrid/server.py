@@ -34,7 +34,7 @@ import os
 import resource
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -152,21 +152,40 @@ def describe_model(engine, pack_path: Path) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the server reads of the daemon's config, all of it reloadable (Server.reconfigure):
+    the frame limit, the default max_tokens, who may connect, what one client may cost."""
+
+    max_frame_bytes: int = 1024 * 1024
+    default_max_tokens: int = 256
+    access: AccessPolicy = field(default_factory=AccessPolicy)
+    limits: ClientLimits = field(default_factory=ClientLimits)
+
+    @classmethod
+    def from_config(cls, config) -> "ServerSettings":
+        return cls(config.max_frame_bytes, config.default_max_tokens,
+                   AccessPolicy(config.allow_users, config.allow_groups), ClientLimits.from_config(config))
+
+
 class Server:
-    def __init__(self, engine, scheduler: Scheduler, pack_path: Path, max_frame_bytes: int,
-                 default_max_tokens: int, access: AccessPolicy | None = None,
-                 limits: ClientLimits | None = None) -> None:
+    """Configured through its constructor, and on reload through reconfigure(); the daemon
+    never sets its fields. ``machine`` (cpus, nice) and ``shown_settings`` (the daemon's
+    reloadable settings) are only shown by status; ``thermal`` is the daemon's ThermalWatch,
+    whose status() and status_line() status and STATUS= include."""
+
+    def __init__(self, engine, scheduler: Scheduler, pack_path: Path, settings: ServerSettings | None = None,
+                 shown_settings: dict[str, Any] | None = None, machine: dict[str, Any] | None = None,
+                 thermal=None) -> None:
         self.engine = engine
         self.scheduler = scheduler
         self.model = describe_model(engine, pack_path)
-        # These three may be replaced on reload; a connection reads them when it needs them.
-        self.max_frame_bytes = max_frame_bytes
-        self.default_max_tokens = default_max_tokens
-        self.access = access or AccessPolicy()
-        self.limits = limits or ClientLimits()  # replaced on reload too
-        self.machine: dict[str, Any] = {}  # what status shows of the daemon's setup (cpus, nice, ...)
-        self.thermal = None  # the daemon's ThermalWatch, once started: status() and status_line()
-        self.recent_tokens_per_s = 0.0  # the daemon's rate of the STATUS= line, updated with it
+        # Replaced as a whole on reload; a connection reads it when it needs a value.
+        self.settings = settings or ServerSettings()
+        self._shown_settings = dict(shown_settings or {})
+        self._machine = dict(machine or {})
+        self._thermal = thermal
+        self._token_rate = _TokenRate(scheduler)
         self.started_s = time.monotonic()
         self._connections: set[Connection] = set()
         self._connection_numbers = itertools.count(1)
@@ -177,8 +196,18 @@ class Server:
         self._refused_busy = RepeatedWarning()
         self._accept_failures = RepeatedWarning()
 
+    def reconfigure(self, settings: ServerSettings, shown_settings: dict[str, Any]) -> None:
+        """A reload: new settings from the next frame, connection and check on."""
+        self.settings = settings
+        self._shown_settings = dict(shown_settings)
+
+    def sample_token_rate(self) -> float:
+        """Tokens per second generated since the previous call (the daemon calls this every few
+        seconds for STATUS=); status shows the last value as recent_tokens_per_s."""
+        return self._token_rate.sample()
+
     async def start(self, listeners: list[Listener]) -> None:
-        raise_open_files_limit(self.limits.max_connections)
+        raise_open_files_limit(self.settings.limits.max_connections)
         for listener in listeners:
             listener.sock.setblocking(False)
             self._listener_sockets.append(listener.sock)
@@ -214,7 +243,7 @@ class Server:
         self._accept_failures.warn(
             "cannot accept connections: %s (%d connections open); new clients wait until some close. "
             "Raise LimitNOFILE= or lower max_connections (%d)", exc.strerror, len(self._connection_tasks),
-            self.limits.max_connections)
+            self.settings.limits.max_connections)
 
     def _accept(self, listening: socket.socket) -> None:
         if listening.fileno() < 0:
@@ -279,7 +308,7 @@ class Server:
         await asyncio.gather(*leftover, return_exceptions=True)
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._connections) >= self.limits.max_connections and not _from_this_process(writer):
+        if len(self._connections) >= self.settings.limits.max_connections and not _from_this_process(writer):
             await self._refuse_busy(writer)
             return
         connection = Connection(self, reader, writer, next(self._connection_numbers))
@@ -291,7 +320,7 @@ class Server:
 
     async def _refuse_busy(self, writer: asyncio.StreamWriter) -> None:
         """One `busy` error (id null), then close: the client learns at once instead of hanging."""
-        limit = self.limits.max_connections
+        limit = self.settings.limits.max_connections
         self._refused_busy.warn("refused a connection: %d are open (max_connections)", limit)
         writer.write(encode_frame(error_event(None, "busy", f"colibrid serves at most {limit} connections at once "
                                                             "(max_connections); try again later")))
@@ -305,7 +334,8 @@ class Server:
     # -- replies that need the whole daemon's view ---------------------------------------
 
     def status_event(self, request_id: RequestId) -> Event:
-        cache = self.engine.experts.summary()
+        cache = self.engine.cache_status()
+        memory_budget = self.engine.memory_budget()
         return {
             "event": "status", "id": request_id,
             "model": self.model["name"], "path": self.model["path"], "architecture": self.model["architecture"],
@@ -317,34 +347,53 @@ class Server:
             "cache": cache,
             "uptime_s": time.monotonic() - self.started_s,
             "requests_served": self.scheduler.requests_served,
-            "recent_tokens_per_s": self.recent_tokens_per_s,
+            "recent_tokens_per_s": self._token_rate.recent_per_s,
             "requests_running": self.scheduler.requests_running,
             "queue_depth": self.scheduler.queue_depth,
             "queue_limit": self.scheduler.max_queue,
             "version": __version__,
             "listening": self._listening,
-            "connections": {"open": len(self._connections), "limit": self.limits.max_connections,
+            "connections": {"open": len(self._connections), "limit": self.settings.limits.max_connections,
                             "refused_busy": self._refused_busy.count,
                             "accept_failures": self._accept_failures.count},
-            **({"thermal": self.thermal.status()} if self.thermal is not None else {}),
-            **self.machine,
+            **({"thermal": self._thermal.status()} if self._thermal is not None else {}),
+            **self._machine,
+            **({"memory_budget": memory_budget} if memory_budget is not None else {}),
+            "settings": dict(self._shown_settings),
         }
 
     def service_status(self, recent_tokens_per_s: float) -> str:
         """The one line systemd shows as `Status:` (STATUS=): what is served and how it is going."""
-        cache = self.engine.experts.summary()
+        cache = self.engine.cache_status()
         hits, misses = cache["hits"], cache["misses"]
         hit_rate = f"{100 * hits / (hits + misses):.0f}% expert hits" if hits + misses else "no experts loaded yet"
         if "slots" in cache:
             hit_rate = f"cache {cache['resident_slots']}/{cache['slots']} experts, {hit_rate}"
-        thermal = f"; {self.thermal.status_line()}" if self.thermal is not None else ""
+        thermal = f"; {self._thermal.status_line()}" if self._thermal is not None else ""
         return (f"serving {self.model['name']}: {self.scheduler.requests_running} running, "
                 f"{self.scheduler.queue_depth} waiting, {self.scheduler.requests_served} served; "
                 f"{recent_tokens_per_s:.1f} tokens/s recently; {hit_rate}{thermal}")
 
     def hello_event(self, request_id: RequestId) -> Event:
         return {"event": "hello", "id": request_id, "protocol": PROTOCOL_VERSION, "server": SERVER_NAME,
-                "model": self.model["name"], "max_frame_bytes": self.max_frame_bytes}
+                "model": self.model["name"], "max_frame_bytes": self.settings.max_frame_bytes}
+
+
+class _TokenRate:
+    """The scheduler's tokens per second between two samples."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+        self._tokens_before, self._time_before_s = scheduler.tokens_generated, time.monotonic()
+        self.recent_per_s = 0.0
+
+    def sample(self) -> float:
+        tokens, now_s = self._scheduler.tokens_generated, time.monotonic()
+        elapsed_s = now_s - self._time_before_s
+        if elapsed_s > 0:
+            self.recent_per_s = (tokens - self._tokens_before) / elapsed_s
+        self._tokens_before, self._time_before_s = tokens, now_s
+        return self.recent_per_s
 
 
 def _from_this_process(writer: asyncio.StreamWriter) -> bool:
@@ -426,7 +475,7 @@ class Connection:
     # -- reading ---------------------------------------------------------------------------
 
     async def _read_requests(self) -> None:
-        hello_deadline_s = self._loop.time() + self.server.limits.hello_timeout_s
+        hello_deadline_s = self._loop.time() + self.server.settings.limits.hello_timeout_s
         while True:
             # A client that does not read its replies gets no more of them made for it.
             await self._outbox_has_room.wait()
@@ -451,7 +500,7 @@ class Connection:
             first_byte = await self._read_by(1, hello_deadline_s, "hello")
         except asyncio.IncompleteReadError:
             return None
-        frame_deadline_s = self._loop.time() + self.server.limits.frame_timeout_s
+        frame_deadline_s = self._loop.time() + self.server.settings.limits.frame_timeout_s
         deadline_s, waited_for = frame_deadline_s, "frame"
         if hello_deadline_s is not None and hello_deadline_s < frame_deadline_s:
             deadline_s, waited_for = hello_deadline_s, "hello"
@@ -459,7 +508,7 @@ class Connection:
             prefix = first_byte + await self._read_by(LENGTH_PREFIX.size - 1, deadline_s, waited_for)
         except asyncio.IncompleteReadError:
             raise ProtocolError("bad_frame", "connection closed in the middle of a length prefix") from None
-        length = body_length(prefix, self.server.max_frame_bytes)  # checked before reading: never allocate it
+        length = body_length(prefix, self.server.settings.max_frame_bytes)  # checked before reading: never allocate it
         try:
             body = await self._read_by(length, deadline_s, waited_for)
         except asyncio.IncompleteReadError as exc:
@@ -474,7 +523,7 @@ class Connection:
         try:
             return await asyncio.wait_for(self._reader.readexactly(count), max(0.0, deadline_s - self._loop.time()))
         except asyncio.TimeoutError:
-            limits = self.server.limits
+            limits = self.server.settings.limits
             if waited_for == "hello":
                 message = f"no hello within hello_timeout_s ({limits.hello_timeout_s:g} s) of connecting"
             else:
@@ -482,7 +531,7 @@ class Connection:
             raise ProtocolError("timeout", message) from None
 
     def _handle(self, message: dict[str, Any]) -> None:
-        if not self.server.access.allows(self.peer):
+        if not self.server.settings.access.allows(self.peer):
             request_id = message.get("id")
             log.warning("%s refused: not in allow_users or allow_groups", self.name)
             raise ProtocolError("forbidden", "this user may not use colibrid (allow_users / allow_groups in its "
@@ -491,7 +540,7 @@ class Connection:
             request_id = message.get("id")
             raise ProtocolError("bad_request", "the first request on a connection must be hello",
                                 request_id if is_request_id(request_id) else None)
-        request = parse_request(message, self.server.default_max_tokens, self.server.model["sampling_defaults"])
+        request = parse_request(message, self.server.settings.default_max_tokens, self.server.model["sampling_defaults"])
         if request.id in self._open_asks:
             raise ProtocolError("bad_request", f"id {request.id!r} is already open on this connection", request.id)
         self._dispatch(request)
@@ -558,21 +607,21 @@ class Connection:
         self._outbox.append(frame)
         self._outbox_bytes += len(frame)
         self._frame_queued.set()
-        if self._outbox_bytes > self.server.limits.max_outbox_bytes and self._outbox_over_limit_since_s is None:
+        if self._outbox_bytes > self.server.settings.limits.max_outbox_bytes and self._outbox_over_limit_since_s is None:
             self._outbox_over_limit_since_s = time.monotonic()
             self._outbox_has_room.clear()
 
     def _take_frame(self) -> bytes:
         frame = self._outbox.popleft()
         self._outbox_bytes -= len(frame)
-        if self._outbox_bytes <= self.server.limits.max_outbox_bytes:
+        if self._outbox_bytes <= self.server.settings.limits.max_outbox_bytes:
             self._outbox_over_limit_since_s = None
             self._outbox_has_room.set()
         return frame
 
     def _seconds_until_too_slow(self) -> float:
         """How long the outbox may stay over its limit from now on (the timeout while within it)."""
-        timeout_s = self.server.limits.stalled_client_timeout_s
+        timeout_s = self.server.settings.limits.stalled_client_timeout_s
         if self._outbox_over_limit_since_s is None:
             return timeout_s
         return max(0.0, self._outbox_over_limit_since_s + timeout_s - time.monotonic())
@@ -610,7 +659,7 @@ class Connection:
     def _close_too_slow(self) -> None:
         """Drop what it did not read, tell it why (after what the kernel already holds for it), stop
         reading; serve() then ends its asks as for a disconnect, which frees the engine."""
-        limits = self.server.limits
+        limits = self.server.settings.limits
         log.warning("%s: closed: more than %d bytes of replies stayed unread for %g s "
                     "(max_outbox_bytes, stalled_client_timeout_s)", self.name, limits.max_outbox_bytes,
                     limits.stalled_client_timeout_s)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
 
-from colibrid.engine.experts import ExpertSource, PreadExpertSource
+from colibrid.engine.expert_cache import CachedExpertSource, ExpertCacheError, ExpertCacheSettings
+from colibrid.engine.experts import ExpertSource, LoadingLimits, PreadExpertSource, apply_loading_limits
 from colibrid.engine.generate import GenerationDone, GenerationEvent, generate
 from colibrid.engine.model import Model
 from colibrid.engine.sampling import SamplingParams, model_sampling_defaults
@@ -40,12 +43,21 @@ class Session:
 
 
 class Engine:
+    """A loaded pack: the model, its tokenizer, and the expert source the model reads routed
+    experts from - which the engine owns: it builds it, resizes and reopens it between
+    steps, applies the loader's limits to it, and closes it.
+
+    The source is ``experts`` when the caller made one (tests, tools, benches), else a
+    CachedExpertSource built from ``cache`` (the daemon's settings), else a PreadExpertSource.
+    Either way the engine closes it in close(); only a cache it built can be rebuilt.
+    """
+
     def __init__(self, pack: Pack, experts: ExpertSource | None = None, max_context: int | None = None,
-                 parse_special_tokens_in_content: bool = False) -> None:
+                 parse_special_tokens_in_content: bool = False, cache: ExpertCacheSettings | None = None) -> None:
+        if experts is not None and cache is not None:
+            raise ValueError("an engine takes an expert source or the settings to build its cache, not both")
         self.pack = pack
         self.config = pack.manifest.model
-        self.experts = experts if experts is not None else PreadExpertSource(pack)
-        self.model = Model(pack, self.experts)
         # False (the daemon's default): special-token text a client writes in a chat stays text.
         self.tokenizer = Tokenizer.from_dir(pack.path, parse_special_tokens_in_content)
         self.sampling_defaults = _sampling_defaults(Path(pack.path))
@@ -55,11 +67,97 @@ class Engine:
         # of MB on them. Real text runs at about 4 bytes a token, so a prompt that fits is far below.
         self.max_prompt_bytes = self.max_context * self.tokenizer.max_token_bytes
         self.parameters_total, self.parameters_active = parameter_counts(self.config)
+        # The cache the engine built from settings (None: the source was made by the caller, or
+        # is a plain pread source) and those settings, to rebuild it from.
+        self._cache: CachedExpertSource | None = None
+        self._cache_settings = cache
+        # The loader's limits the thermal watch set last (None: as built); guarded with the
+        # swap of the source, so a limit set during a rebuild reaches the new source too.
+        self._loading_limits: LoadingLimits | None = None
+        self._experts_lock = threading.Lock()
+        made_here = experts is None
+        if cache is not None:
+            experts = self._cache = self._build_cache(cache)
+        elif experts is None:
+            experts = PreadExpertSource(pack)
+        try:
+            self.model = Model(pack, experts)
+        except BaseException:
+            if made_here:
+                experts.close()  # frees the cache and gives back the hugepages raised for it
+            raise
+        self._experts = experts
 
-    def set_experts(self, experts: ExpertSource) -> ExpertSource:
-        """Serve routed experts from ``experts`` from now on; returns the previous source.
-        Call only between forwards (the daemon does it on its engine thread, between requests)."""
-        previous, self.experts = self.experts, experts
+    @property
+    def experts(self) -> ExpertSource:
+        """The source the model reads experts from now (a rebuild replaces it): for the engine's
+        own use, tests and tools. The daemon asks cache_status() and memory_budget() instead."""
+        return self._experts
+
+    # ---- the expert cache ---------------------------------------------------------------
+
+    def cache_status(self) -> dict:
+        """The expert source's counters and make-up, as status shows them (ExpertSource.summary)."""
+        return self._experts.summary()
+
+    def memory_budget(self) -> dict | None:
+        """The memory budget the cache was sized from (status' memory_budget); None when the
+        source was not built from settings."""
+        return self._cache.budget_status() if self._cache is not None else None
+
+    def set_cache_policy(self, policy: str) -> None:
+        """Eviction policy "lru" or "lfru", from the next eviction on; any thread."""
+        with self._experts_lock:  # never the cache a rebuild is closing
+            if self._cache is None:
+                return  # a source made by the caller: it has no policy setting to follow
+            self._cache.set_policy(policy)
+            self._cache_settings = dataclasses.replace(self._cache_settings, policy=policy)
+
+    def rebuild_cache(self, settings: ExpertCacheSettings | None = None) -> bool:
+        """Build a new cache (as ``settings`` say, by default as the current one was: reopening
+        the experts file), swap it in and free the old one. Both exist for a moment; if the new
+        one cannot be had, the old one stays (logged) and False is returned.
+        Call only between steps, on the engine thread: a forward must never see the swap."""
+        if self._cache is None:
+            raise ValueError("this engine's expert source was made by its caller; it has no settings to rebuild it from")
+        settings = settings or self._cache_settings
+        try:
+            new = self._build_cache(settings)
+        except (ExpertCacheError, ValueError, OSError) as exc:
+            log.error("cache_size = %s cannot be applied, keeping the current cache: %s", settings.cache_size, exc)
+            return False
+        with self._experts_lock:
+            if self._loading_limits is not None:  # a new cache starts unthrottled: apply what the drive's heat allows
+                apply_loading_limits(new, self._loading_limits)
+            old = self._swap_experts(new)
+            self._cache, self._cache_settings = new, settings
+        old.close()
+        return True
+
+    def limit_loading(self, limits: LoadingLimits) -> None:
+        """How the expert source may read now (the thermal watch calls this from its threads);
+        remembered, and applied to every cache built later too."""
+        with self._experts_lock:
+            self._loading_limits = limits
+            apply_loading_limits(self._experts, limits)
+
+    def close(self) -> None:
+        """Free the expert source (a cache's slab, and the hugepages raised for it). Only once
+        nothing runs on the engine any more."""
+        self._experts.close()
+
+    def return_hugepages(self) -> None:
+        """For a shutdown whose engine thread did not stop: give back the hugetlb pages raised
+        for the cache without unmapping it (the thread may still read it); the kernel frees
+        the slab when the process exits."""
+        self._experts.return_hugepages()
+
+    def _build_cache(self, settings: ExpertCacheSettings) -> CachedExpertSource:
+        return CachedExpertSource.from_settings(self.pack, settings)
+
+    def _swap_experts(self, experts: ExpertSource) -> ExpertSource:
+        """Serve routed experts from ``experts`` from now on; returns the previous source."""
+        previous, self._experts = self._experts, experts
         self.model.experts = experts
         for layer in self.model.layers:
             if layer.moe is not None:

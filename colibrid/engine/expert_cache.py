@@ -20,6 +20,7 @@ Shape letters: S slots, L layers, E experts per layer, N experts in one request.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 from contextlib import contextmanager
@@ -46,6 +47,24 @@ BACKING_NAMES = {native.SlabBacking.PAGES: "pages", native.SlabBacking.THP: "thp
 
 class ExpertCacheError(Exception):
     """The expert cache cannot be set up as configured; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ExpertCacheSettings:
+    """How the engine builds its expert cache: the daemon's config keys of the same names
+    (cache_size, cache_policy, io_queue_depth, prefetch, hugepages, lock_memory,
+    hugepage_record). See CachedExpertSource for what each value means."""
+
+    cache_size: int | str = "50%"
+    policy: str = "lru"
+    io_queue_depth: int = 16
+    prefetch: bool = False
+    hugepages: str | int = "auto"
+    lock_memory: str = "try"
+    hugepage_record: Path | None = DEFAULT_HUGEPAGE_RECORD
+    # The CPUs of the cache's loader threads, which inherit the mask of the thread that makes
+    # the cache (the engine's, on the compute CPUs); None: that thread's CPUs.
+    loader_cpus: frozenset[int] | None = None
 
 
 @dataclass
@@ -196,6 +215,22 @@ class CachedExpertSource(ExpertSource):
         self.lock_memory = lock_memory
         log.info("expert cache: %d slots of %s (%s), %s", self.n_slots, format_bytes(self.slot_bytes),
                  format_bytes(self.n_slots * self.slot_bytes), self._backing_summary())
+
+    @classmethod
+    def from_settings(cls, pack: Pack, settings: ExpertCacheSettings) -> "CachedExpertSource":
+        """A cache built as ``settings`` say, its loader threads started on settings.loader_cpus."""
+        build = functools.partial(cls, pack, settings.cache_size, policy=settings.policy,
+                                  io_queue_depth=settings.io_queue_depth, hugepages=settings.hugepages,
+                                  lock_memory=settings.lock_memory, prefetch=settings.prefetch,
+                                  hugepage_record=settings.hugepage_record)
+        if settings.loader_cpus is None:
+            return build()
+        cpus_before = os.sched_getaffinity(0)  # this thread's (Linux applies the mask per thread)
+        os.sched_setaffinity(0, settings.loader_cpus)
+        try:
+            return build()
+        finally:
+            os.sched_setaffinity(0, cpus_before)
 
     # ---- setup -------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from typing import ContextManager
 import numpy as np
 
 from colibrid import native
+from colibrid.engine.loading_limits import LoadingLimits, LoadingPause  # part of this contract
 from colibrid.pack.reader import ExpertWeights, Pack
 
 log = logging.getLogger(__name__)
@@ -42,14 +43,6 @@ class ExpertChecksumError(ExpertLoadError):
     """An expert record's bytes do not match the CRC-32C in the manifest."""
 
 
-@dataclass(frozen=True)
-class LoadingPause:
-    """Why expert loading is paused (set by the thermal watch): misses fail, hits still serve."""
-
-    code: str  # the protocol error code a refused request gets: "thermal" or "device_missing"
-    reason: str  # one line for people: "nvme0 at 84 °C (critical threshold 80 °C)"
-
-
 class ExpertLoadingPaused(ExpertLoadError):
     """A request needed an expert that is not in memory while loading is paused; ``code``
     is the protocol error code for it."""
@@ -57,16 +50,6 @@ class ExpertLoadingPaused(ExpertLoadError):
     def __init__(self, message: str, code: str, layer: int, expert: int, offset: int, path) -> None:
         super().__init__(message, layer, expert, offset, path)
         self.code = code
-
-
-@dataclass(frozen=True)
-class LoadingLimits:
-    """How an expert source may read right now: reads in flight at most, whether prefetch
-    reads, and why loading is paused (None: it is not). The thermal watch decides them."""
-
-    io_queue_depth: int
-    prefetch: bool
-    pause: LoadingPause | None = None
 
 
 class AcquiredExperts(Mapping[int, ExpertWeights]):

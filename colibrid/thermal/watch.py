@@ -9,8 +9,8 @@
 The loader's settings are owned here while the watch runs: the daemon hands over the configured
 io_queue_depth and prefetch (update_settings, also on reload) and the watch applies
 min(configured, policy cap), so a reload never undoes throttling and a throttle never outlives
-the heat. reconcile() re-applies the wanted state to whatever expert source the engine has now
-(a cache resize builds a new one).
+the heat. It applies them through one callable, the engine's limit_loading: the engine
+remembers them and applies them to every cache it builds later (a resize, a reopen).
 
 udev: pyudev's netlink monitor reports add/remove/change of nvme and block devices. Without a
 udev daemon (containers, our build machines) it stays silent without an error, so the periodic
@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from colibrid.engine.loading_limits import LoadingLimits, LoadingPause
 from colibrid.thermal.discovery import DEV_ROOT, MOUNTINFO, SYSFS_ROOT, NvmeDrive, Placement, find_drives
 from colibrid.thermal.hwmon import HwmonReading, read_hwmon
 from colibrid.thermal.policy import Decision, ThermalState, ThrottlePolicy, derive_thresholds
@@ -92,7 +93,7 @@ class _Counters:
 
 
 class ThermalWatch:
-    def __init__(self, experts_path: Path, expert_source: Callable[[], object], settings: ThermalSettings,
+    def __init__(self, experts_path: Path, limit_loading: Callable[[LoadingLimits], None], settings: ThermalSettings,
                  sysfs_root: Path = SYSFS_ROOT, dev_root: Path = DEV_ROOT, mountinfo: Path = MOUNTINFO,
                  clock: Callable[[], float] = time.monotonic,
                  smart_sources: Callable[[], list[SmartSource]] | None = None,
@@ -102,7 +103,7 @@ class ThermalWatch:
         # the daemon reopens the experts file, whose old descriptor died with the device.
         self._on_drive_back = on_drive_back
         self.settings = settings
-        self._expert_source = expert_source  # called each time: a cache resize replaces the source
+        self._limit_loading = limit_loading  # the engine's: applies to whichever source it has now
         self._sysfs_root, self._dev_root, self._mountinfo = sysfs_root, dev_root, mountinfo
         self._clock = clock
         self._smart_sources = smart_sources  # None: what this machine has (smart_source.candidate_sources)
@@ -311,14 +312,12 @@ class ThermalWatch:
             self._update_thresholds()
         self.reconcile()
 
-    def _wanted(self):
-        """(io_queue_depth, prefetch, LoadingPause or None) the expert source should have now."""
-        from colibrid.engine.expert_cache import LoadingPause
-
+    def _wanted(self) -> LoadingLimits:
+        """How the expert source should read now."""
         s = self.settings
         with self._lock:
             if s.mode == "off" or not self._drives:
-                return s.io_queue_depth, s.prefetch, None
+                return LoadingLimits(s.io_queue_depth, s.prefetch, None)
             missing = [d.drive.controller for d in self._drives if not d.present]
             decision = self._policy.decision()
             depth = s.io_queue_depth if decision.depth_cap is None else min(decision.depth_cap, s.io_queue_depth)
@@ -330,21 +329,11 @@ class ThermalWatch:
             elif decision.loading_paused:
                 pause = LoadingPause("thermal", f"the NVMe drive is at {self._temperature_c:g} °C "
                                                 f"(critical threshold {self._policy.thresholds.critical_c:g} °C)")
-            return depth, prefetch, pause
+            return LoadingLimits(depth, prefetch, pause)
 
     def reconcile(self) -> None:
-        """Make the engine's expert source match what is wanted; touches only what differs."""
-        source = self._expert_source()
-        if source is None or not hasattr(source, "set_io_queue_depth"):
-            return  # no cache (PreadExpertSource): nothing to throttle
-        depth, prefetch, pause = self._wanted()
-        if source.backing_info()["io_queue_depth"] != depth:
-            source.set_io_queue_depth(depth)
-        if source.prefetch_enabled != prefetch:
-            source.set_prefetch(prefetch)
-        current = source.loading_pause
-        if (current and current.code) != (pause and pause.code):
-            source.set_loading_paused(pause)
+        """Hand what is wanted now to the engine (which changes only what differs)."""
+        self._limit_loading(self._wanted())
 
     # -- the daemon's task -------------------------------------------------------------------
 
@@ -411,7 +400,8 @@ class ThermalWatch:
     def status(self) -> dict:
         """The `thermal` map of the status reply (docs/protocol.md)."""
         with self._lock:
-            depth, prefetch, pause = self._wanted()
+            wanted = self._wanted()
+            depth, prefetch, pause = wanted.io_queue_depth, wanted.prefetch, wanted.pause
             now = self._clock()
             policy = self._policy
             return {
@@ -450,6 +440,5 @@ class ThermalWatch:
             if state == "critical":
                 return f"{t} CRITICAL: expert loading paused"
             if state == "throttled":
-                depth, _, _ = self._wanted()
-                return f"{t} throttled: {depth} reads in flight, prefetch paused"
+                return f"{t} throttled: {self._wanted().io_queue_depth} reads in flight, prefetch paused"
             return t

@@ -24,11 +24,18 @@ class FakeClock:
 
 
 def make_watch(sysfs, source, clock=None, smart_sources=(), on_drive_back=None, **settings) -> ThermalWatch:
-    watch = ThermalWatch(source.path, lambda: source, ThermalSettings(io_queue_depth=16, prefetch=True, **settings),
+    watch = ThermalWatch(source.path, limiter(source), ThermalSettings(io_queue_depth=16, prefetch=True, **settings),
                          sysfs_root=sysfs.sys, dev_root=sysfs.dev, clock=clock or FakeClock(),
                          smart_sources=lambda: list(smart_sources), on_drive_back=on_drive_back)
     watch.start()
     return watch
+
+
+def limiter(source):
+    """What the engine's limit_loading does to its source."""
+    from colibrid.engine.experts import apply_loading_limits
+
+    return lambda limits: apply_loading_limits(source, limits)
 
 
 def loader_state(source) -> tuple[int, bool, str | None]:
@@ -219,7 +226,7 @@ def test_the_daemon_task_polls_and_follows_queued_udev_events(sysfs, expert_sour
     import asyncio
 
     fake = sysfs.add_nvme(file_dev(expert_source.path), composite_c=45.0)
-    watch = ThermalWatch(expert_source.path, lambda: expert_source, ThermalSettings(poll_s=0.05),
+    watch = ThermalWatch(expert_source.path, limiter(expert_source), ThermalSettings(poll_s=0.05),
                          sysfs_root=sysfs.sys, dev_root=sysfs.dev, smart_sources=lambda: [])
     watch.start()
 

@@ -187,7 +187,7 @@ class Daemon:
         """Find the drive under the experts file and start watching it; from here on the watch
         sets the loader's queue depth and prefetch through the engine (the configured values
         when cool). A drive that comes back gets a cache on a fresh descriptor of the experts
-        file (the old one died with the device), built between requests."""
+        file (the old one died with the device), built between steps."""
 
         def reopen() -> None:
             if engine.rebuild_cache():

@@ -15,13 +15,14 @@ from colibrid import native
 from colibrid.engine.kv_cache import KVCache, RingKVCache
 from colibrid.engine.layers import linear, rms_norm
 from colibrid.engine.rope import Rotary
+from colibrid.engine.token_mixer import TokenMixer
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
 log = logging.getLogger(__name__)
 
 
-class Attention:
+class Attention(TokenMixer):
     """One layer's attention weights (with the input norm before it) and the forward step
     that uses them."""
 

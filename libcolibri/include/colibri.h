@@ -504,6 +504,25 @@ COL_API int col_attention_block(col_pool *pool, const col_attention_layer *layer
                                 const float *cos, const float *sin, float *keys, float *vals,
                                 int64_t n_past, int64_t ring_rows);
 
+/* One sequence's part of a batched attention step: its cache (as col_attention_block's keys,
+ * vals, n_past and ring_rows) and how many of the step's rows are its, in order. */
+typedef struct col_attention_seq {
+    float *keys;
+    float *vals;
+    int64_t n_past;
+    int64_t n_tok;
+    int64_t ring_rows;
+} col_attention_seq;
+
+/* col_attention_block over the rows of several sequences at once: x (T, D) holds seqs[0]'s
+ * n_tok rows, then seqs[1]'s ..., cos and sin (T, Hr) their rotary tables. The q/k/v and
+ * output products run once over all T rows (each row computed as if alone, so every row
+ * gets the bits col_attention_block gives it); each row attends over its own sequence's cache.
+ * col_attention_block is this with one sequence. Errors as there, for any sequence. */
+COL_API int col_attention_block_batch(col_pool *pool, const col_attention_layer *layer, float *x,
+                                      const float *cos, const float *sin, const col_attention_seq *seqs,
+                                      int64_t n_seqs);
+
 /* One layer's multi-head latent attention (DeepSeek-V2/V3, Kimi K2), set up once and passed
  * to every step. Weights are only read, during each call. Shapes: D dim, H n_heads, Cq q_rank,
  * C kv_rank, N nope_dim, R rope_dim, Vd v_dim, L = C + R. */

@@ -176,7 +176,7 @@ def library_path() -> Path:
         if not path.is_file():
             raise LibraryNotFoundError(f"{LIBRARY_ENV}={override} is not a file")
         return path
-    package_dir = Path(__file__).resolve().parent
+    package_dir = Path(__file__).resolve().parent.parent  # colibrid/, where build_ext puts it
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = package_dir / f"_libcolibri{suffix}"
         if path.is_file():

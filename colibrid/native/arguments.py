@@ -60,11 +60,17 @@ def _byte_view(data, name: str) -> np.ndarray:
 
 
 def _matrix_bytes(data, name: str, t: TensorType, rows: int, cols: int) -> np.ndarray:
-    """``data`` as the flat bytes of a (rows, cols) matrix encoded as ``t``, its size checked."""
-    raw = _byte_view(data, name)
-    if raw.nbytes != rows * t.row_bytes(cols):
-        raise InvalidArgumentError(f"{name} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs "
-                                   f"{rows * t.row_bytes(cols)}")
+    """``data`` as the bytes of a (rows, cols) matrix encoded as ``t``, its size checked: the
+    one size check of every binding that takes an encoded matrix. A C-contiguous ndarray is
+    used as it is (the hot path: matmul runs for every projection of every token), any other
+    buffer as a flat uint8 view."""
+    if type(data) is np.ndarray and data.flags.c_contiguous and not data.dtype.hasobject:
+        raw = data
+    else:
+        raw = _byte_view(data, name)
+    need = rows * t.row_bytes(cols)
+    if raw.nbytes != need:
+        raise InvalidArgumentError(f"{name} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs {need}")
     return raw
 
 

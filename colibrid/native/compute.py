@@ -13,7 +13,7 @@ import numpy as np
 
 from colibrid.native.arguments import _as_count, _byte_view, _f32_matrix, _f32_vector, _matrix_bytes, _ptr
 from colibrid.native.errors import InvalidArgumentError
-from colibrid.native.library import _lib, check
+from colibrid.native.library import _lib, check, mirrors_c_struct, status_error
 from colibrid.native.pool import ThreadPool, _pool_handle
 from colibrid.native.tensor_type import TensorType, _as_type
 
@@ -51,6 +51,7 @@ SOURCE_DTYPES = ("F32", "F16", "BF16", "F8_E4M3")
 _SOURCE_NUMPY = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F8_E4M3": np.uint8}
 
 
+@mirrors_c_struct("col_source_matrix_size")
 class _SourceMatrix(ctypes.Structure):
     """Mirror of col_source_matrix (colibri.h); its size is checked against C at load."""
 
@@ -135,20 +136,13 @@ def matmul(type_: TensorType | int | str, data, n_out: int, n_in: int, x: np.nda
     across ``pool`` (default: default_pool())."""
     t = _as_type(type_)
     n_out, n_in = _as_count(n_out, "n_out"), _as_count(n_in, "n_in")
-    # hot path (every projection of every token): a contiguous ndarray is used as it is
-    if type(data) is np.ndarray and data.flags.c_contiguous and not data.dtype.hasobject:
-        raw = data
-    else:
-        raw = _byte_view(data, "data")
-    need = n_out * t.row_bytes(n_in)
-    if raw.nbytes != need:
-        raise InvalidArgumentError(f"data has {raw.nbytes} bytes, {t.name_in_pack} ({n_out}, {n_in}) needs {need}")
+    raw = _matrix_bytes(data, "data", t, n_out, n_in)
     x = _f32_matrix(x, "x", cols=n_in)
     n_tok = x.shape[0]
     y = np.empty((n_tok, n_out), dtype=np.float32)
     status = _lib().col_matmul(_pool_handle(pool), int(t), _ptr(raw), n_out, n_in, _ptr(x), n_tok, _ptr(y))
     if status:  # the message only on failure: building it costs as much as the checks above
-        check(status, f"matmul {t.name_in_pack}")
+        raise status_error(status, f"matmul {t.name_in_pack}")
     return y
 
 
@@ -181,6 +175,7 @@ class ExpertBuffers:
 EXPERT_ACTIVATION_CODES = {"swiglu": 0, "clamped_swiglu": 1, "geglu_tanh": 2}  # enum col_expert_activation
 
 
+@mirrors_c_struct("col_expert_ffn_size")
 class ExpertFfn(ctypes.Structure):
     """Mirror of col_expert_ffn (colibri.h); its size is checked against C at load."""
 
@@ -249,7 +244,7 @@ def moe_experts_of(experts: "list[ExpertBuffers]", x: np.ndarray, expert_of: np.
                                             base + size, base + 2 * size, dim, ffn, _ptr(x), n_tok, _ptr(expert_of),
                                             _ptr(weight), expert_of.shape[1], _ptr(out))
     if status:
-        check(status, f"moe_experts {t.name_in_pack}")
+        raise status_error(status, f"moe_experts {t.name_in_pack}")
 
 
 def _expert_ffn(experts: "list[ExpertBuffers]", activation: str, alpha: float, limit: float, weight_on_input: bool):
@@ -368,12 +363,7 @@ def moe_route(type_: TensorType | int | str, data, n_experts: int, dim: int, x: 
     n_experts, dim, top_k = _as_count(n_experts, "n_experts"), _as_count(dim, "dim"), _as_count(top_k, "top_k")
     if not 1 <= top_k <= n_experts:
         raise InvalidArgumentError(f"top_k must be in [1, {n_experts}], got {top_k}")
-    if type(data) is np.ndarray and data.flags.c_contiguous and not data.dtype.hasobject:
-        raw = data
-    else:
-        raw = _byte_view(data, "data")
-    if raw.nbytes != n_experts * t.row_bytes(dim):
-        raise InvalidArgumentError(f"router has {raw.nbytes} bytes, {t.name_in_pack} ({n_experts}, {dim}) needs {n_experts * t.row_bytes(dim)}")
+    raw = _matrix_bytes(data, "router", t, n_experts, dim)
     x = _f32_matrix(x, "x", cols=dim)
     n_tok = x.shape[0]
     experts = np.empty((n_tok, top_k), dtype=np.int32)
@@ -381,7 +371,7 @@ def moe_route(type_: TensorType | int | str, data, n_experts: int, dim: int, x: 
     status = _lib().col_moe_route(_pool_handle(pool), int(t), _ptr(raw), n_experts, dim, _ptr(x), n_tok, top_k,
                                   int(bool(normalize)), _ptr(experts), _ptr(weights))
     if status:
-        check(status, f"moe_route {t.name_in_pack}")
+        raise status_error(status, f"moe_route {t.name_in_pack}")
     return experts, weights
 
 
@@ -389,6 +379,7 @@ ROUTER_SCORING_CODES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2, "topk_sig
 GROUP_SCORE_CODES = {"max": 0, "top2_sum": 1}  # enum col_group_score
 
 
+@mirrors_c_struct("col_moe_router_size")
 class MoeRouter(ctypes.Structure):
     """Mirror of col_moe_router (colibri.h); its size is checked against C at load. Build it
     with moe_router(), which checks every size once and keeps the arrays it points into alive."""
@@ -425,9 +416,7 @@ def moe_router(type_: TensorType | int | str, data, n_experts: int, dim: int, to
         raise InvalidArgumentError("top2_sum group scores need at least two experts per group")
     if not np.isfinite(scaling):
         raise InvalidArgumentError(f"scaling must be finite, got {scaling}")
-    raw = _byte_view(data, "data")
-    if raw.nbytes != n_experts * t.row_bytes(dim):
-        raise InvalidArgumentError(f"router has {raw.nbytes} bytes, {t.name_in_pack} ({n_experts}, {dim}) needs {n_experts * t.row_bytes(dim)}")
+    raw = _matrix_bytes(data, "router", t, n_experts, dim)
     keep = [raw]
     router = MoeRouter(n_experts=n_experts, dim=dim, top_k=top_k, n_groups=n_groups, groups_kept=groups_kept, type=int(t),
                        scoring=ROUTER_SCORING_CODES[scoring], group_score=GROUP_SCORE_CODES[group_score],
@@ -457,5 +446,5 @@ def moe_router_route(router: MoeRouter, x: np.ndarray, pool: "ThreadPool | None"
     status = _lib().col_moe_router_route(_pool_handle(pool), ctypes.addressof(router), _ptr(x), n_tok, _ptr(experts),
                                          _ptr(weights))
     if status:
-        check(status, "moe_router_route")
+        raise status_error(status, "moe_router_route")
     return experts, weights

@@ -1,7 +1,24 @@
 """The exceptions a libcolibri status becomes: one ColibriError subclass per status code
-of colibri.h's enum col_status (and LibraryNotFoundError, when there is no usable library)."""
+of colibri.h's enum col_status (and LibraryNotFoundError, when there is no usable library).
+library.status_error builds them, with col_status_string's text."""
 
 from __future__ import annotations
+
+import enum
+
+
+class Status(enum.IntEnum):
+    """enum col_status (colibri.h): what every libcolibri function that can fail returns."""
+
+    OK = 0
+    EINVAL = 1
+    ENOMEM = 2
+    ERANGE = 3
+    ENOTSUP = 4
+    EIO = 5
+    ECHECKSUM = 6
+    EBUSY = 7
+    ESYSTEM = 8
 
 
 class ColibriError(Exception):
@@ -18,59 +35,60 @@ class ColibriError(Exception):
 class InvalidArgumentError(ColibriError, ValueError):
     """COL_EINVAL: bad type, size, shape or buffer; nothing was written."""
 
-    status = 1
+    status = Status.EINVAL
 
 
 class OutOfMemoryError(ColibriError, MemoryError):
     """COL_ENOMEM: an allocation inside libcolibri failed; nothing was written."""
 
-    status = 2
+    status = Status.ENOMEM
 
 
 class ValueRangeError(ColibriError, ValueError):
     """COL_ERANGE: a value cannot be represented (NaN/inf or too large for a quantized type)."""
 
-    status = 3
+    status = Status.ERANGE
 
 
 class NotSupportedError(ColibriError):
     """COL_ENOTSUP: not supported for this type or on this machine."""
 
-    status = 4
-
-
-class LibraryNotFoundError(ColibriError, ImportError):
-    """libcolibri is not built (or COLIBRI_LIBRARY points at nothing usable)."""
-
-
-_ERROR_BY_STATUS = {cls.status: cls for cls in (InvalidArgumentError, OutOfMemoryError, ValueRangeError, NotSupportedError)}
+    status = Status.ENOTSUP
 
 
 class ReadError(ColibriError, OSError):
-    """COL_EIO (5): a read failed or came back short."""
+    """COL_EIO: a read failed or came back short (or the experts file cannot be opened)."""
 
-    status = 5
+    status = Status.EIO
 
 
 class ChecksumError(ColibriError):
-    """COL_ECHECKSUM (6): a record's bytes do not match its crc32c."""
+    """COL_ECHECKSUM: a record's bytes do not match its crc32c."""
 
-    status = 6
+    status = Status.ECHECKSUM
 
 
 class NoFreeSlotError(ColibriError):
-    """COL_EBUSY (7): every slot of the cache is pinned or loading."""
+    """COL_EBUSY: every slot of the cache is pinned or loading."""
 
-    status = 7
+    status = Status.EBUSY
 
 
 class SystemResourceError(ColibriError):
-    """COL_ESYSTEM (8): the OS refused a required resource (mlock, hugetlb pages, O_DIRECT,
+    """COL_ESYSTEM: the OS refused a required resource (mlock, hugetlb pages, O_DIRECT,
     a thread). ``info`` holds the object's info struct as a dict, when there is one."""
 
-    status = 8
+    status = Status.ESYSTEM
     info: dict | None = None
 
 
-for _cls in (ReadError, ChecksumError, NoFreeSlotError, SystemResourceError):
-    _ERROR_BY_STATUS[_cls.status] = _cls
+class LibraryNotFoundError(ColibriError, ImportError):
+    """libcolibri is not built, is stale, or COLIBRI_LIBRARY points at nothing usable."""
+
+
+# status code -> the exception it becomes; codes not listed (none today) raise ColibriError
+_ERROR_BY_STATUS: dict[int, type[ColibriError]] = {
+    cls.status: cls
+    for cls in (InvalidArgumentError, OutOfMemoryError, ValueRangeError, NotSupportedError, ReadError, ChecksumError,
+                NoFreeSlotError, SystemResourceError)
+}

@@ -13,32 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from colibrid.native.arguments import _as_count
-from colibrid.native.errors import (
-    _ERROR_BY_STATUS,
-    ColibriError,
-    InvalidArgumentError,
-    LibraryNotFoundError,
-    ReadError,
-    SystemResourceError,
-)
-from colibrid.native.library import _SIGNATURES, _lib, check
-
-
-_AEPC_STATUS_TEXT = {
-    5: "I/O error",
-    6: "checksum mismatch",
-    7: "no free or evictable slot",
-    8: "a required system resource was refused",
-}
-
-
-def _aepc_check(status: int, what: str) -> None:
-    """check() with the AEPC status texts (col_status_string predates these codes)."""
-    if status == 0:
-        return
-    if status in _AEPC_STATUS_TEXT:
-        raise _ERROR_BY_STATUS[status](f"{what}: {_AEPC_STATUS_TEXT[status]} (status {status})", status)
-    check(status, what)
+from colibrid.native.errors import InvalidArgumentError, Status
+from colibrid.native.library import _SIGNATURES, _lib, check, mirrored_size, mirrors_c_struct, status_error
 
 
 class AepcMode(enum.IntEnum):
@@ -70,66 +46,60 @@ def latency_bucket_lower_us(bucket: int) -> float:
     return ((4 + bucket % 4) << (bucket // 4)) / 8.0
 
 
-class _SizedStructure(ctypes.Structure):
-    """A Structure whose size is checked against the C `size_fn` on first use."""
-
-    _size_fn = ""
-
-
-class SlabParams(_SizedStructure):
-    _size_fn = "col_slab_params_size"
+@mirrors_c_struct("col_slab_params_size")
+class SlabParams(ctypes.Structure):
     _fields_ = [("slot_bytes", ctypes.c_int64), ("n_slots", ctypes.c_int64), ("hugetlb", ctypes.c_int32),
                 ("thp", ctypes.c_int32), ("lock", ctypes.c_int32), ("reserved", ctypes.c_int32)]
 
 
-class SlabInfo(_SizedStructure):
-    _size_fn = "col_slab_info_size"
+@mirrors_c_struct("col_slab_info_size")
+class SlabInfo(ctypes.Structure):
     _fields_ = [("slot_bytes", ctypes.c_int64), ("n_slots", ctypes.c_int64), ("region_bytes", ctypes.c_int64),
                 ("n_free", ctypes.c_int64), ("backing", ctypes.c_int32), ("locked", ctypes.c_int32),
                 ("hugetlb_errno", ctypes.c_int32), ("thp_errno", ctypes.c_int32), ("lock_errno", ctypes.c_int32),
                 ("mmap_errno", ctypes.c_int32)]
 
 
-class LoaderParams(_SizedStructure):
-    _size_fn = "col_loader_params_size"
+@mirrors_c_struct("col_loader_params_size")
+class LoaderParams(ctypes.Structure):
     _fields_ = [("max_queue_depth", ctypes.c_int32), ("queue_depth", ctypes.c_int32), ("direct", ctypes.c_int32),
                 ("reserved", ctypes.c_int32)]
 
 
-class LoaderInfo(_SizedStructure):
-    _size_fn = "col_loader_info_size"
+@mirrors_c_struct("col_loader_info_size")
+class LoaderInfo(ctypes.Structure):
     _fields_ = [("direct", ctypes.c_int32), ("direct_errno", ctypes.c_int32), ("queue_depth", ctypes.c_int32),
                 ("max_queue_depth", ctypes.c_int32), ("reads", ctypes.c_int64), ("bytes_read", ctypes.c_int64),
                 ("failures", ctypes.c_int64), ("busy_ns", ctypes.c_int64), ("file_bytes", ctypes.c_int64)]
 
 
-class ReadRequest(_SizedStructure):
-    _size_fn = "col_read_size"
+@mirrors_c_struct("col_read_size")
+class ReadRequest(ctypes.Structure):
     _fields_ = [("dst", ctypes.c_void_p), ("offset", ctypes.c_int64), ("length", ctypes.c_int64),
                 ("crc32c", ctypes.c_uint32), ("reserved", ctypes.c_int32)]
 
 
-class ReadResult(_SizedStructure):
-    _size_fn = "col_read_result_size"
+@mirrors_c_struct("col_read_result_size")
+class ReadResult(ctypes.Structure):
     _fields_ = [("status", ctypes.c_int32), ("sys_errno", ctypes.c_int32), ("crc32c", ctypes.c_uint32),
                 ("reserved", ctypes.c_int32), ("latency_ns", ctypes.c_int64)]
 
 
-class ExpertCacheParams(_SizedStructure):
-    _size_fn = "col_expert_cache_params_size"
+@mirrors_c_struct("col_expert_cache_params_size")
+class ExpertCacheParams(ctypes.Structure):
     _fields_ = [("n_layers", ctypes.c_int32), ("n_experts", ctypes.c_int32), ("policy", ctypes.c_int32),
                 ("wait_for_pins", ctypes.c_int32)]
 
 
-class ExpertCacheLayerStats(_SizedStructure):
-    _size_fn = "col_expert_cache_layer_stats_size"
+@mirrors_c_struct("col_expert_cache_layer_stats_size")
+class ExpertCacheLayerStats(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "hits", "inflight_hits", "misses", "loads", "load_failures", "bytes_read", "evictions",
         "prefetch_issued", "prefetch_useful", "prefetch_skipped")] + [("latency_us", ctypes.c_int64 * LATENCY_BUCKETS)]
 
 
-class ExpertLoadResult(_SizedStructure):
-    _size_fn = "col_expert_load_result_size"
+@mirrors_c_struct("col_expert_load_result_size")
+class ExpertLoadResult(ctypes.Structure):
     _fields_ = [("status", ctypes.c_int32), ("sys_errno", ctypes.c_int32), ("crc32c", ctypes.c_uint32),
                 ("reserved", ctypes.c_int32)]
 
@@ -137,14 +107,11 @@ class ExpertLoadResult(_SizedStructure):
 # col_expert_record as a numpy dtype, so an index of L * E records is built without a Python loop
 EXPERT_RECORD_DTYPE = np.dtype([("offset", "<i8"), ("length", "<i8"), ("crc32c", "<u4"), ("reserved", "<i4")])
 
-_AEPC_STRUCTS = (SlabParams, SlabInfo, LoaderParams, LoaderInfo, ReadRequest, ReadResult, ExpertCacheParams,
-                 ExpertCacheLayerStats, ExpertLoadResult)
+mirrored_size("EXPERT_RECORD_DTYPE", EXPERT_RECORD_DTYPE.itemsize, "col_expert_record_size")
 
-_vp, _i32, _i64, _sz = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
+_vp, _i32 = ctypes.c_void_p, ctypes.c_int32
 _i32_p = ctypes.POINTER(ctypes.c_int32)
 _SIGNATURES.update({
-    **{s._size_fn: (_sz, []) for s in _AEPC_STRUCTS},
-    "col_expert_record_size": (_sz, []),
     "col_slab_default_params": (SlabParams, []),
     "col_slab_create": (ctypes.c_int, [ctypes.POINTER(SlabParams), ctypes.POINTER(_vp), ctypes.POINTER(SlabInfo)]),
     "col_slab_destroy": (None, [_vp]),
@@ -177,26 +144,6 @@ _SIGNATURES.update({
     "col_expert_cache_set_policy": (ctypes.c_int, [_vp, _i32]),
 })
 
-_aepc_checked = False
-
-
-def _aepc_lib() -> ctypes.CDLL:
-    """The library, after checking every AEPC Structure's size against the size C exports."""
-    global _aepc_checked
-    lib = _lib()
-    if not _aepc_checked:
-        for struct in _AEPC_STRUCTS:
-            c_size = int(getattr(lib, struct._size_fn)())
-            if c_size != ctypes.sizeof(struct):
-                raise LibraryNotFoundError(
-                    f"{struct.__name__} is {ctypes.sizeof(struct)} bytes here, {c_size} in libcolibri: "
-                    "the build is stale, run `pip install -e .` again")
-        if int(lib.col_expert_record_size()) != EXPERT_RECORD_DTYPE.itemsize:
-            raise LibraryNotFoundError("col_expert_record size differs from EXPERT_RECORD_DTYPE: stale build")
-        _aepc_checked = True
-    return lib
-
-
 def _struct_dict(s: ctypes.Structure) -> dict:
     return {name: getattr(s, name) for name, *_ in s._fields_ if name != "reserved"}
 
@@ -217,19 +164,17 @@ class Slab:
 
     def __init__(self, slot_bytes: int, n_slots: int, hugetlb: AepcMode = AepcMode.TRY,
                  thp: AepcMode = AepcMode.TRY, lock: AepcMode = AepcMode.TRY) -> None:
-        lib = _aepc_lib()
+        lib = _lib()
         params = lib.col_slab_default_params()
         params.slot_bytes = _as_count(slot_bytes, "slot_bytes")
         params.n_slots = _as_count(n_slots, "n_slots")
         params.hugetlb, params.thp, params.lock = int(hugetlb), int(thp), int(lock)
         handle, info = _vp(), SlabInfo()
         status = lib.col_slab_create(ctypes.byref(params), ctypes.byref(handle), ctypes.byref(info))
-        if status != 0:
-            try:
-                _aepc_check(status, f"slab of {n_slots} x {slot_bytes} bytes")
-            except ColibriError as exc:
-                exc.info = _struct_dict(info)
-                raise
+        if status:
+            error = status_error(status, f"slab of {n_slots} x {slot_bytes} bytes")
+            error.info = _struct_dict(info)  # what the OS refused, and its errno
+            raise error
         self._handle = handle
         self.slot_bytes = int(slot_bytes)
         self.n_slots = int(n_slots)
@@ -245,22 +190,22 @@ class Slab:
     def info(self) -> dict:
         """backing (SlabBacking), locked, region_bytes, n_free and the errno of each refusal."""
         info = SlabInfo()
-        _aepc_check(_aepc_lib().col_slab_get_info(self.handle, ctypes.byref(info)), "slab info")
+        check(_lib().col_slab_get_info(self.handle, ctypes.byref(info)), "slab info")
         return _struct_dict(info)
 
     def alloc(self) -> int:
         """Takes the lowest free slot; NoFreeSlotError when none is free."""
         slot = ctypes.c_int32(-1)
-        _aepc_check(_aepc_lib().col_slab_slot_alloc(self.handle, ctypes.byref(slot)), "slab slot alloc")
+        check(_lib().col_slab_slot_alloc(self.handle, ctypes.byref(slot)), "slab slot alloc")
         return slot.value
 
     def free(self, slot: int) -> None:
-        _aepc_check(_aepc_lib().col_slab_slot_free(self.handle, int(slot)), f"slab slot free {slot}")
+        check(_lib().col_slab_slot_free(self.handle, int(slot)), f"slab slot free {slot}")
 
     def close(self) -> None:
         if self._handle:
             self.data = None
-            _aepc_lib().col_slab_destroy(self._handle)
+            _lib().col_slab_destroy(self._handle)
             self._handle = None
 
     def __del__(self) -> None:
@@ -274,15 +219,12 @@ class Loader:
 
     def __init__(self, path: str | os.PathLike, queue_depth: int = 16, max_queue_depth: int = 32,
                  direct: AepcMode = AepcMode.TRY) -> None:
-        lib = _aepc_lib()
+        lib = _lib()
         params = lib.col_loader_default_params()
         params.queue_depth, params.max_queue_depth, params.direct = int(queue_depth), int(max_queue_depth), int(direct)
         handle, err = _vp(), ctypes.c_int32(0)
         status = lib.col_loader_create(os.fsencode(path), ctypes.byref(params), ctypes.byref(handle), ctypes.byref(err))
-        if status in (5, 8) and err.value:
-            cls = ReadError if status == 5 else SystemResourceError
-            raise cls(f"cannot open {path} for expert reads: {os.strerror(err.value)} (errno {err.value})", status)
-        _aepc_check(status, f"loader on {path}")
+        check(status, f"opening {path} for expert reads", err.value)
         self._handle = handle
         self.path = Path(path)
 
@@ -294,11 +236,11 @@ class Loader:
 
     def info(self) -> dict:
         info = LoaderInfo()
-        _aepc_check(_aepc_lib().col_loader_get_info(self.handle, ctypes.byref(info)), "loader info")
+        check(_lib().col_loader_get_info(self.handle, ctypes.byref(info)), "loader info")
         return _struct_dict(info)
 
     def set_queue_depth(self, depth: int) -> None:
-        _aepc_check(_aepc_lib().col_loader_set_queue_depth(self.handle, int(depth)), f"loader queue depth {depth}")
+        check(_lib().col_loader_set_queue_depth(self.handle, int(depth)), f"loader queue depth {depth}")
 
     def read(self, requests: list[tuple[np.ndarray, int, int, int]]) -> tuple[int, list[dict]]:
         """Reads each (dst uint8 array, offset, length, crc32c) and waits for all (GIL
@@ -309,14 +251,14 @@ class Loader:
             if not isinstance(dst, np.ndarray) or not dst.flags.c_contiguous or dst.nbytes < length:
                 raise InvalidArgumentError(f"read {i}: dst must be a contiguous array of at least {length} bytes")
             reads[i].dst, reads[i].offset, reads[i].length, reads[i].crc32c = dst.ctypes.data, offset, length, crc
-        status = _aepc_lib().col_loader_read(self.handle, ctypes.addressof(reads), n, ctypes.addressof(results))
-        if status not in (0, 5, 6):
-            _aepc_check(status, "loader read")
+        status = _lib().col_loader_read(self.handle, ctypes.addressof(reads), n, ctypes.addressof(results))
+        if status not in (Status.OK, Status.EIO, Status.ECHECKSUM):  # per-read failures are in the results
+            check(status, "loader read")
         return status, [_struct_dict(r) for r in results]
 
     def close(self) -> None:
         if self._handle:
-            _aepc_lib().col_loader_destroy(self._handle)
+            _lib().col_loader_destroy(self._handle)
             self._handle = None
 
     def __del__(self) -> None:
@@ -334,7 +276,7 @@ class ExpertCacheCore:
 
     def __init__(self, slab: Slab, loader: Loader, records: np.ndarray, policy: CachePolicy = CachePolicy.LRU,
                  wait_for_pins: bool = False) -> None:
-        lib = _aepc_lib()
+        lib = _lib()
         if not isinstance(records, np.ndarray) or records.dtype != EXPERT_RECORD_DTYPE or records.ndim != 2:
             raise InvalidArgumentError("records must be an (L, E) array of EXPERT_RECORD_DTYPE")
         self._records = np.ascontiguousarray(records)
@@ -342,7 +284,7 @@ class ExpertCacheCore:
         params.n_layers, params.n_experts, params.policy = records.shape[0], records.shape[1], int(policy)
         params.wait_for_pins = int(bool(wait_for_pins))
         handle = _vp()
-        _aepc_check(lib.col_expert_cache_create(ctypes.byref(params), self._records.ctypes.data, slab.handle,
+        check(lib.col_expert_cache_create(ctypes.byref(params), self._records.ctypes.data, slab.handle,
                                                 loader.handle, ctypes.byref(handle)), "expert cache")
         self._handle = handle
         self.n_layers, self.n_experts = records.shape
@@ -360,7 +302,7 @@ class ExpertCacheCore:
         stays pinned)."""
         ids = _i32_array(experts, "experts")
         slots = np.empty(ids.size, dtype=np.int32)
-        _aepc_check(_aepc_lib().col_expert_cache_acquire(self.handle, int(layer), ids.ctypes.data, ids.size,
+        check(_lib().col_expert_cache_acquire(self.handle, int(layer), ids.ctypes.data, ids.size,
                                                          slots.ctypes.data), f"acquire layer {layer}")
         return slots
 
@@ -369,49 +311,49 @@ class ExpertCacheCore:
         or 0, per-slot {status, sys_errno, crc32c})."""
         slots = _i32_array(slots, "slots")
         results = (ExpertLoadResult * slots.size)()
-        status = _aepc_lib().col_expert_cache_wait(self.handle, slots.ctypes.data, slots.size, ctypes.addressof(results))
-        if status not in (0, 5, 6):
-            _aepc_check(status, "wait")
+        status = _lib().col_expert_cache_wait(self.handle, slots.ctypes.data, slots.size, ctypes.addressof(results))
+        if status not in (Status.OK, Status.EIO, Status.ECHECKSUM):  # per-read failures are in the results
+            check(status, "wait")
         return status, [_struct_dict(r) for r in results]
 
     def release(self, slots: np.ndarray) -> None:
         slots = _i32_array(slots, "slots")
-        _aepc_check(_aepc_lib().col_expert_cache_release(self.handle, slots.ctypes.data, slots.size), "release")
+        check(_lib().col_expert_cache_release(self.handle, slots.ctypes.data, slots.size), "release")
 
     def prefetch(self, layer: int, experts) -> int:
         """Starts reads of those experts not in the cache, without pinning; returns reads started."""
         ids = _i32_array(experts, "experts")
         issued = ctypes.c_int32(0)
-        _aepc_check(_aepc_lib().col_expert_cache_prefetch(self.handle, int(layer), ids.ctypes.data, ids.size,
+        check(_lib().col_expert_cache_prefetch(self.handle, int(layer), ids.ctypes.data, ids.size,
                                                           ctypes.byref(issued)), f"prefetch layer {layer}")
         return issued.value
 
     def layer_stats(self, layer: int) -> dict:
         """Counters of one layer; ``latency_us`` is the histogram as a list of LATENCY_BUCKETS."""
         st = ExpertCacheLayerStats()
-        _aepc_check(_aepc_lib().col_expert_cache_get_stats(self.handle, int(layer), ctypes.byref(st)), "stats")
+        check(_lib().col_expert_cache_get_stats(self.handle, int(layer), ctypes.byref(st)), "stats")
         out = _struct_dict(st)
         out["latency_us"] = list(st.latency_us)
         return out
 
     def reset_stats(self) -> None:
-        _aepc_lib().col_expert_cache_reset_stats(self.handle)
+        _lib().col_expert_cache_reset_stats(self.handle)
 
     def count(self) -> tuple[int, int]:
         """(experts resident or loading, slots pinned)."""
         resident, pinned = ctypes.c_int32(0), ctypes.c_int32(0)
-        _aepc_check(_aepc_lib().col_expert_cache_count(self.handle, ctypes.byref(resident), ctypes.byref(pinned)), "count")
+        check(_lib().col_expert_cache_count(self.handle, ctypes.byref(resident), ctypes.byref(pinned)), "count")
         return resident.value, pinned.value
 
     def contains(self, layer: int, expert: int) -> bool:
-        return bool(_aepc_lib().col_expert_cache_contains(self.handle, int(layer), int(expert)))
+        return bool(_lib().col_expert_cache_contains(self.handle, int(layer), int(expert)))
 
     def set_policy(self, policy: CachePolicy) -> None:
-        _aepc_check(_aepc_lib().col_expert_cache_set_policy(self.handle, int(policy)), f"policy {policy}")
+        check(_lib().col_expert_cache_set_policy(self.handle, int(policy)), f"policy {policy}")
 
     def close(self) -> None:
         if self._handle:
-            _aepc_lib().col_expert_cache_destroy(self._handle)
+            _lib().col_expert_cache_destroy(self._handle)
             self._handle = None
 
     def __del__(self) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from colibrid.native.arguments import _as_count, _f32_out, _f32_vector, _matrix_bytes, _ptr
 from colibrid.native.errors import InvalidArgumentError
-from colibrid.native.library import _lib, check
+from colibrid.native.library import _lib, check, mirrors_c_struct
 from colibrid.native.pool import ThreadPool, _pool_handle
 from colibrid.native.tensor_type import TensorType, _as_type
 
@@ -23,6 +23,7 @@ from colibrid.native.tensor_type import TensorType, _as_type
 QK_NORM_CODES = {"none": 0, "full": 1, "head": 2, "head_after_rope": 3}  # enum col_qk_norm
 
 
+@mirrors_c_struct("col_attention_layer_size")
 class AttentionLayer(ctypes.Structure):
     """Mirror of col_attention_layer (colibri.h); its size is checked against C at load.
     Build it with attention_layer(), which checks every size once and keeps the arrays it
@@ -140,6 +141,7 @@ def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: 
                                      _ptr(keys), _ptr(values), n_past, capacity if ring else 0), "attention_block")
 
 
+@mirrors_c_struct("col_mla_layer_size")
 class MlaLayer(ctypes.Structure):
     """Mirror of col_mla_layer (colibri.h); its size is checked against C at load. Build it
     with mla_layer(), which checks every size once and keeps the arrays it points into alive."""
@@ -214,6 +216,7 @@ def mla_block(layer: MlaLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, 
                                _ptr(cache), n_past), "mla_block")
 
 
+@mirrors_c_struct("col_deltanet_layer_size")
 class DeltaNetLayer(ctypes.Structure):
     """Mirror of col_deltanet_layer (colibri.h); its size is checked against C at load. Build it
     with deltanet_layer(), which checks every size once and keeps the arrays it points into alive."""

@@ -13,27 +13,35 @@ import os
 import threading
 from pathlib import Path
 
-from colibrid.native.errors import _ERROR_BY_STATUS, ColibriError, InvalidArgumentError, LibraryNotFoundError, NotSupportedError
+from colibrid.native.errors import _ERROR_BY_STATUS, ColibriError, InvalidArgumentError, LibraryNotFoundError
 
 
 LIBRARY_ENV = "COLIBRI_LIBRARY"  # path of a libcolibri build to load instead of the packaged one
 
 
-def check(status: int, what: str = "libcolibri") -> None:
-    """Raises the ColibriError subclass for a non-zero status; returns None for COL_OK (0)."""
-    if status == 0:
-        return
-    cls = _ERROR_BY_STATUS.get(status, ColibriError)
-    reason = _lib().col_status_string(status).decode()
-    raise cls(f"{what}: {reason} (status {status})", status)
+def status_error(status: int, what: str, sys_errno: int = 0, lib: ctypes.CDLL | None = None) -> ColibriError:
+    """The exception a non-zero status becomes: the ColibriError subclass of the code, with
+    ``what`` (the call and its arguments), col_status_string's text and the code, then the
+    OS's words for ``sys_errno`` when the function reported an errno. ``lib``: the library
+    being loaded, before _lib() hands it out."""
+    text = (lib or _lib()).col_status_string(status).decode()
+    message = f"{what}: {text} (status {status})"
+    if sys_errno:
+        message += f": {os.strerror(sys_errno)} (errno {sys_errno})"
+    return _ERROR_BY_STATUS.get(status, ColibriError)(message, status)
+
+
+def check(status: int, what: str = "libcolibri", sys_errno: int = 0) -> None:
+    """Raises status_error(status, what, sys_errno) for a non-zero status; returns None for
+    COL_OK (0). Hot paths test ``if status:`` themselves and raise status_error, so that the
+    message is formatted only on failure."""
+    if status:
+        raise status_error(status, what, sys_errno)
 
 
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------
-
-_c_float_p = ctypes.POINTER(ctypes.c_float)
-_c_int32_p = ctypes.POINTER(ctypes.c_int32)
 
 # name -> (restype, argtypes); every exported function of colibri.h
 _SIGNATURES = {
@@ -49,14 +57,12 @@ _SIGNATURES = {
     "col_get_rows": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
     # (pool, type, w (O, row_bytes), n_out, n_in, x (T, I) f32, n_tok, y (T, O) f32)
     "col_matmul": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
-    "col_source_matrix_size": (ctypes.c_size_t, []),
     # (pool, src, rows, cols, type, dst (R, row_bytes))
     "col_convert": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]),
     "col_kernels_get": (ctypes.c_int, []),
     "col_kernels_supported": (ctypes.c_int, [ctypes.c_int]),
     "col_kernels_set": (ctypes.c_int, [ctypes.c_int]),
     "col_kernels_name": (ctypes.c_char_p, [ctypes.c_int]),
-    "col_pool_params_size": (ctypes.c_size_t, []),
     "col_pool_create": (ctypes.c_int, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]),
     "col_pool_destroy": (None, [ctypes.c_void_p]),
     "col_pool_n_threads": (ctypes.c_int, [ctypes.c_void_p]),
@@ -66,7 +72,6 @@ _SIGNATURES = {
     "col_moe_experts": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_int64, ctypes.c_void_p]),
-    "col_expert_ffn_size": (ctypes.c_size_t, []),
     # (pool, ffn_kind, type, n_experts, gate, up, down, D, F, x, n_tok, expert_of, weight, n_slots, out): as col_moe_experts
     "col_moe_experts_ffn": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p,
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
@@ -87,7 +92,6 @@ _SIGNATURES = {
     "col_silu_mul": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
     # (g (n) f32, u (n) f32, h (n) f32 out, n)
     "col_gelu_tanh_mul": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
-    "col_attention_layer_size": (ctypes.c_size_t, []),
     # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, Hd), sin (T, Hd), keys (>= S or ring_rows, K, Hd), vals, n_past,
     #  ring_rows (0: a flat cache))
     "col_attention_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
@@ -95,15 +99,12 @@ _SIGNATURES = {
     # (pool, type, router (E, row_bytes(D)), E, D, x (T, D) f32, n_tok, top_k, normalize, experts (T, A) i32, weights (T, A) f32)
     "col_moe_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]),
-    "col_mla_layer_size": (ctypes.c_size_t, []),
     # (pool, layer, x (T, D) f32 in place, n_tok, cos (T, R), sin (T, R), cache (>= S, C + R) f32, n_past)
     "col_mla_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]),
-    "col_deltanet_layer_size": (ctypes.c_size_t, []),
     # (pool, layer, x (T, D) f32 in place, n_tok, conv_state (Kc - 1, C) f32, recurrent_state (Hv, Dk, Dv) f32)
     "col_deltanet_block": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                           ctypes.c_void_p]),
-    "col_moe_router_size": (ctypes.c_size_t, []),
     # (pool, router, x (T, D) f32, n_tok, experts (T, A) i32, weights (T, A) f32)
     "col_moe_router_route": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                             ctypes.c_void_p]),
@@ -188,8 +189,8 @@ def _apply_kernels_env(lib: ctypes.CDLL) -> None:
     if wanted not in KERNEL_LEVELS:
         raise InvalidArgumentError(f"{KERNELS_ENV}={wanted!r}: levels are {', '.join(KERNEL_LEVELS)}")
     status = lib.col_kernels_set(KERNEL_LEVELS.index(wanted))
-    if status != 0:
-        raise NotSupportedError(f"{KERNELS_ENV}={wanted}: this CPU cannot run it", status)
+    if status:
+        raise status_error(status, f"{KERNELS_ENV}={wanted} on this CPU", lib=lib)
 
 
 def kernels() -> str:
@@ -210,17 +211,33 @@ def set_kernels(level: str) -> None:
     check(_lib().col_kernels_set(KERNEL_LEVELS.index(level)), f"set kernels {level}")
 
 
-def _check_struct_sizes(lib: ctypes.CDLL) -> None:
-    from colibrid.native.compute import ExpertFfn, MoeRouter, _SourceMatrix
-    from colibrid.native.layers import AttentionLayer, DeltaNetLayer, MlaLayer
-    from colibrid.native.pool import _PoolParams
+# The ABI check: every ctypes mirror of a C struct (and numpy dtype of one) with the
+# function that returns the C sizeof, as (name, size here, C function). Checked once at load,
+# so a stale build fails there with a message, not later with a corrupted call.
+_MIRRORED_SIZES: list[tuple[str, int, str]] = []
 
-    for struct, size_fn in ((_PoolParams, lib.col_pool_params_size), (AttentionLayer, lib.col_attention_layer_size),
-                            (MoeRouter, lib.col_moe_router_size), (MlaLayer, lib.col_mla_layer_size),
-                            (ExpertFfn, lib.col_expert_ffn_size),
-                            (DeltaNetLayer, lib.col_deltanet_layer_size),
-                            (_SourceMatrix, lib.col_source_matrix_size)):
-        if ctypes.sizeof(struct) != size_fn():
+
+def mirrors_c_struct(size_fn: str):
+    """Class decorator for a ctypes Structure mirroring a C struct whose sizeof libcolibri
+    exports as ``size_fn`` (declared here, no _SIGNATURES entry needed)."""
+
+    def register(struct: type[ctypes.Structure]) -> type[ctypes.Structure]:
+        mirrored_size(struct.__name__, ctypes.sizeof(struct), size_fn)
+        return struct
+
+    return register
+
+
+def mirrored_size(name: str, size_bytes: int, size_fn: str) -> None:
+    """Registers ``name`` (a Structure or a record dtype) of ``size_bytes`` for the check at load."""
+    _SIGNATURES.setdefault(size_fn, (ctypes.c_size_t, []))
+    _MIRRORED_SIZES.append((name, size_bytes, size_fn))
+
+
+def _check_struct_sizes(lib: ctypes.CDLL) -> None:
+    for name, size_bytes, size_fn in _MIRRORED_SIZES:
+        c_size = int(getattr(lib, size_fn)())
+        if c_size != size_bytes:
             raise LibraryNotFoundError(
-                f"{struct.__name__} is {ctypes.sizeof(struct)} bytes, libcolibri says {size_fn()}: the build is stale"
-            )
+                f"{name} is {size_bytes} bytes here, {c_size} in libcolibri: the build is stale, "
+                "run `pip install -e .` again")

@@ -7,7 +7,7 @@ import ctypes
 
 from colibrid.native.arguments import _as_count
 from colibrid.native.errors import InvalidArgumentError
-from colibrid.native.library import _lib, _lib_lock, check
+from colibrid.native.library import _lib, _lib_lock, check, mirrors_c_struct
 
 
 # --------------------------------------------------------------------------------------------
@@ -15,6 +15,7 @@ from colibrid.native.library import _lib, _lib_lock, check
 # --------------------------------------------------------------------------------------------
 
 
+@mirrors_c_struct("col_pool_params_size")
 class _PoolParams(ctypes.Structure):
     """Mirror of col_pool_params (colibri.h); its size is checked against C at load."""
 

@@ -47,6 +47,12 @@ enum col_status {
                         partially written and must be discarded. */
     COL_ENOTSUP = 4, /* the operation is not supported for this type or on this machine;
                         outputs are untouched. */
+    COL_EIO       = 5, /* a read failed or came back short; the errno is in the result. */
+    COL_ECHECKSUM = 6, /* a record's bytes do not match its crc32c. */
+    COL_EBUSY     = 7, /* no slot is free or evictable: every slot is pinned or loading. */
+    COL_ESYSTEM   = 8, /* the operating system refused a resource that was required (mmap,
+                          mlock, hugetlb pages, O_DIRECT, a thread); the errno is reported in
+                          the object's info struct or the function's errno output. */
 };
 
 /* A short, static, human-readable description of a status code ("invalid argument").
@@ -727,26 +733,11 @@ COL_API uint32_t col_crc32c_sw(uint32_t crc, const void *buf, size_t len);
 /* 1 if col_crc32c uses the hardware (SSE4.2) path on this machine, else 0. */
 COL_API int col_crc32c_hw(void);
 
-#ifdef __cplusplus
-}
-#endif
-
-#endif /* COLIBRI_H */
-
-/* ---- AEPC: slab pool, loader, expert cache ---- */
-#ifndef COLIBRI_AEPC_H
-#define COLIBRI_AEPC_H
-
-#include <stddef.h>
-#include <stdint.h>
-
-#ifdef __cplusplus
-extern "C" {
-#endif
-
-/*
- * The Active Expert Page Cache: routed experts stream from the pack's experts file into a
- * slab pool of fixed slots, one expert record per slot.
+/* ---------------------------------------------------------------------------------------
+ * The Active Expert Page Cache (AEPC): slab pool, loader, expert cache
+ *
+ * Routed experts stream from the pack's experts file into a slab pool of fixed slots, one
+ * expert record per slot.
  *
  *   col_slab          one region of n_slots * slot_bytes, hugepage-backed and locked when
  *                     possible, with a free map of slots.
@@ -758,17 +749,9 @@ extern "C" {
  *
  * The handles are opaque; every object is made by *_create and freed by *_destroy. All
  * functions of one object may be called from several threads at once. The Python side is
- * colibrid/native.py (the ctypes bindings) and colibrid/engine/expert_cache.py.
- *
- * This section has its own include guard because it follows the main one.
- *
- * Status codes beyond enum col_status, used by this section only: */
-#define COL_EIO       5 /* a read failed or came back short; the errno is in the result. */
-#define COL_ECHECKSUM 6 /* a record's bytes do not match its crc32c. */
-#define COL_EBUSY     7 /* no slot is free or evictable: every slot is pinned or loading. */
-#define COL_ESYSTEM   8 /* the operating system refused a resource that was required (mmap,
-                           mlock, hugetlb pages, O_DIRECT, a thread); the errno is reported in
-                           the object's info struct or the function's errno output. */
+ * colibrid/native/expert_cache.py (the ctypes bindings) and colibrid/engine/expert_cache.py.
+ * These functions add the status codes COL_EIO, COL_ECHECKSUM, COL_EBUSY and COL_ESYSTEM.
+ * ------------------------------------------------------------------------------------ */
 
 /* Dimension letters: S slots, L layers, E experts per layer, N experts named in a call. */
 
@@ -1051,4 +1034,4 @@ COL_API int col_expert_cache_set_policy(col_expert_cache *cache, int32_t policy)
 }
 #endif
 
-#endif /* COLIBRI_AEPC_H */
+#endif /* COLIBRI_H */

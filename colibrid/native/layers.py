@@ -6,6 +6,7 @@ keeps the arrays it points into alive; each *_block() runs one step."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -112,6 +113,14 @@ def _check_rope_tables(cos: np.ndarray, sin: np.ndarray, T: int, width: int) -> 
             raise InvalidArgumentError(f"{name} must be a C-contiguous float32 ({T}, {width}) array")
 
 
+@mirrors_c_struct("col_attention_seq_size")
+class AttentionSeq(ctypes.Structure):
+    """Mirror of col_attention_seq: one sequence's cache and rows in a batched attention step."""
+
+    _fields_ = [("keys", ctypes.c_void_p), ("vals", ctypes.c_void_p), ("n_past", ctypes.c_int64),
+                ("n_tok", ctypes.c_int64), ("ring_rows", ctypes.c_int64)]
+
+
 def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
                     values: np.ndarray, n_past: int, pool: "ThreadPool | None" = None, *, ring: bool = False) -> None:
     """x += attention(rms_norm(x)) for T new tokens at positions n_past .., in place (see
@@ -119,26 +128,51 @@ def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: 
     layer's whole cache buffers, float32: (capacity >= n_past + T, K, Hd), rows n_past ..
     n_past + T - 1 written; or with ``ring`` a ring buffer of (rows, K, Hd) holding key position
     p in row p % rows, rows >= the layer's window or chunk + T - 1."""
+    n_tok = x.shape[0] if isinstance(x, np.ndarray) and x.ndim == 2 else -1
+    attention_block_batch(layer, x, cos, sin, [(keys, values, n_past, n_tok, ring)], pool)
+
+
+def attention_block_batch(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                          caches: "Sequence[tuple[np.ndarray, np.ndarray, int, int, bool]]",
+                          pool: "ThreadPool | None" = None) -> None:
+    """attention_block over the rows of several sequences, in one call (col_attention_block_batch):
+    ``caches`` holds each sequence's (keys, values, n_past, n_tok, ring) as attention_block's
+    arguments, its n_tok rows of x (T, D) following the previous sequence's; cos/sin (T, Hr)."""
     if not isinstance(layer, AttentionLayer) or not hasattr(layer, "_keep"):
         raise InvalidArgumentError("layer must come from attention_layer()")
-    n_past = _as_count(n_past, "n_past")
     if not isinstance(x, np.ndarray) or x.ndim != 2:
         raise InvalidArgumentError("x must be a (T, D) float32 array")
     T, Hd = x.shape[0], layer.head_dim
-    Hr = layer.rotary_dim or Hd
     _f32_out(x, "x", (T, layer.dim))
-    _check_rope_tables(cos, sin, T, Hr)
+    _check_rope_tables(cos, sin, T, layer.rotary_dim or Hd)
+    seqs = (AttentionSeq * max(len(caches), 1))()
+    rows = 0
+    for seq, (keys, values, n_past, n_tok, ring) in zip(seqs, caches):
+        n_past, n_tok = _as_count(n_past, "n_past"), _as_count(n_tok, "n_tok")
+        capacity = _attention_cache(layer, keys, values, n_past, n_tok, ring)
+        seq.keys, seq.vals = keys.ctypes.data, values.ctypes.data
+        seq.n_past, seq.n_tok, seq.ring_rows = n_past, n_tok, capacity if ring else 0
+        rows += n_tok
+    if rows != T:
+        raise InvalidArgumentError(f"the sequences' n_tok add up to {rows}, but x has {T} rows")
+    check(_lib().col_attention_block_batch(_pool_handle(pool), ctypes.addressof(layer), _ptr(x), _ptr(cos), _ptr(sin),
+                                           ctypes.addressof(seqs), len(caches)), "attention_block_batch")
+
+
+def _attention_cache(layer: AttentionLayer, keys: np.ndarray, values: np.ndarray, n_past: int, n_tok: int,
+                     ring: bool) -> int:
+    """The rows of a sequence's cache buffers, after checking they hold its n_tok new keys."""
+    Hd = layer.head_dim
     capacity = keys.shape[0] if isinstance(keys, np.ndarray) and keys.ndim == 3 else -1
     spans = [s for s in (layer.window, layer.chunk) if s > 0]
-    needed = min(spans) + T - 1 if ring and spans else n_past + T
+    needed = min(spans) + n_tok - 1 if ring and spans else n_past + n_tok
     if ring and not spans:
         raise InvalidArgumentError("a ring-buffer cache needs a layer with a window or a chunk")
     if capacity < needed:
         raise InvalidArgumentError(f"keys must be a (>= {needed}, K, Hd) array")
     _f32_out(keys, "keys", (capacity, layer.n_kv_heads, Hd))
     _f32_out(values, "values", (capacity, layer.n_kv_heads, Hd))
-    check(_lib().col_attention_block(_pool_handle(pool), ctypes.addressof(layer), _ptr(x), T, _ptr(cos), _ptr(sin),
-                                     _ptr(keys), _ptr(values), n_past, capacity if ring else 0), "attention_block")
+    return capacity
 
 
 @mirrors_c_struct("col_mla_layer_size")

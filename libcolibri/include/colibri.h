@@ -520,6 +520,9 @@ typedef struct col_attention_seq {
     int64_t ring_rows;
 } col_attention_seq;
 
+/* sizeof(col_attention_seq), for bindings to check their mirror of it */
+COL_API size_t col_attention_seq_size(void);
+
 /* col_attention_block over the rows of several sequences at once: x (T, D) holds seqs[0]'s
  * n_tok rows, then seqs[1]'s ..., cos and sin (T, Hr) their rotary tables. The q/k/v and
  * output products run once over all T rows (each row computed as if alone, so every row

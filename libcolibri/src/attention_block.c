@@ -231,6 +231,8 @@ void col_attention_output_normed(const col_kernel_set *k, const col_matrix *mo, 
 
 size_t col_attention_layer_size(void) { return sizeof(col_attention_layer); }
 
+size_t col_attention_seq_size(void) { return sizeof(col_attention_seq); }
+
 static int layer_valid(const col_attention_layer *l) {
     if (l->dim <= 0 || l->n_heads <= 0 || l->n_kv_heads <= 0 || l->head_dim <= 0 || l->head_dim % 2 != 0 ||
         l->n_heads % l->n_kv_heads != 0)

@@ -10,18 +10,22 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def cpu_model() -> str:
-    """The CPU's model name as /proc/cpuinfo gives it, with the number of CPUs we may run on."""
+    """The CPU as /proc/cpuinfo names it ("AMD EPYC (family 26, model 2; 2 CPUs)"): the model
+    name alone may be as vague as "AMD EPYC" on a virtual machine, the family and model say
+    which generation it is. The CPUs are those we may run on."""
     import os
 
-    name = "unknown CPU"
+    fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if not line.strip():  # the first CPU's block is enough
                 break
     except OSError:
         pass
-    return f"{name} ({len(os.sched_getaffinity(0))} CPUs)"
+    return (f"{fields.get('model name', 'unknown CPU')} (family {fields.get('cpu family', '?')}, model "
+            f"{fields.get('model', '?')}; {len(os.sched_getaffinity(0))} CPUs)")
 
 
 def memory_bandwidth(threads: int, runs: int = 3) -> float:

@@ -26,8 +26,9 @@ Two memory configurations (``--memory``): ``cached`` - the expert cache holds ev
 ``limited`` - each server runs inside a cgroup v1 memory limit of 40 % of the pack
 (``--limit-fraction``, ``--limit``), its files evicted from the page cache first; Colibri's cache
 is what the limit leaves after the dense weights, a process allowance and the KV caches of the
-run's N sequences (so it shrinks as N grows, as the daemon's memory budget would). Each server is started afresh for each N (llama-server with ``-np N -cb``), and one
-request with a prompt of its own warms it up (it loads every expert) before the clients start.
+run's N sequences (so it shrinks as N grows, as the daemon's memory budget would). Each server
+is started afresh for each N (llama-server with ``-np N -cb``) and warmed up by a request with a
+prompt no client asks (fully cached, Colibri's by as many as it takes to load every expert).
 
 Then the bound: a step of N sequences reads attention and the head once, and each distinct
 expert once, so at the memory-bandwidth limit N tokens cost (dense + distinct experts) bytes
@@ -66,14 +67,16 @@ sys.path.insert(0, str(REPO))
 
 from bench_kernels import ISAS, active_bytes_per_token, build_llama_bench, prepare  # noqa: E402
 from machine import cpu_model, memory_bandwidth  # noqa: E402
-from memory_cgroup import PROCESS_ALLOWANCE_BYTES, MemoryCgroup, drop_from_page_cache, evict_from_page_cache  # noqa: E402
+from memory_cgroup import (  # noqa: E402
+    PROCESS_ALLOWANCE_BYTES, MemoryCgroup, drop_from_page_cache, evict_from_page_cache,
+)
 from shapes import SHAPES, log  # noqa: E402
 from shapes.common import FIRST_TEXT_ID  # noqa: E402
 
 SHAPE = SHAPES["olmoe"]
 DEFAULT_LAYERS = 4  # the depth the daemon-side benchmarks use; --layers 16 is the whole model
 TARGET_CLIENTS = 8  # issue 16's targets compare 8 clients with one
-PROMPT_SEED, WARMUP_SEED, SAMPLING_SEED = 1, 2, 1000
+PROMPT_SEED, SAMPLING_SEED = 1, 1000  # prompts; sampling seeds are SAMPLING_SEED + the client's index
 WARMUP_TOKENS = 4
 WARMUP_PROMPTS = 8  # at most this many warm-up requests, until every expert is cached
 START_TIMEOUT_S = 600.0  # loading a pack or GGUF through a small memory limit is slow
@@ -238,7 +241,8 @@ def run_clients(client: Client, prompts: list, sampling: Sampling, requests_per_
                 results[index].append(client(index, prompts[index], sampling, barrier))
             except Exception as error:  # a client that cannot connect still releases the others
                 barrier.abort()
-                results[index].append(RequestTiming(index, time.perf_counter(), error=f"{type(error).__name__}: {error}"))
+                failed = RequestTiming(index, time.perf_counter(), error=f"{type(error).__name__}: {error}")
+                results[index].append(failed)
 
     threads = [threading.Thread(target=one_client, args=(i,), daemon=True) for i in range(count)]
     for thread in threads:
@@ -285,23 +289,45 @@ def summarize(timings: list[RequestTiming], expected_tokens: int) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-class ColibriDaemon:
-    """colibrid on a pack, its socket, config and log in a temporary directory, optionally in a
-    memory cgroup. No config file from the machine: the defaults and the flags only."""
+class ServerProcess:
+    """A server started for one measurement, its files and log in a temporary directory."""
 
-    def __init__(self, pack: Path, cache_bytes: int, threads: int | None, hugepages: str, max_clients: int,
+    def __init__(self, prefix: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix=prefix))
+        self.log = open(self.dir / "server.log", "w+")
+        self.proc: subprocess.Popen | None = None
+
+    def stop(self) -> str:
+        """SIGTERM (SIGKILL after 60 s); its log."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.seek(0)
+        text = self.log.read()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return text
+
+
+class ColibriDaemon(ServerProcess):
+    """colibrid on a pack, optionally in a memory cgroup. No config file from the machine: the
+    defaults and the flags only."""
+
+    def __init__(self, pack: Path, cache_bytes: int, threads: int, hugepages: str, max_clients: int,
                  env: dict, group: MemoryCgroup | None, extra: list[str]) -> None:
+        super().__init__("colibri-serving-")
         self.pack = pack
-        self.dir = Path(tempfile.mkdtemp(prefix="colibri-serving-"))
         self.socket_path = str(self.dir / "colibrid.sock")
         (self.dir / "colibrid.toml").write_text("")
         argv = [sys.executable, "-m", "colibrid", "--config", str(self.dir / "colibrid.toml"), "--model", str(pack),
                 "--socket", self.socket_path, "--hugepage-record", str(self.dir / "hugepages.json"),
                 "--cache-size", str(cache_bytes), "--hugepages", hugepages, "--max-queue", str(max(16, max_clients)),
                 "--log-level", "warning", *extra]
-        if threads is not None:
-            argv += ["--cpu-affinity", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:threads])]
-        self.log = open(self.dir / "colibrid.log", "w+")
+        argv += ["--cpu-affinity", ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:threads])]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.log, cwd=REPO,
                                      env=dict(env, PYTHONPATH=str(REPO)), preexec_fn=group.join if group else None)
         self._wait_until_serving()
@@ -325,25 +351,16 @@ class ColibriDaemon:
         return colibri_client(self.socket_path)
 
     def status(self) -> dict:
-        from colibrictl.connection import Connection
+        """The daemon's `status` event; {} if it cannot answer (it died during the run)."""
+        from colibrictl.connection import ClientError, Connection
 
-        with Connection.open(self.socket_path, client_name="bench_serving") as connection:
-            return connection.request("status")
+        try:
+            with Connection.open(self.socket_path, client_name="bench_serving") as connection:
+                return connection.request("status")
+        except ClientError as error:
+            log(f"colibrid status: {error}")
+            return {}
 
-    def stop(self) -> str:
-        """SIGTERM (SIGKILL after 60 s); its log."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.seek(0)
-        text = self.log.read()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        return text
 
 
 def _free_port() -> int:
@@ -352,16 +369,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class LlamaServer:
+class LlamaServer(ServerProcess):
     """llama-server on a GGUF with ``slots`` parallel sequences and continuous batching."""
 
     def __init__(self, binary: Path, gguf: Path, slots: int, context_per_slot: int, threads: int,
                  group: MemoryCgroup | None, extra: list[str]) -> None:
+        super().__init__("llama-serving-")
         self.port = _free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="llama-serving-"))
         self.argv = [str(binary), "-m", str(gguf), "-np", str(slots), "-cb", "-c", str(slots * context_per_slot),
                      "-t", str(threads), "-tb", str(threads), "--host", "127.0.0.1", "--port", str(self.port), *extra]
-        self.log = open(self.dir / "llama-server.log", "w+")
         self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT,
                                      preexec_fn=group.join if group else None)
         self._wait_until_healthy()
@@ -371,13 +387,15 @@ class LlamaServer:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"llama-server exited with {self.proc.returncode} during start-up:\n{self.stop()}")
+            connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
             try:
-                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                connection.request("GET", "/health")
+                connection.request("GET", "/health")  # 503 while the model loads
                 if connection.getresponse().status == 200:
                     return
             except (OSError, http.client.HTTPException):
                 pass
+            finally:
+                connection.close()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"llama-server was not healthy within {START_TIMEOUT_S:.0f} s:\n{self.stop()}")
             time.sleep(0.2)
@@ -385,19 +403,6 @@ class LlamaServer:
     def client(self) -> Client:
         return llama_client(self.port)
 
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.seek(0)
-        text = self.log.read()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        return text
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,7 +439,9 @@ class StepBytes:
         return cls(dense, row, expert, moe_layers, c.num_experts, c.num_experts_per_tok, c.vocab_size)
 
     def step(self, tokens: int, distinct_experts_per_layer: float) -> float:
-        return self.dense_bytes + tokens * self.embedding_row_bytes + self.moe_layers * distinct_experts_per_layer * self.expert_bytes
+        """Bytes read by a step of ``tokens`` tokens that touches that many experts per layer."""
+        experts = self.moe_layers * distinct_experts_per_layer * self.expert_bytes
+        return self.dense_bytes + tokens * self.embedding_row_bytes + experts
 
     def random_routing_distinct(self, sequences: int) -> float:
         """Expected distinct experts per layer when each of ``sequences`` tokens picks top-k of E uniformly."""
@@ -494,9 +501,11 @@ def memory_settings(names: str, pack: Path, limit: str | None, limit_fraction: f
     for name in names.split(","):
         if name == "cached":
             out.append(Memory("cached", None, "auto"))
-        else:
+        elif name == "limited":
             pack_bytes = sum(f.stat().st_size for f in pack.iterdir() if f.is_file())
             out.append(Memory("limited", parse_size(limit) if limit else int(pack_bytes * limit_fraction), "off"))
+        else:
+            raise ValueError(f"--memory takes cached, limited or both, not {name!r}")
     return out
 
 
@@ -532,7 +541,8 @@ def colibri_cache_bytes(pack: Path, memory: Memory, sequences: int, tokens: int)
         return cache
     return (f"a limit of {format_bytes(memory.limit_bytes)} leaves {format_bytes(max(cache, 0))} for the expert cache "
             f"after the dense weights ({format_bytes(manifest.dense_size)}), the process allowance "
-            f"({format_bytes(PROCESS_ALLOWANCE_BYTES)}) and {sequences} sequences' KV caches ({format_bytes(kv_bytes)}): "
+            f"({format_bytes(PROCESS_ALLOWANCE_BYTES)}) and {sequences} sequences' KV caches "
+            f"({format_bytes(kv_bytes)}): "
             f"less than one layer's experts ({format_bytes(one_layer)}); use --layers 16 or a larger --limit")
 
 
@@ -750,7 +760,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", default="1,2,4,8,16", help="numbers of concurrent clients")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=128, help="tokens each request generates")
-    parser.add_argument("--limited-tokens", type=int, help="tokens per request under the memory limit (default --tokens)")
+    parser.add_argument("--limited-tokens", type=int,
+                        help="tokens per request under the memory limit (default --tokens)")
     parser.add_argument("--requests", type=int, default=1, help="requests per client, one after another")
     parser.add_argument("--greedy", action="store_true", help="temperature 0 instead of seeded sampling")
     parser.add_argument("--isa", choices=ISAS, default="native",
@@ -766,6 +777,8 @@ def main(argv: list[str] | None = None) -> int:
     clients = sorted({int(n) for n in args.clients.split(",")})
     if args.gguf and not args.pack:
         parser.error("--gguf goes with --pack")
+    if not set(args.memory.split(",")) <= {"cached", "limited"}:
+        parser.error(f"--memory takes cached, limited or cached,limited, not {args.memory}")
 
     args.work.mkdir(parents=True, exist_ok=True)
     # llama.cpp first: its tree carries the gguf package the GGUFs are written with

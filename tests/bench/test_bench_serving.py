@@ -15,7 +15,8 @@ from bench_serving import RequestTiming, StepBytes, batch_during, summarize  # n
 
 
 def test_aggregate_rates_and_latencies_from_two_overlapping_requests():
-    timings = [RequestTiming(0, 0.0, [1.0, 2.0, 3.0], "length", 16), RequestTiming(1, 0.5, [1.5, 2.5, 3.5], "length", 16)]
+    timings = [RequestTiming(0, 0.0, [1.0, 2.0, 3.0], "length", 16),
+               RequestTiming(1, 0.5, [1.5, 2.5, 3.5], "length", 16)]
     r = summarize(timings, expected_tokens=3)
     assert (r["ok"], r["short"], r["tokens"]) == (2, 0, 6)
     assert r["aggregate_tok_s"] == pytest.approx(6 / 3.5)  # every token, from the first request sent
@@ -71,7 +72,7 @@ def test_a_small_run_against_colibrid(demo_pack, tmp_path):
     for timing in colibri["timings"]:
         assert len(timing["token_times_s"]) == 4 and timing["sent_s"] < timing["token_times_s"][0]
         assert timing["token_times_s"] == sorted(timing["token_times_s"])
-    assert 14 <= colibri["prompt_tokens_mean"] <= 17  # the tokens asked, or up to two fewer; a BOS if the model adds one
+    assert 14 <= colibri["prompt_tokens_mean"] <= 17  # as asked, or up to two fewer; a BOS if the model adds one
     assert colibri["cache"]["bytes_read"] == 0  # the warm-up read every expert: fully cached
     assert set(colibri["batch"]) >= {"distinct_experts_per_layer_step", "sequence_experts_per_layer_step"}
     assert row["bound"]["random_routing_bound"] > 1

@@ -559,14 +559,14 @@ class Setup:
     daemon_args: list[str]
     llama_args: list[str]
 
+    def sampling_for(self, memory: Memory) -> Sampling:
+        return self.sampling if memory.limit_bytes is None else self.limited_sampling
 
-def measure_colibri(setup: Setup, pack: Path, memory: Memory, prompts: list[str], warmups: list[str],
-                    prompt_tokens: int) -> dict:
+
+def measure_colibri(setup: Setup, pack: Path, memory: Memory, cache_bytes: int, prompts: list[str],
+                    warmups: list[str]) -> dict:
     """A fresh colibrid, warmed up, then len(prompts) clients at once."""
-    sampling = setup.sampling if memory.limit_bytes is None else setup.limited_sampling
-    cache_bytes = colibri_cache_bytes(pack, memory, len(prompts), prompt_tokens + sampling.max_tokens)
-    if isinstance(cache_bytes, str):
-        return {"ok": 0, "errors": [cache_bytes]}
+    sampling = setup.sampling_for(memory)
     if memory.limit_bytes is not None:
         drop_from_page_cache(pack)
     with _memory_cgroup(memory.limit_bytes) as group:
@@ -607,7 +607,7 @@ def warm_up(daemon: ColibriDaemon, prompts: list[str], sampling: Sampling, fill_
 
 def measure_llama(setup: Setup, gguf: Path, memory: Memory, prompts: list[list[int]], warmup: list[int]) -> dict:
     """A fresh llama-server with len(prompts) slots, one warm-up request, then the clients."""
-    sampling = setup.sampling if memory.limit_bytes is None else setup.limited_sampling
+    sampling = setup.sampling_for(memory)
     context_per_slot = -(-(len(warmup) + sampling.max_tokens + 64) // 256) * 256
     if memory.limit_bytes is not None:
         evict_from_page_cache(gguf)
@@ -813,23 +813,28 @@ def main(argv: list[str] | None = None) -> int:
         step = StepBytes.of(pack)
         ids = llama_prompts(step.vocab_size, max(clients) + 1, args.prompt_tokens, PROMPT_SEED)
         for memory in memory_settings(args.memory, pack, args.limit, args.limit_fraction):
+            rows = []
             limit = f", limit {memory.limit_bytes / 2**30:.2f} GiB" if memory.limit_bytes else ""
             print(f"\n{name} {memory.name}{limit}")
             print(f"{'N':>3} {'server':8} {'dec t/s':>8} {'all t/s':>8}   {'TTFT p50':>8} {'p99 ms':>8}   "
                   f"{'ITL p50':>7} {'p99 ms':>7}   {'prompt'}", flush=True)
-            rows = []
             for n in clients:
+                tokens = args.prompt_tokens + setup.sampling_for(memory).max_tokens
+                cache_bytes = colibri_cache_bytes(pack, memory, n, tokens)
+                if isinstance(cache_bytes, str):  # no comparison to make: llama-server is not run either
+                    print(f"{n:>3} skipped: {cache_bytes}", flush=True)
+                    continue
                 row = {"variant": name, "memory": memory.name, "limit_bytes": memory.limit_bytes, "clients": n,
-                       "colibri": measure_colibri(setup, pack, memory, texts[:n], texts[max(clients):],
-                                                  args.prompt_tokens)}
+                       "colibri": measure_colibri(setup, pack, memory, cache_bytes, texts[:n], texts[max(clients):])}
                 print_row(n, "colibri", row["colibri"])
                 if llama_server and gguf:
                     row["llama_server"] = measure_llama(setup, gguf, memory, ids[:n], ids[max(clients)])
                     print_row(n, "llama", row["llama_server"])
                 rows.append(row)
-            print_bound(rows, step, bandwidth, memory.limit_bytes is None)
-            targets = print_targets(rows, memory.limit_bytes is None)
-            results.append({"variant": name, "memory": asdict(memory), "rows": rows, "targets": targets})
+            if rows:
+                print_bound(rows, step, bandwidth, memory.limit_bytes is None)
+                targets = print_targets(rows, memory.limit_bytes is None)
+                results.append({"variant": name, "memory": asdict(memory), "rows": rows, "targets": targets})
     if args.json:
         args.json.write_text(json.dumps({"machine": machine, "args": {k: str(v) for k, v in vars(args).items()},
                                          "results": results}, indent=1))

@@ -386,7 +386,10 @@ class LlamaServer(ServerProcess):
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode} during start-up:\n{self.stop()}")
+                oom = self.proc.returncode == -signal.SIGKILL
+                killed = " (SIGKILL: in a memory cgroup, its OOM killer)" if oom else ""
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}{killed} during start-up:\n"
+                                   f"{self.stop()}")
             connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
             try:
                 connection.request("GET", "/health")  # 503 while the model loads

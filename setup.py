@@ -1,6 +1,6 @@
 """Builds libcolibri (libcolibri/src/*.c) into colibrid/_libcolibri*.so.
 
-The library is a plain C shared object loaded with ctypes by colibrid/native.py; it is
+The library is a plain C shared object loaded with ctypes by colibrid/native/; it is
 declared as an Extension only so that setuptools compiles it for both `pip install .` and
 `pip install -e .` and puts it inside the colibrid package. Everything else about the package
 is in pyproject.toml.

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -43,12 +42,15 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # also when loaded by path (tests/engine/test_expert_cache.py)
 
 from colibrid import native  # noqa: E402
 from colibrid.memory import format_bytes, parse_size  # noqa: E402
+from memory_cgroup import (  # noqa: E402
+    PROCESS_ALLOWANCE_BYTES, drop_from_page_cache, evict_from_page_cache, run_in_memory_cgroup,
+)
 
 OLMOE_SHAPE = dict(num_layers=16, num_experts=64, top_k=8, hidden=2048, ffn=1024, vocab=50304, heads=16, kv_heads=16)
-CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,61 +337,10 @@ def cmd_policies(args) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# cgroup v1
-# --------------------------------------------------------------------------------------------
-
-
-def evict_from_page_cache(path: Path) -> None:
-    """Evicts a file from the page cache, so that the pages a run faults in are charged to its
-    cgroup (page cache is charged to whoever reads it first)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def drop_from_page_cache(pack_path: Path) -> None:
-    for name in ("dense.bin", "experts.bin"):
-        evict_from_page_cache(Path(pack_path) / name)
-
-
-def run_in_memory_cgroup(limit_bytes: int, argv: list[str], capture: bool = False) -> dict:
-    """Runs ``argv`` in a new child of the v1 memory controller limited to ``limit_bytes``
-    (page cache included): its exit code, peak usage, how often it hit the limit and (with
-    ``capture``) its stdout. The cgroup is removed afterwards."""
-    group = CGROUP_ROOT / f"colibri-bench-{os.getpid()}"
-    group.mkdir()
-    try:
-        (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE if capture else None, text=True,
-                                preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))
-        stdout, _ = proc.communicate()
-        result = {"code": proc.returncode, "stdout": stdout, "limit_bytes": limit_bytes,
-                  "peak_bytes": int((group / "memory.max_usage_in_bytes").read_text()),
-                  "limit_hits": int((group / "memory.failcnt").read_text())}
-        print(f"cgroup {group.name}: limit {format_bytes(limit_bytes)}, peak usage {format_bytes(result['peak_bytes'])}, "
-              f"limit hit {result['limit_hits']} times, exit code {result['code']}", flush=True)
-        return result
-    finally:
-        for _ in range(50):
-            try:
-                group.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
-
-
-# --------------------------------------------------------------------------------------------
 # Side by side with llama.cpp under one memory limit
 # --------------------------------------------------------------------------------------------
 
 LLAMA_BENCH = Path.home() / ".cache/colibri-bench/llama.cpp/build/bin/llama-bench"
-# What the Colibri process needs besides its dense weights and the expert cache: the
-# interpreter, numpy, tokenizers, libcolibri, the KV cache and logits. Measured peak RSS of
-# the process without the two is ~250 MB; the rest is headroom so the cgroup never has to
-# reclaim the pages Colibri uses (it reclaims llama.cpp's, which is the point of the test).
-PROCESS_ALLOWANCE = 512 << 20
 
 
 def llama_decode_in_cgroup(gguf: Path, limit: int, tokens: int, threads: int, extra: list[str]) -> dict:
@@ -414,7 +365,7 @@ def colibri_decode_in_cgroup(pack_path: Path, limit: int, tokens: int, warmup: i
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(pack_path)
-    cache_bytes = limit - pack.manifest.dense_size - PROCESS_ALLOWANCE
+    cache_bytes = limit - pack.manifest.dense_size - PROCESS_ALLOWANCE_BYTES
     drop_from_page_cache(pack_path)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from colibrid.engine.experts import PlainExpertSource
+from machine import cpu_model, memory_bandwidth
 from shapes import SHAPES, Shape, Variant, log
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,17 +147,6 @@ def run_llama_bench(binary: Path, gguf_path: Path, threads: int, repeat: int) ->
     return out
 
 
-def memory_bandwidth(threads: int, runs: int = 3) -> float:
-    """Read bandwidth in GB/s with ``threads`` readers: the best of ``runs`` runs of
-    bench/membw.c (each the best of 5 passes over 2 GiB)."""
-    binary = Path("/tmp/colibri-membw")
-    source = REPO / "bench" / "membw.c"
-    if not binary.exists() or binary.stat().st_mtime < source.stat().st_mtime:
-        subprocess.run(["cc", "-O2", "-mavx2", "-pthread", str(source), "-o", str(binary)], check=True)
-    return max(float(subprocess.run([str(binary), str(threads)], check=True, capture_output=True, text=True).stdout)
-               for _ in range(runs))
-
-
 # --------------------------------------------------------------------------------------------
 # Driver
 # --------------------------------------------------------------------------------------------
@@ -200,8 +190,9 @@ def prepare(work: Path, shape: Shape, variants: list[Variant], layers: int, with
     return files
 
 
-def build_llama_bench(work: Path, isa: str) -> Path:
-    env = dict(os.environ, LLAMA_CPP_DIR=str(work / "llama.cpp"), LLAMA_CPP_ISA=isa)
+def build_llama_bench(work: Path, isa: str, targets: tuple[str, ...] = ("llama-bench",)) -> Path:
+    """The llama-bench binary (with ``targets`` built beside it in the same bin/) for ``isa``."""
+    env = dict(os.environ, LLAMA_CPP_DIR=str(work / "llama.cpp"), LLAMA_CPP_ISA=isa, LLAMA_CPP_TARGETS=" ".join(targets))
     out = subprocess.run(["sh", str(REPO / "bench" / "build_llama_cpp.sh")], check=True, env=env,
                          stdout=subprocess.PIPE, text=True).stdout
     return Path(out.strip().splitlines()[-1])
@@ -270,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             log(json.dumps(row))
 
     print(f"{shape.description}; {layers} layers; --isa {args.isa} (Colibri kernels: "
-          f"{', '.join(sorted({r['colibri']['kernels'] for r in results}))})")
+          f"{', '.join(sorted({r['colibri']['kernels'] for r in results}))}); {cpu_model()}")
     header = (f"{'quant':7} {'thr':>3} {'BW GB/s':>7} {'MB/tok':>7} {'roof t/s':>8} | {'decode':>7} {'llama':>7} {'ratio':>5} "
               f"{'%roof':>5} | {'prefill':>7} {'llama':>7} {'ratio':>5}")
     print(header)

@@ -1,6 +1,7 @@
 #!/bin/sh
-# Builds llama.cpp's llama-bench from the llama-cpp-python source distribution (its vendored
-# tree), for side-by-side benchmarks. Idempotent: does nothing if the binaries exist.
+# Builds llama.cpp's llama-bench (and llama-server, llama-completion on request) from the
+# llama-cpp-python source distribution (its vendored tree), for side-by-side benchmarks.
+# Idempotent: does nothing if the binaries exist.
 #   bench/build_llama_cpp.sh            -> $LLAMA_CPP_DIR/build/bin/llama-bench
 #   LLAMA_CPP_ISA=avx2 bench/build_llama_cpp.sh -> $LLAMA_CPP_DIR/build-avx2/bin/llama-bench
 # Settings (environment):
@@ -9,7 +10,9 @@
 #                             machine (what its users get from a local build); avx2: AVX2, FMA,
 #                             F16C and no AVX-512, the peer of COLIBRI_KERNELS=avx2, in build-avx2/
 #   LLAMA_CPP_PYTHON_VERSION  pin the llama-cpp-python sdist (e.g. 0.3.36); default: the newest
-#   LLAMA_CPP_TARGETS         default "llama-bench"; add llama-completion for greedy checks
+#   LLAMA_CPP_TARGETS         default "llama-bench"; add llama-completion for greedy checks,
+#                             llama-server for bench/bench_serving.py (built without its web UI:
+#                             no npm, nothing downloaded; the HTTP API is all the bench uses)
 # Prints the llama-bench path on its last line.
 set -eu
 ROOT="${LLAMA_CPP_DIR:-$HOME/.cache/colibri-bench/llama.cpp}"
@@ -49,7 +52,8 @@ SRC="$ROOT/$(basename "$SDIST" .tar.gz)/vendor/llama.cpp"
 [ -d "$SRC" ] || tar -xzf "$SDIST" -C "$ROOT"
 # shellcheck disable=SC2086
 cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release $ISA_FLAGS -DLLAMA_CURL=OFF \
-      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF >&2
+      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+      -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >&2
 # shellcheck disable=SC2086
 cmake --build "$BUILD" --target $missing -j "$(nproc)" >&2
 echo "$BUILD/bin/llama-bench"

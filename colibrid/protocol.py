@@ -164,9 +164,10 @@ _ASK_FIELD_TYPES = {
     "seed": (_is_int, "an integer"),
     "stop": (_is_string_list, "a list of strings"),
     "logprobs": (_is_int, "an integer"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
 }
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "min_p", "repetition_penalty", "top_k", "seed", "stop",
-                    "logprobs")
+                    "logprobs", "ignore_eos")
 
 
 def parse_request(message: dict[str, Any], default_max_tokens: int,

@@ -8,6 +8,7 @@ go through the sequence's KV cache."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -15,13 +16,14 @@ from colibrid import native
 from colibrid.engine.kv_cache import KVCache, RingKVCache
 from colibrid.engine.layers import linear, rms_norm
 from colibrid.engine.rope import Rotary
+from colibrid.engine.token_mixer import TokenMixer
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
 log = logging.getLogger(__name__)
 
 
-class Attention:
+class Attention(TokenMixer):
     """One layer's attention weights (with the input norm before it) and the forward step
     that uses them."""
 
@@ -96,6 +98,17 @@ class Attention:
             return x
         out = self(rms_norm(x, self.input_norm, self.c.rms_norm_eps), positions, cos, sin, kv, start)
         return x + (out if self.post_norm is None else rms_norm(out, self.post_norm, self.c.rms_norm_eps))
+
+    def residual_batch(self, x: np.ndarray, bounds: np.ndarray, positions: np.ndarray, cos: np.ndarray,
+                       sin: np.ndarray, states: Sequence[KVCache | RingKVCache], starts: Sequence[int]) -> np.ndarray:
+        """The rows of several sequences in one libcolibri call: the q/k/v and output products
+        read the layer's weights once for all of them (see TokenMixer.residual_batch)."""
+        if self.fused is None:
+            return super().residual_batch(x, bounds, positions, cos, sin, states, starts)
+        counts = np.diff(bounds)
+        caches = [(*kv.buffers(start, int(n)), start, int(n), kv.ring) for kv, start, n in zip(states, starts, counts)]
+        native.attention_block_batch(self.fused, x, cos, sin, caches)
+        return x
 
     def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                  kv: KVCache | RingKVCache, start: int) -> np.ndarray:

@@ -28,6 +28,7 @@ import numpy as np
 
 from colibrid import native
 from colibrid.engine.layers import linear, rms_norm, silu
+from colibrid.engine.token_mixer import TokenMixer
 from colibrid.models.config import DeltaNetConfig, ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
@@ -50,7 +51,7 @@ class DeltaNetState:
         return self.conv.nbytes + self.recurrent.nbytes
 
 
-class DeltaNet:
+class DeltaNet(TokenMixer):
     """One layer's Gated DeltaNet weights (with the input norm before it) and its step."""
 
     def __init__(self, config: ModelConfig, layer: int, weights: dict[str, PackedTensor], input_norm: PackedTensor) -> None:

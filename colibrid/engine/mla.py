@@ -17,6 +17,7 @@ import numpy as np
 from colibrid import native
 from colibrid.engine.kv_cache import LatentCache
 from colibrid.engine.layers import linear, rms_norm
+from colibrid.engine.token_mixer import TokenMixer
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
@@ -29,7 +30,7 @@ def deinterleave(x: np.ndarray) -> np.ndarray:
     return np.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
-class LatentAttention:
+class LatentAttention(TokenMixer):
     """One layer's latent-attention weights (with the input norm before it) and its step."""
 
     def __init__(self, config: ModelConfig, layer: int, weights: dict[str, PackedTensor], input_norm: PackedTensor) -> None:

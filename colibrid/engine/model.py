@@ -187,11 +187,9 @@ class Model:
             if id(rotary) not in tables:
                 tables[id(rotary)] = rotary.cos_sin(positions)
             cos, sin = tables[id(rotary)]
-            for i, item in enumerate(inputs):
-                a, b = bounds[i], bounds[i + 1]
-                if a < b:
-                    x[a:b] = layer.mixer.residual(x[a:b], positions[a:b], cos[a:b], sin[a:b],
-                                                  item.state.layers[layer.layer], item.state.length)
+            x = layer.mixer.residual_batch(x, bounds, positions, cos, sin,
+                                           [item.state.layers[layer.layer] for item in inputs],
+                                           [item.state.length for item in inputs])
             x = layer.feed_forward(x, None if per_layer is None else per_layer[:, layer.layer])
         for item, n in zip(inputs, counts):
             item.state.advance(n)

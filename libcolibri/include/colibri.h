@@ -47,6 +47,12 @@ enum col_status {
                         partially written and must be discarded. */
     COL_ENOTSUP = 4, /* the operation is not supported for this type or on this machine;
                         outputs are untouched. */
+    COL_EIO       = 5, /* a read failed or came back short; the errno is in the result. */
+    COL_ECHECKSUM = 6, /* a record's bytes do not match its crc32c. */
+    COL_EBUSY     = 7, /* no slot is free or evictable: every slot is pinned or loading. */
+    COL_ESYSTEM   = 8, /* the operating system refused a resource that was required (mmap,
+                          mlock, hugetlb pages, O_DIRECT, a thread); the errno is reported in
+                          the object's info struct or the function's errno output. */
 };
 
 /* A short, static, human-readable description of a status code ("invalid argument").
@@ -504,6 +510,28 @@ COL_API int col_attention_block(col_pool *pool, const col_attention_layer *layer
                                 const float *cos, const float *sin, float *keys, float *vals,
                                 int64_t n_past, int64_t ring_rows);
 
+/* One sequence's part of a batched attention step: its cache (as col_attention_block's keys,
+ * vals, n_past and ring_rows) and how many of the step's rows are its, in order. */
+typedef struct col_attention_seq {
+    float *keys;
+    float *vals;
+    int64_t n_past;
+    int64_t n_tok;
+    int64_t ring_rows;
+} col_attention_seq;
+
+/* sizeof(col_attention_seq), for bindings to check their mirror of it */
+COL_API size_t col_attention_seq_size(void);
+
+/* col_attention_block over the rows of several sequences at once: x (T, D) holds seqs[0]'s
+ * n_tok rows, then seqs[1]'s ..., cos and sin (T, Hr) their rotary tables. The q/k/v and
+ * output products run once over all T rows (each row computed as if alone, so every row
+ * gets the bits col_attention_block gives it); each row attends over its own sequence's cache.
+ * col_attention_block is this with one sequence. Errors as there, for any sequence. */
+COL_API int col_attention_block_batch(col_pool *pool, const col_attention_layer *layer, float *x,
+                                      const float *cos, const float *sin, const col_attention_seq *seqs,
+                                      int64_t n_seqs);
+
 /* One layer's multi-head latent attention (DeepSeek-V2/V3, Kimi K2), set up once and passed
  * to every step. Weights are only read, during each call. Shapes: D dim, H n_heads, Cq q_rank,
  * C kv_rank, N nope_dim, R rope_dim, Vd v_dim, L = C + R. */
@@ -708,26 +736,11 @@ COL_API uint32_t col_crc32c_sw(uint32_t crc, const void *buf, size_t len);
 /* 1 if col_crc32c uses the hardware (SSE4.2) path on this machine, else 0. */
 COL_API int col_crc32c_hw(void);
 
-#ifdef __cplusplus
-}
-#endif
-
-#endif /* COLIBRI_H */
-
-/* ---- AEPC: slab pool, loader, expert cache ---- */
-#ifndef COLIBRI_AEPC_H
-#define COLIBRI_AEPC_H
-
-#include <stddef.h>
-#include <stdint.h>
-
-#ifdef __cplusplus
-extern "C" {
-#endif
-
-/*
- * The Active Expert Page Cache: routed experts stream from the pack's experts file into a
- * slab pool of fixed slots, one expert record per slot.
+/* ---------------------------------------------------------------------------------------
+ * The Active Expert Page Cache (AEPC): slab pool, loader, expert cache
+ *
+ * Routed experts stream from the pack's experts file into a slab pool of fixed slots, one
+ * expert record per slot.
  *
  *   col_slab          one region of n_slots * slot_bytes, hugepage-backed and locked when
  *                     possible, with a free map of slots.
@@ -739,17 +752,9 @@ extern "C" {
  *
  * The handles are opaque; every object is made by *_create and freed by *_destroy. All
  * functions of one object may be called from several threads at once. The Python side is
- * colibrid/native.py (the ctypes bindings) and colibrid/engine/expert_cache.py.
- *
- * This section has its own include guard because it follows the main one.
- *
- * Status codes beyond enum col_status, used by this section only: */
-#define COL_EIO       5 /* a read failed or came back short; the errno is in the result. */
-#define COL_ECHECKSUM 6 /* a record's bytes do not match its crc32c. */
-#define COL_EBUSY     7 /* no slot is free or evictable: every slot is pinned or loading. */
-#define COL_ESYSTEM   8 /* the operating system refused a resource that was required (mmap,
-                           mlock, hugetlb pages, O_DIRECT, a thread); the errno is reported in
-                           the object's info struct or the function's errno output. */
+ * colibrid/native/expert_cache.py (the ctypes bindings) and colibrid/engine/expert_cache.py.
+ * These functions add the status codes COL_EIO, COL_ECHECKSUM, COL_EBUSY and COL_ESYSTEM.
+ * ------------------------------------------------------------------------------------ */
 
 /* Dimension letters: S slots, L layers, E experts per layer, N experts named in a call. */
 
@@ -1032,4 +1037,4 @@ COL_API int col_expert_cache_set_policy(col_expert_cache *cache, int32_t policy)
 }
 #endif
 
-#endif /* COLIBRI_AEPC_H */
+#endif /* COLIBRI_H */

@@ -9,6 +9,10 @@
  * KV = K * Hd, R = Q + 2 * KV (+ Q with an output gate: rows of q, k, v (and g) stacked),
  * S = n_past + T keys.
  *
+ * The T rows may belong to several sequences (col_attention_block_batch): the products run
+ * once over every row, and phases 2 and 3 take each row's position and cache from its own
+ * sequence, so a batch of decode steps reads the layer's weights once for all of them.
+ *
  * Phases, with a barrier between each two:
  *   0. h[t] = rms_norm(x[t]) * norm, quantized for the q/k/v type          tokens split
  *   1. qkv[t] = h[t] @ [wq; wk; wv; wg]^T + [bq; bk; bv; 0]                R rows split
@@ -31,11 +35,12 @@ typedef struct {
     const col_kernel_set *k;
     const col_attention_layer *l;
     col_matrix mq, mk, mv, mo, mg; /* mg: the output gate's, when l->wg */
-    int64_t n_tok, n_past, Q, KV, R;
-    int64_t ring;             /* rows of a ring-buffer cache; 0: a flat cache */
+    int64_t n_tok, Q, KV, R;
+    const col_attention_seq *seqs; /* each sequence's cache, position and rows of x */
+    const int32_t *seq_of;    /* (T) the sequence of each row */
+    const int64_t *first_of;  /* (N) each sequence's first row */
     float *x;                 /* (T, D) */
     const float *cos, *sin;   /* (T, Hr) Hr = rotary_dim or Hd */
-    float *keys, *vals;       /* (>= S, K, Hd), or (ring, K, Hd) */
     float *h;                 /* (T, D) normed input */
     uint8_t *hq;              /* (T, hq_bytes) h quantized, integer q/k/v only */
     size_t hq_bytes;
@@ -48,6 +53,11 @@ typedef struct {
     int64_t scores_per_thread; /* the most keys a query sees: S, or the ring's rows */
     col_barrier barrier;
 } block_job;
+
+/* Row t's position in its sequence */
+static int64_t position_of(const block_job *j, int64_t t) {
+    return j->seqs[j->seq_of[t]].n_past + t - j->first_of[j->seq_of[t]];
+}
 
 /* numpy's clip: NaN stays NaN */
 static void clamp(float *v, int64_t n, float limit) {
@@ -119,14 +129,17 @@ static void finish_qkv(const block_job *j, int64_t t) {
         col_rms_norm(kt, l->k_norm, K, Hd, l->eps, kt);
     }
     if (l->temp_floor > 0.0f) { /* float32 throughout, in transformers' order */
-        const float p = (float)(j->n_past + t);
+        const float p = (float)position_of(j, t);
         const float gain = log1pf(floorf((p + 1.0f) / l->temp_floor)) * l->temp_scale + 1.0f;
         for (int64_t i = 0; i < j->Q; i++) q[i] *= gain;
     }
-    const int64_t pos = j->n_past + t, row = j->ring > 0 ? pos % j->ring : pos;
-    memcpy(j->keys + row * j->KV, kt, (size_t)j->KV * sizeof(float));
-    memcpy(j->vals + row * j->KV, vt, (size_t)j->KV * sizeof(float));
+    const col_attention_seq *seq = j->seqs + j->seq_of[t];
+    const int64_t pos = position_of(j, t);
+    const int64_t row = seq->ring_rows > 0 ? pos % seq->ring_rows : pos;
+    memcpy(seq->keys + row * j->KV, kt, (size_t)j->KV * sizeof(float));
+    memcpy(seq->vals + row * j->KV, vt, (size_t)j->KV * sizeof(float));
 }
+
 
 static void block_task(void *arg, int ith, int nth) {
     block_job *j = arg;
@@ -150,10 +163,11 @@ static void block_task(void *arg, int ith, int nth) {
     const int64_t group = H / l->n_kv_heads; /* 3. attention */
     float *sc = j->scores + ith * j->scores_per_thread;
     for (int64_t item = ith; item < T * H; item += nth) { /* round-robin, as col_attention */
-        const int64_t t = item / H, head = item % H, pos = j->n_past + t;
-        const int64_t lo = col_first_visible_key(pos, l->window, l->chunk, j->ring);
-        col_attend_head(j->k, j->qkv + t * j->R + head * Hd, j->keys, j->vals, l->n_kv_heads, head / group, Hd, lo,
-                        pos, j->ring, l->scale, l->sinks ? l->sinks + head : NULL, sc, j->a + item * Hd);
+        const int64_t t = item / H, head = item % H, pos = position_of(j, t);
+        const col_attention_seq *seq = j->seqs + j->seq_of[t];
+        const int64_t lo = col_first_visible_key(pos, l->window, l->chunk, seq->ring_rows);
+        col_attend_head(j->k, j->qkv + t * j->R + head * Hd, seq->keys, seq->vals, l->n_kv_heads, head / group, Hd,
+                        lo, pos, seq->ring_rows, l->scale, l->sinks ? l->sinks + head : NULL, sc, j->a + item * Hd);
         if (l->wg) gate_head(j->a + item * Hd, j->qkv + t * j->R + j->Q + 2 * j->KV + head * Hd, Hd);
     }
     col_barrier_wait(&j->barrier, nth);
@@ -217,6 +231,8 @@ void col_attention_output_normed(const col_kernel_set *k, const col_matrix *mo, 
 
 size_t col_attention_layer_size(void) { return sizeof(col_attention_layer); }
 
+size_t col_attention_seq_size(void) { return sizeof(col_attention_seq); }
+
 static int layer_valid(const col_attention_layer *l) {
     if (l->dim <= 0 || l->n_heads <= 0 || l->n_kv_heads <= 0 || l->head_dim <= 0 || l->head_dim % 2 != 0 ||
         l->n_heads % l->n_kv_heads != 0)
@@ -242,10 +258,24 @@ static int ring_valid(const col_attention_layer *l, int64_t n_tok, int64_t ring_
 int col_attention_block(col_pool *pool, const col_attention_layer *layer, float *x, int64_t n_tok,
                         const float *cos, const float *sin, float *keys, float *vals, int64_t n_past,
                         int64_t ring_rows) {
-    if (!layer || !layer_valid(layer) || n_tok < 0 || n_past < 0 || !ring_valid(layer, n_tok, ring_rows))
-        return COL_EINVAL;
+    const col_attention_seq seq = {keys, vals, n_past, n_tok, ring_rows};
+    return col_attention_block_batch(pool, layer, x, cos, sin, &seq, 1);
+}
+
+int col_attention_block_batch(col_pool *pool, const col_attention_layer *layer, float *x, const float *cos,
+                              const float *sin, const col_attention_seq *seqs, int64_t n_seqs) {
+    if (!layer || !layer_valid(layer) || n_seqs < 0 || (n_seqs > 0 && !seqs) || n_seqs > INT32_MAX) return COL_EINVAL;
+    int64_t n_tok = 0, most_keys = 0; /* rows in all; the most keys one query sees */
+    for (int64_t i = 0; i < n_seqs; i++) {
+        const col_attention_seq *q = seqs + i;
+        if (q->n_tok < 0 || q->n_past < 0 || !ring_valid(layer, q->n_tok, q->ring_rows)) return COL_EINVAL;
+        if (q->n_tok > 0 && (!q->keys || !q->vals)) return COL_EINVAL;
+        const int64_t keys_seen = q->ring_rows > 0 ? q->ring_rows : q->n_past + q->n_tok;
+        if (keys_seen > most_keys) most_keys = keys_seen;
+        n_tok += q->n_tok;
+    }
     if (n_tok == 0) return COL_OK;
-    if (!x || !cos || !sin || !keys || !vals) return COL_EINVAL;
+    if (!x || !cos || !sin) return COL_EINVAL;
     const col_attention_layer *l = layer;
     block_job job = {0};
     job.k = col_kernels_active();
@@ -260,17 +290,14 @@ int col_attention_block(col_pool *pool, const col_attention_layer *layer, float 
         col_matrix_init(&job.mo, job.k, l->o_type, l->wo, job.Q) != COL_OK)
         return COL_EINVAL;
     job.n_tok = n_tok;
-    job.n_past = n_past;
-    job.ring = ring_rows;
+    job.seqs = seqs;
     job.x = x;
     job.cos = cos;
     job.sin = sin;
-    job.keys = keys;
-    job.vals = vals;
 
-    /* scratch: h (T, D) | qkv (T, R) | a (T, Q) | o (T, D) | scores (nth, S) | hq | aq */
+    /* scratch: h (T, D) | qkv (T, R) | a (T, Q) | o (T, D) | scores (nth, S) | hq | aq | seq_of (T) | first_of (N) */
     const int nth = col_pool_n_threads(pool);
-    const size_t T = (size_t)n_tok, S = (size_t)(ring_rows > 0 ? ring_rows : n_past + n_tok);
+    const size_t T = (size_t)n_tok, S = (size_t)most_keys;
     job.scores_per_thread = (int64_t)S;
 #define F32_BYTES(n) (((n) * sizeof(float) + 63) / 64 * 64)
     const size_t sz_h = F32_BYTES(T * (size_t)l->dim), sz_qkv = F32_BYTES(T * (size_t)job.R);
@@ -278,7 +305,9 @@ int col_attention_block(col_pool *pool, const col_attention_layer *layer, float 
 #undef F32_BYTES
     job.hq_bytes = job.mq.integer ? col_xq_bytes(l->dim / COL_QK_X) : 0;
     job.aq_bytes = job.mo.integer ? col_xq_bytes(job.Q / COL_QK_X) : 0;
-    uint8_t *scratch = col_alloc(2 * sz_h + sz_qkv + sz_a + sz_scores + T * (job.hq_bytes + job.aq_bytes));
+    const size_t sz_q = (T * (job.hq_bytes + job.aq_bytes) + 7) / 8 * 8;
+    uint8_t *scratch = col_alloc(2 * sz_h + sz_qkv + sz_a + sz_scores + sz_q + T * sizeof(int32_t) +
+                                 (size_t)n_seqs * sizeof(int64_t));
     if (!scratch) return COL_ENOMEM;
     job.h = (float *)scratch;
     job.qkv = (float *)(scratch + sz_h);
@@ -287,6 +316,14 @@ int col_attention_block(col_pool *pool, const col_attention_layer *layer, float 
     job.scores = (float *)(scratch + 2 * sz_h + sz_qkv + sz_a);
     job.hq = scratch + 2 * sz_h + sz_qkv + sz_a + sz_scores;
     job.aq = job.hq + T * job.hq_bytes;
+    int64_t *first_of = (int64_t *)(job.hq + sz_q);
+    int32_t *seq_of = (int32_t *)(first_of + n_seqs);
+    for (int64_t i = 0, t = 0; i < n_seqs; i++) {
+        first_of[i] = t;
+        for (int64_t r = 0; r < seqs[i].n_tok; r++) seq_of[t++] = (int32_t)i;
+    }
+    job.first_of = first_of;
+    job.seq_of = seq_of;
     col_pool_run(pool, block_task, &job);
     col_free(scratch);
     return COL_OK;

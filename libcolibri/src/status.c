@@ -8,6 +8,10 @@ const char *col_status_string(int status) {
     case COL_ENOMEM: return "out of memory";
     case COL_ERANGE: return "value out of representable range";
     case COL_ENOTSUP: return "not supported";
+    case COL_EIO: return "I/O error";
+    case COL_ECHECKSUM: return "checksum mismatch";
+    case COL_EBUSY: return "no free or evictable slot";
+    case COL_ESYSTEM: return "a required system resource was refused";
     default: return "unknown status";
     }
 }

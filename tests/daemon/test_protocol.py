@@ -60,6 +60,12 @@ def test_ask_defaults_come_from_the_server_and_nil_means_absent():
     assert ask.params.temperature == 1.0
 
 
+def test_ignore_eos_reaches_the_sampling_parameters_and_is_off_by_default():
+    assert parse({"op": "ask", "id": 1, "prompt": "hi", "ignore_eos": True}).params.ignore_eos is True
+    assert parse({"op": "ask", "id": 1, "prompt": "hi"}).params.ignore_eos is False
+    assert parse({"op": "ask", "id": 1, "prompt": "hi", "ignore_eos": None}).params.ignore_eos is False
+
+
 def test_the_model_s_sampling_defaults_fill_what_an_ask_omits():
     model_defaults = {"temperature": 0.7, "top_p": 0.95}
     ask = parse_request({"op": "ask", "id": 1, "prompt": "hi"}, 256, model_defaults)
@@ -81,6 +87,7 @@ def test_unknown_fields_are_ignored():
     ({"id": 1}, "bad_request"),
     ({"op": "ask", "id": 1, "prompt": "x", "top_k": 1.0}, "bad_request"),
     ({"op": "ask", "id": 1, "prompt": "x", "raw": 1}, "bad_request"),
+    ({"op": "ask", "id": 1, "prompt": "x", "ignore_eos": 1}, "bad_request"),
     ({"op": "ask", "id": 1, "prompt": "x", "logprobs": 21}, "invalid_params"),
     ({"op": "ask", "id": 1, "prompt": "x", "top_p": 0}, "invalid_params"),
     ({"op": "ask", "id": 1, "prompt": "x", "max_tokens": 0}, "invalid_params"),

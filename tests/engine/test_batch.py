@@ -162,3 +162,14 @@ def test_the_step_reports_how_much_its_sequences_share_experts(demo_engine):
     status = batch.status()
     assert status["max_batch"] == 8 and status["size"] == 0 and status["steps"] == batch.steps
     assert 0 < status["distinct_experts_per_layer_step"] <= status["sequence_experts_per_layer_step"]
+
+
+def test_the_batched_attention_call_refuses_rows_that_do_not_add_up(demo_engine):
+    from colibrid import native
+
+    attention = demo_engine.model.layers[0].mixer
+    state = attention.new_state(8, 8)
+    x = np.zeros((3, demo_engine.config.hidden_size), np.float32)
+    cos, sin = attention.rotary.cos_sin(np.arange(3))
+    with pytest.raises(native.InvalidArgumentError, match="add up to 2"):
+        native.attention_block_batch(attention.fused, x, cos, sin, [(*state.buffers(0, 2), 0, 2, False)])

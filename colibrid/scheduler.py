@@ -249,7 +249,7 @@ class Scheduler:
         ask = job.ask
         try:
             prompt_ids = self.engine.prompt_ids(prompt=ask.prompt, messages=ask.messages, system=ask.system,
-                                                raw=ask.raw)
+                                                raw=ask.raw, tools=ask.tools)
             events = self.engine.generate(prompt_ids, ask.params)
         except ChatTemplateError as exc:  # the pack's template went over its budget: the model's fault
             log.warning("request %r from %s: %s", ask.id, job.origin, exc)

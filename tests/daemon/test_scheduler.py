@@ -27,7 +27,7 @@ class ScriptedEngine:
         self.max_active = 0
         self.started: list[str] = []
 
-    def prompt_ids(self, prompt=None, messages=None, system=None, raw=False):
+    def prompt_ids(self, prompt=None, messages=None, system=None, raw=False, tools=None):
         if prompt == "chat-without-template":
             raise ValueError("this model has no chat template")
         return [ord(c) for c in prompt]

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
+from colibrictl.connection import ProtocolViolation
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from colibrid.gateway import openai_api
@@ -234,6 +235,10 @@ class Gateway:
         except DaemonUnavailable as exc:
             outcome = "unavailable"
             raise unavailable(exc, self.config.retry_after_s) from None
+        except ProtocolViolation as exc:  # colibrid sent something the protocol does not allow
+            log.error("colibrid broke the protocol: %s", exc)
+            raise OpenAIError(502, f"colibrid sent a malformed reply: {exc}", "server_error",
+                              code="bad_daemon_reply") from None
         except (asyncio.CancelledError, ConnectionResetError):
             outcome = "client_disconnected"
             raise
@@ -298,7 +303,8 @@ async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
 
 
 def _endpoint(path: str) -> str:
-    return "chat" if path.startswith("/v1/chat") else "completions"
+    """The `endpoint` label of a /v1 path: chat, completions or models."""
+    return "chat" if path.startswith("/v1/chat") else "completions" if path.startswith("/v1/completions") else "models"
 
 
 class _Reply:

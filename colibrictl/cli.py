@@ -1,4 +1,4 @@
-"""The ``colibrictl`` command: ask, status, models.
+"""The ``colibrictl`` command: ask, chat (colibrictl/chat.py), status, models.
 
 The command is a pipe citizen: the answer (and nothing else) goes to stdout, streamed and
 flushed per token; diagnostics go to stderr; the exit code says what happened (see EPILOG).
@@ -59,6 +59,13 @@ ask:
   before the interrupt. So the last line tells a complete answer (done) from a
   failed (error) or a cut-off (cancelled) one.
 
+chat:
+  A conversation: every turn sends the earlier ones. On a terminal, with line
+  editing and history, a tok/s status line after each answer (stderr), the
+  commands /system TEXT, /reset, /save FILE, /load FILE, /help, /exit, and
+  Ctrl-C to stop an answer without leaving. Otherwise one turn per line of
+  stdin, one answer per turn on stdout. `colibrictl chat --help` says more.
+
 exit status:
   0    ok (also when stdout was closed early, e.g. `| head`; the request is cancelled)
   1    the daemon refused or failed the request: "colibrictl: error [code]: message"
@@ -106,7 +113,15 @@ def _add_ask_options(ask: argparse.ArgumentParser) -> None:
     ask.add_argument("--no-stream", dest="stream", action="store_false",
                      help="print the answer once, when it is complete "
                           "(with --json: only the done event)")
-    sampling = ask.add_argument_group("generation (omitted: the daemon's defaults)")
+    sampling = add_sampling_options(ask)
+    sampling.add_argument("--logprobs", type=int, metavar="N",
+                          help="report the top N alternatives per token (shown with --json)")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The generation options ask and chat share (sent only when given: sampling_fields);
+    returns their group, for a command's own additions."""
+    sampling = parser.add_argument_group("generation (omitted: the daemon's defaults)")
     sampling.add_argument("--max-tokens", type=int, metavar="N", help="generate at most N tokens")
     sampling.add_argument("--temperature", type=float, metavar="T", help="0 picks the likeliest")
     sampling.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest")
@@ -119,8 +134,7 @@ def _add_ask_options(ask: argparse.ArgumentParser) -> None:
     sampling.add_argument("--seed", type=int, metavar="S", help="make sampling reproducible")
     sampling.add_argument("--stop", action="append", metavar="TEXT",
                           help="end the answer at this text (repeatable)")
-    sampling.add_argument("--logprobs", type=int, metavar="N",
-                          help="report the top N alternatives per token (shown with --json)")
+    return sampling
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
                               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_ask_options(ask)
     ask.set_defaults(run=run_ask, parser=ask)
+    # chat imports this module for its helpers, so it is imported here, not at the top.
+    from colibrictl import chat as chat_command
+
+    chat = commands.add_parser("chat", parents=[common], help="hold a conversation with the model",
+                               description="Hold a conversation: interactive on a terminal, "
+                                           "one turn per line of stdin otherwise.",
+                               epilog=chat_command.EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    chat.add_argument("--system", metavar="TEXT", help="system prompt (/system changes it)")
+    add_sampling_options(chat)
+    chat.set_defaults(run=chat_command.run_chat, parser=chat)
     status = commands.add_parser("status", parents=[common], help="the daemon's state")
     status.set_defaults(run=run_status, parser=status)
     models = commands.add_parser("models", parents=[common], help="the models the daemon serves")
@@ -211,9 +235,9 @@ def drop_final_newline(text: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
-# argparse destination → protocol field, for the options that are sent only when given.
-_ASK_FIELDS = {
-    "system": "system",
+# argparse destination → protocol field, for the generation options (add_sampling_options),
+# which are sent only when given.
+_SAMPLING_FIELDS = {
     "max_tokens": "max_tokens",
     "temperature": "temperature",
     "top_k": "top_k",
@@ -222,18 +246,22 @@ _ASK_FIELDS = {
     "repeat_penalty": "repetition_penalty",
     "seed": "seed",
     "stop": "stop",
-    "logprobs": "logprobs",
 }
 
 
+def sampling_fields(args: argparse.Namespace) -> dict:
+    """The generation fields of an ask; options left out are not sent, so the daemon's
+    defaults (documented in one place, the daemon's config) apply."""
+    return {field: getattr(args, option) for option, field in _SAMPLING_FIELDS.items()
+            if getattr(args, option) is not None}
+
+
 def ask_fields(args: argparse.Namespace, prompt: str) -> dict:
-    """The ask request's fields; options left out are not sent, so the daemon's defaults
-    (documented in one place, the daemon's config) apply."""
-    fields: dict = {"prompt": prompt}
-    for option, field in _ASK_FIELDS.items():
-        value = getattr(args, option)
-        if value is not None:
-            fields[field] = value
+    """The ask request's fields: the prompt, and the options given."""
+    fields: dict = {"prompt": prompt, **sampling_fields(args)}
+    for option in ("system", "logprobs"):
+        if getattr(args, option) is not None:
+            fields[option] = getattr(args, option)
     if args.raw:
         fields["raw"] = True
     return fields
@@ -362,7 +390,7 @@ def _silence_stdout() -> None:
         pass  # stdout is not a file descriptor (an embedding caller's stream); nothing to do
 
 
-def _report_unreachable(error: DaemonUnreachable) -> None:
+def report_unreachable(error: DaemonUnreachable) -> None:
     _error(str(error))
     if isinstance(error.__cause__, PermissionError):
         _error("ask for access to that socket (its group), or use another with --socket")
@@ -383,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         code = exit_request.code
         return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)
     except DaemonUnreachable as error:
-        _report_unreachable(error)
+        report_unreachable(error)
         return EXIT_UNAVAILABLE
     except RequestError as error:
         _error(f"error [{error.code}]: {error.message}")

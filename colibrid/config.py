@@ -56,7 +56,10 @@ class DaemonConfig:
     socket_group: str = "colibri"  # group of a socket we bind ourselves, if that group exists; "" leaves it
     allow_users: tuple[str | int, ...] = ()  # peers allowed by user (name or uid); () with allow_groups () = anyone
     allow_groups: tuple[str | int, ...] = ()  # peers allowed by any of their groups (name or gid)
-    max_queue: int = 16  # requests waiting beyond the one running
+    max_queue: int = 16  # requests waiting beyond the running batch
+    max_batch: int = 8  # requests decoding together in one batch (each step advances them all)
+    prefill_chunk: int = 256  # prompt tokens per step, in all: a long prompt runs in chunks beside the others' tokens
+    kv_cache_size: str = "10%"  # the running requests' KV caches together: bytes, "2G", or "10%" of the memory budget
     max_frame_bytes: int = 1024 * 1024  # largest frame accepted or sent, length prefix excluded
     max_connections: int = 128  # clients connected at once; one more gets `busy` and is closed
     max_outbox_bytes: int = 1024 * 1024  # replies queued for one client before its requests wait
@@ -208,8 +211,16 @@ KEYS: tuple[_Key, ...] = (
     _Key("allow_groups", "groups whose members may connect, comma-separated names or gids",
          "must be a list of group names or gids", _parse_principals_flag, _is_principal_list, "GROUPS",
          reloadable=True, normalise=tuple),
-    _Key("max_queue", "requests that may wait while one runs", "must be an integer >= 1", _parse_int_flag, _int_at_least(1), "N",
-         reloadable=True),
+    _Key("max_queue", "requests that may wait while the batch runs", "must be an integer >= 1", _parse_int_flag,
+         _int_at_least(1), "N", reloadable=True),
+    _Key("max_batch", "requests decoding together: each step advances all of them and reads each expert once for all",
+         "must be an integer in [1, 256]", _parse_int_flag, _int_at_least(1, 256), "N"),
+    _Key("prefill_chunk", "prompt tokens per step in all: a long prompt is fed in chunks of this size between the "
+         "other requests' tokens", "must be an integer in [1, 512]", _parse_int_flag, _int_at_least(1, 512), "TOKENS"),
+    _Key("kv_cache_size", 'memory for the running requests\' KV caches together: bytes, "2G", "512M" or "10%" of the '
+         'memory budget; a request is admitted when its prompt plus max_tokens fits',
+         'must be a size above 0: bytes (123), K/M/G/T ("512M", "2G") or a percentage of the memory budget ("10%")',
+         _parse_int_flag, _is_size, "SIZE"),
     _Key("max_frame_bytes", "largest request frame accepted, in bytes", f"must be an integer in [{MIN_FRAME_BYTES}, {MAX_FRAME_BYTES}]",
          _parse_int_flag, _int_at_least(MIN_FRAME_BYTES, MAX_FRAME_BYTES), "BYTES", reloadable=True),
     _Key("max_connections", "clients connected at once; one more gets a busy error and is closed",

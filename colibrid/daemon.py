@@ -37,7 +37,7 @@ from colibrid.access import AccessPolicy
 from colibrid.config import KEYS, ConfigError, DaemonConfig, load_config
 from colibrid.listener import Listener, ListenerError, check_free, open_listeners
 from colibrid.logsetup import configure_logging, set_level
-from colibrid.memory import HugepageRecord, format_bytes, return_orphaned_hugepages
+from colibrid.memory import HugepageRecord, format_bytes, measure_budget, parse_size, return_orphaned_hugepages
 from colibrid.protocol import LENGTH_PREFIX, PROTOCOL_VERSION, decode_body, encode_frame
 from colibrid.scheduler import Scheduler
 from colibrid.server import ClientLimits, Server, model_name
@@ -72,6 +72,7 @@ class Daemon:
         self._argv = list(argv)  # read again on reload: flags keep overriding the file
         self._notifier = Notifier()
         self._cpus: affinity.CpuPlan | None = None  # planned at startup
+        self._kv_budget_line = ""  # what kv_cache_size came to, logged once serving
         interval_s = watchdog_interval_s()
         self._watchdog = Watchdog(self._notifier, interval_s, config.stall_timeout_s) if interval_s else None
         # Set by signal handlers, and only there.
@@ -131,6 +132,7 @@ class Daemon:
         except ListenerError as exc:
             raise StartupError(str(exc)) from None
         return_orphaned_hugepages(HugepageRecord(self.config.hugepage_record))
+        kv_budget_bytes = self._kv_budget_bytes()  # of the memory budget before the model takes its share
         self._notifier.status(f"loading {self.config.model}")
         nice = affinity.apply_nice(self.config.nice)  # before any thread exists: they all inherit it
         cpus = self._cpus = self._plan_cpus()
@@ -146,7 +148,8 @@ class Daemon:
             self._listeners = open_listeners(self.config.socket, self.config.socket_group)
         except ListenerError as exc:
             raise StartupError(str(exc)) from None
-        self._scheduler = Scheduler(engine, self.config.max_queue)
+        self._scheduler = Scheduler(engine, self.config.max_queue, self.config.max_batch, self.config.prefill_chunk,
+                                    kv_budget_bytes)
         self._scheduler.start()
         affinity.pin_current_thread(cpus.io)  # the event loop and the threads it starts later
         self._server = Server(engine, self._scheduler, self.config.model, self.config.max_frame_bytes,
@@ -167,16 +170,30 @@ class Daemon:
                  model_name(self.config.model), _count(engine.parameters_total),
                  _count(engine.parameters_active), self.config.model, where)
         self._log_budget(engine.experts)
+        log.info("%s", self._kv_budget_line)
         log.debug("compute threads on CPUs %s, I/O threads on CPUs %s", cpus.describe()["compute"],
                   cpus.describe()["io"])
         self._notifier.ready(self._server.service_status(0.0))
+
+    def _kv_budget_bytes(self) -> int:
+        """kv_cache_size in bytes; a percentage is of the memory budget measured now, before the
+        dense weights and the expert cache take theirs (as cache_size's percentage is)."""
+        budget = measure_budget()
+        try:
+            kv_bytes = parse_size(self.config.kv_cache_size, "kv_cache_size", budget.available_bytes)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        self._kv_budget_line = (f"KV cache budget {format_bytes(kv_bytes)} (kv_cache_size = {self.config.kv_cache_size} "
+                                f"of the {budget.describe()}): a request joins the batch when its prompt plus "
+                                "max_tokens fits")
+        return kv_bytes
 
     async def _start_thermal_watch(self, engine) -> None:
         """Find the drive under the experts file and start watching it; from here on the watch
         owns the loader's queue depth and prefetch (it applies the configured values when cool)."""
         assert self._server is not None
         self._thermal = ThermalWatch(engine.pack.experts_path, lambda: engine.experts, self._thermal_settings(),
-                                     on_drive_back=lambda: self._scheduler.run_between_requests(
+                                     on_drive_back=lambda: self._scheduler.run_between_steps(
                                          lambda: self._reopen_expert_cache(engine)))
         await asyncio.to_thread(self._thermal.start)
         self._server.thermal = self._thermal
@@ -364,7 +381,7 @@ class Daemon:
             # The new pool is built with every new cache setting; the old one is not touched
             # from this thread again (the engine thread closes it after the swap).
             cache_size = self.config.cache_size
-            self._scheduler.run_between_requests(lambda: self._resize_expert_cache(engine, cache_size))
+            self._scheduler.run_between_steps(lambda: self._resize_expert_cache(engine, cache_size))
         else:
             engine.experts.set_policy(self.config.cache_policy)
         if self._thermal is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Union
 
 import msgpack
@@ -315,3 +316,42 @@ _PARSERS = {"hello": _parse_hello, "ask": _parse_ask, "cancel": _parse_cancel, "
 def error_event(request_id: RequestId | None, code: str, message: str) -> dict[str, Any]:
     return {"event": "error", "id": request_id, "code": code, "message": message}
 
+
+
+def token_event(request_id: RequestId, token: Any, token_text: Callable[[int], str] | None = None) -> dict[str, Any]:
+    """A `token` event for one sampled token: the engine's GenerationEvent (token_id, text,
+    logprob, top_logprobs). With ``token_text`` (the request asked for logprobs), the event
+    carries the token's logprob and its alternatives as [id, text, logprob]."""
+    event: dict[str, Any] = {"event": "token", "id": request_id, "token_ids": [token.token_id], "text": token.text}
+    if token_text is not None:
+        event["logprob"] = token.logprob
+        event["top_logprobs"] = [[token_id, token_text(token_id), logprob]
+                                 for token_id, logprob in (token.top_logprobs or [])]
+    return event
+
+
+def done_event(request_id: RequestId, done: Any, expert_hits: int = 0, expert_misses: int = 0) -> dict[str, Any]:
+    """The `done` event ending a request: the engine's GenerationDone (finish_reason, text and
+    counts) and the expert cache's hits and misses in the steps the request took part in."""
+    return {
+        "event": "done", "id": request_id, "finish_reason": done.finish_reason, "text": done.text,
+        "usage": {
+            "prompt_tokens": done.prompt_tokens, "generated_tokens": done.generated_tokens,
+            "time_to_first_token_ms": done.time_to_first_token_s * 1000.0,
+            "decode_tokens_per_s": done.decode_tokens_per_s,
+            "expert_cache_hits": expert_hits, "expert_cache_misses": expert_misses,
+        },
+    }
+
+
+def cancelled_before_start_event(request_id: RequestId) -> dict[str, Any]:
+    """The `done` of an ask cancelled while it still waited in the queue: nothing was generated."""
+    return {
+        "event": "done", "id": request_id, "finish_reason": "cancelled", "text": "",
+        "usage": {"prompt_tokens": 0, "generated_tokens": 0, "time_to_first_token_ms": 0.0,
+                  "decode_tokens_per_s": 0.0, "expert_cache_hits": 0, "expert_cache_misses": 0},
+    }
+
+
+def shutdown_event(request_id: RequestId) -> dict[str, Any]:
+    return error_event(request_id, "shutdown", "colibrid is stopping; the request was not completed")

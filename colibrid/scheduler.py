@@ -1,24 +1,29 @@
-"""The scheduler: a bounded queue of asks and ONE engine thread that runs them one at a time.
+"""The scheduler: a bounded queue of asks and ONE engine thread that runs them as a batch.
 
-The engine is not thread-safe and a generation is CPU- and disk-bound, so it runs on its own
+Every admitted ask is a sequence of the engine's Batch: each step advances all of them
+together (a decode token each, and prompt chunks of those still prefilling), so a routed
+expert is read and computed once per layer step for every sequence routed to it. Asks join
+when a batch slot is free (max_batch) and their KV cache fits the budget (kv_cache_size);
+otherwise they wait in the queue, in order, and beyond max_queue a new ask gets `busy` at once:
+a client is better served by an error it can retry than by a wait it cannot see the end of.
+
+The engine is not thread-safe and a step is CPU- and disk-bound, so it runs on its own
 thread, never on the event loop: the loop keeps reading, writing and answering `status` while
-a request decodes. The loop and the worker share only
+the batch decodes. The loop and the worker share only
 
   - the queue (a deque under a Condition): the loop submits and withdraws, the worker takes;
   - Job.stop_reason, which the loop sets (cancel, disconnect, shutdown) and the worker reads
-    between tokens - closing the generator there, so a dead client frees its place within one
-    token;
+    at each step boundary, where it takes the sequence out of the batch - so a dead client
+    frees its slot and its KV within one step;
   - Job.emit, through which the worker hands each event back; the server makes it
     loop.call_soon_threadsafe, so the worker never waits for a client, however slow.
 
-A full queue is refused at once (`busy`): a client is better served by an error it can retry
-than by a wait it cannot see the end of.
-
 Stopping has two steps, so that SIGTERM can drain: close_intake() refuses new asks but lets the
-worker finish the running and the waiting ones (it exits when the queue is empty), and stop()
+worker finish the running and the waiting ones (it exits when both are empty), and stop()
 ends whatever is left with `shutdown`. The worker also stamps the time of its last progress (a
-request taken, a token produced, a request ended): seconds_without_progress() is the health
-check behind the systemd watchdog.
+token, a request taken or ended): seconds_without_progress() is the health check behind the
+systemd watchdog (a step that only fed prompt chunks is not progress: stall_timeout_s is the
+longest wait for a token).
 """
 
 from __future__ import annotations
@@ -27,15 +32,18 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from colibrid.engine.batch import BatchSequence, SequenceFailed, StepFailed
 from colibrid.engine.chat_template import ChatTemplateError
 from colibrid.engine.expert_cache import ExpertLoadingPaused
 from colibrid.engine.experts import ExpertLoadError
-from colibrid.engine.generate import GenerationDone, GenerationEvent
-from colibrid.protocol import Ask, error_event
+from colibrid.engine.generate import GenerationDone
+from colibrid.protocol import (
+    Ask, cancelled_before_start_event, done_event, error_event, shutdown_event, token_event,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,51 +72,34 @@ class Job:
     stop_reason: str | None = None
     submitted_s: float = field(default_factory=time.monotonic)
     origin: str = "a client"  # who asked, for the log: "connection 3 (uid 1000 (alice) gid 1000 pid 42)"
-    progress: "_Progress | None" = None  # set by the worker when the generation starts
+    # Set by the worker when it first looks at the job at the head of the queue:
+    prepared: "tuple | None" = None  # (Generation, Session) ready to join the batch
+    sequence: BatchSequence | None = None  # while it runs
 
 
 def shutdown_error(job: Job) -> Event:
-    return error_event(job.ask.id, "shutdown", "colibrid is stopping; the request was not completed")
+    return shutdown_event(job.ask.id)
 
 
-def cancelled_done(job: Job, text: str = "", prompt_tokens: int = 0, generated_tokens: int = 0,
-                   time_to_first_token_ms: float = 0.0, decode_tokens_per_s: float = 0.0,
-                   expert_hits: int = 0, expert_misses: int = 0) -> Event:
-    return done_event(job, "cancelled", text, prompt_tokens, generated_tokens, time_to_first_token_ms,
-                      decode_tokens_per_s, expert_hits, expert_misses)
-
-
-def done_event(job: Job, finish_reason: str, text: str, prompt_tokens: int, generated_tokens: int,
-               time_to_first_token_ms: float, decode_tokens_per_s: float, expert_hits: int,
-               expert_misses: int) -> Event:
-    return {
-        "event": "done", "id": job.ask.id, "finish_reason": finish_reason, "text": text,
-        "usage": {
-            "prompt_tokens": prompt_tokens, "generated_tokens": generated_tokens,
-            "time_to_first_token_ms": time_to_first_token_ms, "decode_tokens_per_s": decode_tokens_per_s,
-            "expert_cache_hits": expert_hits, "expert_cache_misses": expert_misses,
-        },
-    }
-
-
-def expert_counts(source) -> tuple[int, int]:
-    """(hits, misses) of an expert source so far (ExpertSource.summary)."""
-    summary = source.summary()
-    return summary["hits"], summary["misses"]
+def cancelled_done(job: Job) -> Event:
+    """The `done` of a job cancelled before it started."""
+    return cancelled_before_start_event(job.ask.id)
 
 
 class Scheduler:
-    def __init__(self, engine, max_queue: int) -> None:
+    def __init__(self, engine, max_queue: int, max_batch: int = 8, prefill_chunk: int = 256,
+                 kv_budget_bytes: int = 1 << 30) -> None:
         self.engine = engine
         self.max_queue = max_queue
+        self.batch = engine.new_batch(max_batch, prefill_chunk, kv_budget_bytes)  # touched by the worker only
         self.requests_served = 0  # asks that ended with `done`, whatever the finish reason
         self.tokens_generated = 0  # tokens streamed since start, for the recent tokens/s in STATUS=
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._running: Job | None = None
-        self._between_requests: collections.deque[Callable[[], None]] = collections.deque()
-        self._intake_closed = False  # no new asks; the worker exits once the queue is empty
-        self._stopped = False  # the worker exits after its current token
+        self._running: list[Job] = []  # replaced, never changed in place: the loop may read it any time
+        self._between_steps: collections.deque[Callable[[], None]] = collections.deque()
+        self._intake_closed = False  # no new asks; the worker exits once nothing runs or waits
+        self._stopped = False  # the worker exits after its current step
         self._last_progress_s = time.monotonic()  # written by the worker, read by the loop: one float
         self._thread = threading.Thread(target=self._work, name="colibrid-engine", daemon=True)
 
@@ -123,11 +114,24 @@ class Scheduler:
 
     @property
     def requests_running(self) -> int:
-        return 0 if self._running is None else 1
+        return len(self._running)
+
+    def running_status(self) -> list[dict]:
+        """For `status`: each running request's id, peer, phase, tokens so far and tok/s."""
+        return [{"id": job.ask.id, "peer": job.origin, "phase": job.sequence.phase,
+                 "tokens": job.sequence.generation.generated_tokens,
+                 "tokens_per_s": job.sequence.tokens_per_s()}
+                for job in self._running if job.sequence is not None]
+
+    def batch_status(self) -> dict:
+        return self.batch.status()
+
+    def kv_status(self) -> dict:
+        return self.batch.kv_status()
 
     def seconds_without_progress(self) -> float:
-        """How long the running request has gone without a token (0 when nothing runs)."""
-        if self._running is None:
+        """How long the running batch has gone without a step (0 when nothing runs)."""
+        if not self._running:
             return 0.0
         return max(0.0, time.monotonic() - self._last_progress_s)
 
@@ -141,7 +145,8 @@ class Scheduler:
             self._cond.notify()
 
     def withdraw(self, job: Job, reason: str) -> bool:
-        """Stop `job`. True if it was still waiting (removed; the caller ends it), False if the worker will."""
+        """Stop `job`. True if it was still waiting (removed; the caller ends it), False if the
+        worker will (at the next step boundary)."""
         with self._cond:
             job.stop_reason = reason
             try:
@@ -150,11 +155,11 @@ class Scheduler:
                 return False
             return True
 
-    def run_between_requests(self, task: Callable[[], None]) -> None:
-        """Run ``task`` on the engine thread before the next request starts (at once when idle):
-        for changes a generation must never see half-way, such as swapping the expert cache."""
+    def run_between_steps(self, task: Callable[[], None]) -> None:
+        """Run ``task`` on the engine thread before the next step (at once when idle): for
+        changes a step must never see half-way, such as swapping the expert cache."""
         with self._cond:
-            self._between_requests.append(task)
+            self._between_steps.append(task)
             self._cond.notify()
 
     def close_intake(self) -> None:
@@ -164,13 +169,11 @@ class Scheduler:
             self._cond.notify_all()
 
     def stop(self) -> list[Job]:
-        """Accept nothing more; flag the running job; return the waiting ones for the caller to end."""
+        """Accept nothing more; flag the running jobs; return the waiting ones for the caller to end."""
         with self._cond:
             self._stopped = True
             waiting, self._waiting = list(self._waiting), collections.deque()
-            if self._running is not None:
-                self._running.stop_reason = STOP_SHUTDOWN
-            for job in waiting:
+            for job in self._running + waiting:
                 job.stop_reason = STOP_SHUTDOWN
             self._cond.notify_all()
         return waiting
@@ -181,7 +184,7 @@ class Scheduler:
         return not self._thread.is_alive()
 
     def join(self, timeout_s: float) -> bool:
-        """Wait for the worker to finish its current token; False if it did not within timeout_s."""
+        """Wait for the worker to finish its current step; False if it did not within timeout_s."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
@@ -190,33 +193,142 @@ class Scheduler:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not (self._waiting or self._between_requests or self._stopped or self._intake_closed):
+                while not (self._waiting or self._running or self._between_steps or self._stopped
+                           or self._intake_closed):
                     self._cond.wait()
-                tasks = list(self._between_requests)
-                self._between_requests.clear()
-                if not tasks:
-                    if self._stopped or not self._waiting:
-                        return  # stopped, or drained after close_intake()
-                    job = self._running = self._waiting.popleft()
-                    self._last_progress_s = time.monotonic()
+                tasks = list(self._between_steps)
+                self._between_steps.clear()
+                stopped = self._stopped
+                drained = self._intake_closed and not self._waiting and not self._running
             if tasks:
                 self._run_tasks(tasks)
-                continue
-            try:
-                last_event = self._run(job)
-            except Exception:  # the worker must survive any one request
-                log.exception("request %r from %s failed unexpectedly", job.ask.id, job.origin)
-                last_event = error_event(job.ask.id, "engine", "internal error; see the daemon log")
-            # The job stops counting as running before its last event leaves, so a client that
-            # asks for `status` right after `done` never sees its own request still running.
+            self._retire_stopped()
+            if stopped or (drained and not tasks):
+                return
+            self._admit()
+            if self._running:
+                self._step()
+
+    def _admit(self) -> None:
+        """Moves asks from the head of the queue into the batch while a slot is free and their
+        KV fits; an ask that cannot fit even alone, or whose prompt is bad, ends with an error."""
+        while True:
             with self._cond:
-                self._running = None
-                self._last_progress_s = time.monotonic()
-                if last_event is not None and last_event["event"] == "done":
-                    self.requests_served += 1
-            if last_event is not None:
-                job.emit(last_event)
-            self._log_finished(job, last_event)
+                if not self._waiting or len(self._running) >= self.batch.max_batch:
+                    return
+                job = self._waiting[0]
+            if job.prepared is None:
+                error = self._prepare(job)
+                if error is not None:
+                    if self._take_from_queue(job):
+                        self._finish(job, error)
+                    continue
+            generation, session = job.prepared
+            if not self.batch.has_room(session.state.nbytes):
+                return  # it waits for a sequence to end and free its KV; the order is kept
+            if not self._take_from_queue(job):
+                continue  # withdrawn meanwhile: the loop has ended it
+            job.sequence = self.batch.admit(job, generation, session)
+            with self._cond:
+                self._running = self._running + [job]
+            self._last_progress_s = time.monotonic()
+            log.debug("request %r from %s: %d prompt tokens, waited %.3f s, batch of %d", job.ask.id, job.origin,
+                      generation.prompt_tokens, time.monotonic() - job.submitted_s, len(self._running))
+
+    def _take_from_queue(self, job: Job) -> bool:
+        with self._cond:
+            if self._waiting and self._waiting[0] is job:
+                self._waiting.popleft()
+                return True
+            return False
+
+    def _prepare(self, job: Job) -> Event | None:
+        """Tokenizes the ask and builds its generation and state (sets job.prepared); the
+        error event that ends it instead, if any."""
+        ask = job.ask
+        try:
+            prompt_ids = self.engine.prompt_ids(prompt=ask.prompt, messages=ask.messages, system=ask.system,
+                                                raw=ask.raw, tools=ask.tools)
+            generation, session = self.engine.start_generation(prompt_ids, ask.params)
+            self.batch.check_fits_alone(session.state.nbytes)
+        except ChatTemplateError as exc:  # the pack's template went over its budget: the model's fault
+            log.warning("request %r from %s: %s", ask.id, job.origin, exc)
+            return error_event(ask.id, "engine", str(exc))
+        except ValueError as exc:  # an empty or too long prompt, a chat without a template, too much KV
+            return error_event(ask.id, "invalid_params", str(exc))
+        except Exception:  # the worker must survive any one request
+            log.exception("request %r from %s could not start", ask.id, job.origin)
+            return error_event(ask.id, "engine", "internal error; see the daemon log")
+        job.prepared = (generation, session)
+        return None
+
+    def _step(self) -> None:
+        try:
+            results = self.batch.step()
+        except StepFailed as failure:
+            self._fail(failure.sequences, failure.__cause__)
+            return
+        if any(outcomes for _, outcomes in results):  # a token (a prompt chunk alone is not one: stall_timeout_s)
+            self._last_progress_s = time.monotonic()
+        for sequence, outcomes in results:
+            self._deliver(sequence.key, sequence, outcomes)
+
+    def _fail(self, sequences: list[BatchSequence], cause: BaseException | None) -> None:
+        """A step failed: its sequences had their states partly advanced, so they all end with
+        the error; the batch's other sequences (prompts waiting for their chunk) go on."""
+        if isinstance(cause, ExpertLoadingPaused):  # the drive is too hot or gone: these requests only, by design
+            code, message, level = cause.code, str(cause), logging.WARNING
+        elif isinstance(cause, ExpertLoadError):
+            code, message, level = "engine", str(cause), logging.ERROR
+        else:  # the worker must survive any one step
+            log.error("a step of %d requests failed unexpectedly", len(sequences), exc_info=cause)
+            code, message, level = "engine", "internal error; see the daemon log", None
+        for sequence in sequences:
+            job = sequence.key
+            if level is not None:
+                log.log(level, "request %r from %s: %s", job.ask.id, job.origin, message)
+            self._finish(job, error_event(job.ask.id, code, message))
+
+    def _deliver(self, job: Job, sequence: BatchSequence, outcomes: list) -> None:
+        for outcome in outcomes:
+            if isinstance(outcome, SequenceFailed):
+                log.error("request %r from %s: %s", job.ask.id, job.origin, outcome.message)
+                self._finish(job, error_event(job.ask.id, "engine", outcome.message))
+            elif isinstance(outcome, GenerationDone):
+                self._finish(job, done_event(job.ask.id, outcome, sequence.expert_hits, sequence.expert_misses))
+            elif job.stop_reason is None:  # a stopped job gets nothing more; _retire_stopped ends it
+                self.tokens_generated += 1
+                token_text = self.engine.tokenizer.decode if job.ask.params.logprobs is not None else None
+                job.emit(token_event(job.ask.id, outcome, None if token_text is None else
+                                     (lambda token_id: token_text([token_id]))))
+
+    def _retire_stopped(self) -> None:
+        """Takes the cancelled, disconnected and shut-down sequences out of the batch."""
+        for job in list(self._running):
+            if job.stop_reason is None:
+                continue
+            sequence = self.batch.remove(job)
+            log.debug("request %r from %s stopped (%s)", job.ask.id, job.origin, job.stop_reason)
+            if job.stop_reason == STOP_CANCELLED and sequence is not None:
+                self._finish(job, done_event(job.ask.id, sequence.generation.done("cancelled"),
+                                             sequence.expert_hits, sequence.expert_misses))
+            elif job.stop_reason == STOP_SHUTDOWN:
+                self._finish(job, shutdown_error(job))
+            else:
+                self._finish(job, None)  # disconnected: nobody to tell
+
+    def _finish(self, job: Job, last_event: Event | None) -> None:
+        # The job stops counting as running before its last event leaves, so a client that
+        # asks for `status` right after `done` never sees its own request still running.
+        with self._cond:
+            if job in self._running:
+                self._running = [other for other in self._running if other is not job]
+            self._last_progress_s = time.monotonic()
+            if last_event is not None and last_event["event"] == "done":
+                self.requests_served += 1
+        if last_event is not None:
+            job.emit(last_event)
+        self._log_finished(job, last_event)
 
     @staticmethod
     def _log_finished(job: Job, last_event: Event | None) -> None:
@@ -228,9 +340,10 @@ class Scheduler:
             tokens_per_s = usage["decode_tokens_per_s"]
         else:  # an error, or a client that went away: what it had produced until then
             ending = f"error {last_event['code']}" if last_event is not None else str(job.stop_reason)
-            progress = job.progress or _Progress(0.0)
-            prompt_tokens, generated_tokens = progress.prompt_tokens, progress.generated_tokens
-            tokens_per_s = progress.decode_tokens_per_s()
+            generation = job.sequence.generation if job.sequence is not None else None
+            prompt_tokens = generation.prompt_tokens if generation is not None else 0
+            generated_tokens = generation.generated_tokens if generation is not None else 0
+            tokens_per_s = generation.decode_tokens_per_s if generation is not None else 0.0
         log.info("request %r from %s: %d prompt tokens, %d generated, %.1f tokens/s, %s", job.ask.id, job.origin,
                  prompt_tokens, generated_tokens, tokens_per_s, ending)
 
@@ -241,101 +354,3 @@ class Scheduler:
                 task()
             except Exception:  # the worker must survive a failed task as it survives a failed request
                 log.exception("engine-thread task %r failed", task)
-
-    def _run(self, job: Job) -> Event | None:
-        """Stream the job's tokens; return its last event (done or error), None if nobody is listening."""
-        if job.stop_reason is not None:  # stopped between being taken and starting
-            return self._stopped_event(job, _Progress(time.perf_counter()))
-        ask = job.ask
-        try:
-            prompt_ids = self.engine.prompt_ids(prompt=ask.prompt, messages=ask.messages, system=ask.system,
-                                                raw=ask.raw, tools=ask.tools)
-            events = self.engine.generate(prompt_ids, ask.params)
-        except ChatTemplateError as exc:  # the pack's template went over its budget: the model's fault
-            log.warning("request %r from %s: %s", ask.id, job.origin, exc)
-            return error_event(ask.id, "engine", str(exc))
-        except ValueError as exc:  # an empty or too long prompt, a chat without a template
-            return error_event(ask.id, "invalid_params", str(exc))
-        progress = job.progress = _Progress(time.perf_counter(), prompt_tokens=len(prompt_ids),
-                                            expert_counts_before=expert_counts(self.engine.experts))
-        log.debug("request %r from %s: %d prompt tokens, waited %.3f s", ask.id, job.origin, len(prompt_ids),
-                  time.monotonic() - job.submitted_s)
-        try:
-            return self._stream(job, events, progress)
-        except ExpertLoadingPaused as exc:  # the drive is too hot or gone: this request only, by design
-            log.warning("request %r from %s: %s", ask.id, job.origin, exc)
-            return error_event(ask.id, exc.code, str(exc))
-        except ExpertLoadError as exc:
-            log.error("request %r from %s: %s", ask.id, job.origin, exc)
-            return error_event(ask.id, "engine", str(exc))
-        finally:
-            events.close()  # between tokens: nothing is left half-done
-
-    def _stream(self, job: Job, events: Iterator[GenerationEvent | GenerationDone],
-                progress: "_Progress") -> Event | None:
-        for event in events:
-            if job.stop_reason is not None:
-                return self._stopped_event(job, progress)
-            if isinstance(event, GenerationDone):
-                return done_event(job, event.finish_reason, event.text, event.prompt_tokens, event.generated_tokens,
-                                  event.time_to_first_token_s * 1000.0, event.decode_tokens_per_s,
-                                  *self._expert_counts_since(progress))
-            progress.token(event.text)
-            self.tokens_generated += 1
-            self._last_progress_s = time.monotonic()
-            job.emit(self._token_event(job, event))
-        raise RuntimeError("the generation ended without GenerationDone")
-
-    def _token_event(self, job: Job, event: GenerationEvent) -> Event:
-        token: Event = {"event": "token", "id": job.ask.id, "token_ids": [event.token_id], "text": event.text}
-        if job.ask.params.logprobs is not None:
-            decode = self.engine.tokenizer.decode
-            token["logprob"] = event.logprob
-            token["top_logprobs"] = [[token_id, decode([token_id]), logprob]
-                                     for token_id, logprob in (event.top_logprobs or [])]
-        return token
-
-    def _stopped_event(self, job: Job, progress: "_Progress") -> Event | None:
-        log.debug("request %r from %s stopped (%s) after %d tokens", job.ask.id, job.origin, job.stop_reason,
-                  progress.generated_tokens)
-        if job.stop_reason == STOP_CANCELLED:
-            return cancelled_done(job, "".join(progress.text_parts), progress.prompt_tokens,
-                                  progress.generated_tokens, progress.time_to_first_token_ms(),
-                                  progress.decode_tokens_per_s(), *self._expert_counts_since(progress))
-        if job.stop_reason == STOP_SHUTDOWN:
-            return shutdown_error(job)
-        return None  # disconnected: nobody to tell
-
-    def _expert_counts_since(self, progress: "_Progress") -> tuple[int, int]:
-        """(hits, misses) during this request: only the worker runs the engine, so the difference is its own."""
-        hits, misses = expert_counts(self.engine.experts)
-        return hits - progress.expert_counts_before[0], misses - progress.expert_counts_before[1]
-
-
-@dataclass
-class _Progress:
-    """What a request has produced so far, for the `done` of a request stopped midway."""
-
-    start_s: float
-    prompt_tokens: int = 0
-    expert_counts_before: tuple[int, int] = (0, 0)  # (hits, misses) when the request started
-    generated_tokens: int = 0
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    text_parts: list[str] = field(default_factory=list)
-
-    def token(self, text: str) -> None:
-        now = time.perf_counter()
-        self.first_token_s = now if self.first_token_s is None else self.first_token_s
-        self.last_token_s = now
-        self.generated_tokens += 1
-        self.text_parts.append(text)
-
-    def time_to_first_token_ms(self) -> float:
-        return 0.0 if self.first_token_s is None else (self.first_token_s - self.start_s) * 1000.0
-
-    def decode_tokens_per_s(self) -> float:
-        if self.generated_tokens < 2 or self.first_token_s is None or self.last_token_s is None:
-            return 0.0
-        elapsed_s = self.last_token_s - self.first_token_s
-        return (self.generated_tokens - 1) / elapsed_s if elapsed_s > 0 else 0.0

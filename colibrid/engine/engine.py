@@ -10,7 +10,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from colibrid.engine.experts import ExpertSource, PreadExpertSource
-from colibrid.engine.generate import GenerationDone, GenerationEvent, generate
+from colibrid.engine.batch import Batch
+from colibrid.engine.generate import Generation, GenerationDone, GenerationEvent, generate
 from colibrid.engine.model import Model
 from colibrid.engine.sampling import SamplingParams, model_sampling_defaults
 from colibrid.engine.tokenizer import Tokenizer
@@ -112,6 +113,19 @@ class Engine:
         return generate(session or self.new_session(), self.tokenizer, prompt_ids, params,
                         skip_special_tokens=params.skip_special_tokens)
 
+    def start_generation(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Generation, Session]:
+        """A generation ready to join a batch, on a session of its own sized for its prompt
+        plus max_tokens (at most max_context): the KV cache it reserves while it runs.
+        ValueError if the prompt is empty or does not fit."""
+        tokens = min(len(prompt_ids) + params.max_tokens, self.max_context)
+        session = self.new_session(max_context=max(tokens, 1))
+        return Generation(session, self.tokenizer, prompt_ids, params, params.skip_special_tokens), session
+
+    def new_batch(self, max_batch: int, prefill_chunk: int, kv_budget_bytes: int) -> Batch:
+        """An empty batch of generations on this engine's model (see engine/batch.py)."""
+        return Batch(self.model, max_batch, prefill_chunk, kv_budget_bytes,
+                     expert_counts=lambda: _hits_and_misses(self.experts))
+
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """Token ids of a greedy continuation (ignores EOS), for tests and tools."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -131,6 +145,11 @@ def _strings_in(value) -> Iterator[str]:
             pending.extend(item.values())
         elif isinstance(item, (list, tuple)):
             pending.extend(item)
+
+
+def _hits_and_misses(experts: ExpertSource) -> tuple[int, int]:
+    summary = experts.summary()
+    return summary["hits"], summary["misses"]
 
 
 def _sampling_defaults(pack_dir: Path) -> dict:

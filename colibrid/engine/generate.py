@@ -1,5 +1,7 @@
 """The generation loop: prefill, then sample-and-feed one token at a time, streaming text.
 
+A Generation is one request's loop as a state machine (what to feed next, what a token's
+logits mean); generate() drives one alone, the engine's batch drives many in one step.
 It knows nothing about the model. A session is anything with
 
     forward(token_ids: np.ndarray int32 (T,)) -> np.ndarray float32 (T, V)
@@ -30,7 +32,7 @@ from colibrid.engine.tokenizer import IncrementalDecoder, Tokenizer
 
 logger = logging.getLogger(__name__)
 
-FinishReason = Literal["stop", "length", "eos", "context"]
+FinishReason = Literal["stop", "length", "eos", "context", "cancelled"]
 
 
 class GenerationSession(Protocol):
@@ -61,7 +63,8 @@ class GenerationDone:
     """The last item of a generation.
 
     finish_reason: "eos" (the model ended), "stop" (a stop string appeared; it is not in
-    `text`), "length" (max_tokens generated), "context" (the KV cache is full).
+    `text`), "length" (max_tokens generated), "context" (the KV cache is full), "cancelled"
+    (stopped by its client midway).
     generated_tokens counts every sampled token, the final EOS included - one per event.
     """
 
@@ -87,9 +90,19 @@ def generate(
     Special tokens other than EOS (e.g. a stray <|im_start|>) are left out of the text
     unless `skip_special_tokens` is False.
     """
-    params.validate()
-    _check_prompt_fits(session, prompt_ids)
-    return _generate(session, tokenizer, list(prompt_ids), params, skip_special_tokens)
+    generation = Generation(session, tokenizer, prompt_ids, params, skip_special_tokens)
+    return _run_alone(session, generation)
+
+
+def _run_alone(session: GenerationSession, generation: "Generation") -> Iterator[GenerationEvent | GenerationDone]:
+    """Drives one generation with the session to itself: the whole prompt in one forward, then one token per forward."""
+    forward_last = _last_logits_forward(session)
+    try:
+        while not generation.finished:
+            yield from generation.accept(forward_last(generation.next_input()))
+    except GeneratorExit:
+        logger.debug("generation closed by the consumer after %d tokens", generation.generated_tokens)
+        raise
 
 
 def _check_prompt_fits(session: GenerationSession, prompt_ids: Sequence[int]) -> None:
@@ -139,61 +152,100 @@ class _Counters:
         return (self.generated_tokens - 1) / elapsed_s if elapsed_s > 0 else 0.0
 
 
-def _generate(
-    session: GenerationSession,
-    tokenizer: Tokenizer,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    skip_special_tokens: bool,
-) -> Iterator[GenerationEvent | GenerationDone]:
-    sampler = Sampler(params)
-    decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens)
-    stop_matcher = StopMatcher(params.stop)
-    eos_ids = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
-    # Every id so far, for the repetition penalty: one preallocated buffer, no per-step copies.
-    # Sized by what can really be generated, never by max_tokens alone (a client may send 2**64-1).
-    history = np.empty(len(prompt_ids) + tokens_possible(session, len(prompt_ids), params),
-                       dtype=np.int64)  # (prompt + generated,)
-    history[: len(prompt_ids)] = prompt_ids
-    history_len = len(prompt_ids)
-    counters = _Counters(start_s=time.perf_counter())
-    text_parts: list[str] = []
+class Generation:
+    """One request's generation as a state machine that its driver steps: the driver feeds
+    ``next_input()`` to the sequence's session (the whole prompt, or a chunk of it, then each
+    sampled token) and hands the last fed token's logits to ``accept()``, which samples,
+    streams text and decides whether the generation ends. It never calls the model itself, so
+    the same object runs alone (generate()) or as one sequence of a batch (engine/batch.py),
+    with the same tokens either way.
+    """
 
-    forward_last = _last_logits_forward(session)
-    logits = forward_last(np.asarray(prompt_ids, dtype=np.int32))
-    try:
-        while True:
-            sampled = sampler.sample(logits, history[:history_len])
-            counters.token_sampled()
-            history[history_len] = sampled.token_id
-            history_len += 1
+    def __init__(self, session: GenerationSession, tokenizer: Tokenizer, prompt_ids: Sequence[int],
+                 params: SamplingParams, skip_special_tokens: bool = True) -> None:
+        params.validate()
+        _check_prompt_fits(session, prompt_ids)
+        self.session = session  # read for its n_past and max_context only
+        self.params = params
+        self.prompt_tokens = len(prompt_ids)
+        self._sampler = Sampler(params)
+        self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens)
+        self._stop_matcher = StopMatcher(params.stop)
+        self._eos_ids = frozenset() if params.ignore_eos else tokenizer.eos_token_ids
+        # Every id so far, for the repetition penalty: one preallocated buffer, no per-step copies.
+        # Sized by what can really be generated, never by max_tokens alone (a client may send 2**64-1).
+        self._history = np.empty(len(prompt_ids) + tokens_possible(session, len(prompt_ids), params),
+                                 dtype=np.int64)  # (prompt + generated,)
+        self._history[: len(prompt_ids)] = prompt_ids
+        self._history_len = len(prompt_ids)
+        self._pending = np.asarray(prompt_ids, dtype=np.int32)  # (n,) tokens not yet fed to the session
+        self._counters = _Counters(start_s=time.perf_counter())
+        self._text_parts: list[str] = []
+        self.finished = False
 
-            is_eos = sampled.token_id in eos_ids
-            text, stopped = stop_matcher.push("" if is_eos else decoder.push(sampled.token_id))
-            finish_reason = _finish_reason(is_eos, stopped, counters.generated_tokens, session, params)
-            if finish_reason in ("eos", "length", "context"):
-                # Nothing follows: release what was held back for a character or stop string to finish.
-                tail, stopped = stop_matcher.push(decoder.flush())
-                text += tail + stop_matcher.flush()
-                finish_reason = "stop" if stopped else finish_reason
-            text_parts.append(text)
-            yield GenerationEvent(sampled.token_id, text, sampled.logprob, sampled.top_logprobs)
+    @property
+    def generated_tokens(self) -> int:
+        return self._counters.generated_tokens
 
-            if finish_reason is not None:
-                break
-            logits = forward_last(np.asarray([sampled.token_id], dtype=np.int32))
-    except GeneratorExit:
-        logger.debug("generation closed by the consumer after %d tokens", counters.generated_tokens)
-        raise
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self._counters.decode_tokens_per_s()
 
-    yield GenerationDone(
-        finish_reason=finish_reason,
-        prompt_tokens=len(prompt_ids),
-        generated_tokens=counters.generated_tokens,
-        time_to_first_token_s=counters.time_to_first_token_s(),
-        decode_tokens_per_s=counters.decode_tokens_per_s(),
-        text="".join(text_parts),
-    )
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens the session has yet to be fed before the next token can be sampled."""
+        return self._pending.shape[0]
+
+    @property
+    def prefilling(self) -> bool:
+        """Nothing sampled yet: the prompt (or the rest of it) is still to be fed."""
+        return self._counters.generated_tokens == 0
+
+    def next_input(self, max_tokens: int | None = None) -> np.ndarray:
+        """The next tokens to feed (int32 (n,)), at most ``max_tokens`` of the pending ones.
+        When this takes the last pending token, the caller must pass its logits to accept()."""
+        n = self.pending_tokens if max_tokens is None else min(max_tokens, self.pending_tokens)
+        taken, self._pending = self._pending[:n], self._pending[n:]
+        return taken
+
+    def accept(self, logits: np.ndarray) -> list[GenerationEvent | GenerationDone]:
+        """Samples a token from ``logits`` (V,) of the last fed token; returns its event, and
+        the GenerationDone when the generation ends with it."""
+        if self.finished or self.pending_tokens:
+            raise RuntimeError("accept() needs the logits of the last pending token of an unfinished generation")
+        sampled = self._sampler.sample(logits, self._history[: self._history_len])
+        self._counters.token_sampled()
+        self._history[self._history_len] = sampled.token_id
+        self._history_len += 1
+
+        is_eos = sampled.token_id in self._eos_ids
+        text, stopped = self._stop_matcher.push("" if is_eos else self._decoder.push(sampled.token_id))
+        finish_reason = _finish_reason(is_eos, stopped, self.generated_tokens, self.session, self.params)
+        if finish_reason in ("eos", "length", "context"):
+            # Nothing follows: release what was held back for a character or stop string to finish.
+            tail, stopped = self._stop_matcher.push(self._decoder.flush())
+            text += tail + self._stop_matcher.flush()
+            finish_reason = "stop" if stopped else finish_reason
+        self._text_parts.append(text)
+        event = GenerationEvent(sampled.token_id, text, sampled.logprob, sampled.top_logprobs)
+        if finish_reason is None:
+            self._pending = np.asarray([sampled.token_id], dtype=np.int32)
+            return [event]
+        self.finished = True
+        return [event, self.done(finish_reason)]
+
+    def done(self, finish_reason: str) -> "GenerationDone":
+        """The generation's summary so far, ending for ``finish_reason`` (also for a request
+        stopped midway: "cancelled")."""
+        counters = self._counters
+        return GenerationDone(
+            finish_reason=finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=counters.generated_tokens,
+            time_to_first_token_s=counters.time_to_first_token_s(),
+            decode_tokens_per_s=counters.decode_tokens_per_s(),
+            text="".join(self._text_parts),
+        )
 
 
 def _finish_reason(

@@ -1,6 +1,6 @@
 """One layer's attention cache, one kind per way a layer attends:
 
-  KVCache      full causal attention: every past token's keys and values, growing by doubling;
+  KVCache      full causal attention: every past token's keys and values;
   RingKVCache  sliding-window or chunked-local attention: the keys and values a new token can
                still see, in a fixed ring of span + max_step_tokens - 1 rows (key position p in
                row p % rows), so a long chat costs the window, not the context;
@@ -9,6 +9,12 @@
 Each is created by its layer's token mixer (Attention.new_state, LatentAttention.new_state)
 and held in the sequence's SequenceState, one per layer: the sequence owns them, the layers
 only read and write them during a step, so many sequences can share one model.
+
+Every cache is allocated whole when the sequence starts, for the most tokens it may hold, so
+``nbytes`` is known before the first step: the scheduler admits a sequence only when that fits
+in the KV budget, and a cache never grows (or copies itself) under a running batch. The
+buffers come from np.empty: the kernel backs a page with memory only when a token is first
+written to it, so a short chat in a long context costs its tokens, not the context.
 """
 
 from __future__ import annotations
@@ -17,28 +23,21 @@ import numpy as np
 
 
 class KVCache:
-    """Keys and values of every past token of one layer, float32 (S, K, Hd).
-
-    Buffers grow by doubling up to ``max_tokens``, so a short chat does not reserve the
-    model's whole context.
-    """
+    """Keys and values of every past token of one layer, float32 (max_tokens, K, Hd)."""
 
     ring = False  # key position p is row p
 
-    def __init__(self, num_kv_heads: int, head_dim: int, max_tokens: int, initial_tokens: int = 256) -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        capacity = min(initial_tokens, max_tokens)
-        self._keys = np.empty((capacity, num_kv_heads, head_dim), np.float32)  # (S, K, Hd)
+        self._keys = np.empty((max_tokens, num_kv_heads, head_dim), np.float32)  # (S, K, Hd)
         self._values = np.empty_like(self._keys)
 
     def buffers(self, start: int, n_new: int) -> tuple[np.ndarray, np.ndarray]:
-        """The whole (capacity, K, Hd) key and value buffers, grown to hold ``n_new`` tokens
-        after the first ``start`` (for libcolibri, which writes them in place)."""
+        """The whole (max_tokens, K, Hd) key and value buffers, after checking that ``n_new``
+        tokens fit after the first ``start`` (for libcolibri, which writes them in place)."""
         end = start + n_new
         if end > self.max_tokens:
             raise ValueError(f"context full: {end} tokens > {self.max_tokens}")
-        if end > self._keys.shape[0]:
-            self._grow(start, end)
         return self._keys, self._values
 
     def write(self, start: int, keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -48,16 +47,6 @@ class KVCache:
         key_rows, value_rows = self.buffers(start, keys.shape[0])
         key_rows[start:end], value_rows[start:end] = keys, values
         return key_rows[:end], value_rows[:end]
-
-    def _grow(self, start: int, needed: int) -> None:
-        capacity = self._keys.shape[0]
-        while capacity < needed:
-            capacity *= 2
-        capacity = min(capacity, self.max_tokens)
-        keys = np.empty((capacity,) + self._keys.shape[1:], np.float32)
-        values = np.empty_like(keys)
-        keys[:start], values[:start] = self._keys[:start], self._values[:start]
-        self._keys, self._values = keys, values
 
     @property
     def nbytes(self) -> int:
@@ -100,25 +89,18 @@ class RingKVCache:
 class LatentCache:
     """Multi-head latent attention's cache for one layer: per past token the normalised latent
     and the rotated rope key, C + R float32 (576 for DeepSeek-V3), instead of every head's key
-    and value (H * (N + R + Vd) = 40960 for V3). buffers() gives the whole (capacity, L) buffer
-    for libcolibri to write in place; it grows by doubling up to ``max_tokens``."""
+    and value (H * (N + R + Vd) = 40960 for V3). buffers() gives the whole (max_tokens, L)
+    buffer for libcolibri to write in place."""
 
-    def __init__(self, width: int, max_tokens: int, initial_tokens: int = 256) -> None:
+    def __init__(self, width: int, max_tokens: int) -> None:
         self.max_tokens = max_tokens
-        self._latents = np.empty((min(initial_tokens, max_tokens), width), np.float32)  # (S, L)
+        self._latents = np.empty((max_tokens, width), np.float32)  # (S, L)
 
     def buffers(self, start: int, n_new: int) -> np.ndarray:
-        """The whole (capacity, L) buffer, grown to hold ``n_new`` tokens after the first ``start``."""
+        """The whole (max_tokens, L) buffer, after checking that ``n_new`` tokens fit after the first ``start``."""
         end = start + n_new
         if end > self.max_tokens:
             raise ValueError(f"context full: {end} tokens > {self.max_tokens}")
-        if end > self._latents.shape[0]:
-            capacity = self._latents.shape[0]
-            while capacity < end:
-                capacity *= 2
-            latents = np.empty((min(capacity, self.max_tokens), self._latents.shape[1]), np.float32)
-            latents[:start] = self._latents[:start]
-            self._latents = latents
         return self._latents
 
     @property

@@ -7,6 +7,9 @@ A layer's token mixer (attention, latent attention ...) makes the per-sequence s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 
 from colibrid import native
@@ -15,10 +18,10 @@ from colibrid.engine.deltanet import DeltaNet
 from colibrid.engine.experts import ExpertSource
 from colibrid.engine.layers import linear, rms_norm
 from colibrid.engine.mla import LatentAttention
-from colibrid.engine.moe import DenseAndExperts, DenseMlp, MoeBlock
+from colibrid.engine.moe import DenseAndExperts, DenseMlp, MoeBlock, RoutingStats
 from colibrid.engine.per_layer_inputs import LayerInput, PerLayerInputs
 from colibrid.engine.rope import Rotary
-from colibrid.engine.sequence_state import LayerState, SequenceState
+from colibrid.engine.sequence_state import SequenceState
 from colibrid.pack.reader import Pack
 from colibrid.pack.tensor import PackedTensor
 
@@ -68,12 +71,11 @@ class Layer:
         """This layer's routed experts, if it has any."""
         return self.ffn.moe if isinstance(self.ffn, DenseAndExperts) else self.ffn if isinstance(self.ffn, MoeBlock) else None
 
-    def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, state: LayerState,
-                 start: int, layer_input: np.ndarray | None = None) -> np.ndarray:
-        """The residual stream x (T, D) after this layer, for tokens after the first ``start``
-        of the sequence whose state for this layer is ``state`` (``layer_input`` (T, P): its
-        per-layer input, with PLE); x may be updated in place."""
-        x = self.mixer.residual(x, positions, cos, sin, state, start)
+    def feed_forward(self, x: np.ndarray, layer_input: np.ndarray | None = None) -> np.ndarray:
+        """The residual stream x (T, D) after the layer's feed-forward half (MoE or MLP, the
+        per-layer input, the layer scalar), for rows of any sequences: every op here is per
+        row, and the MoE block runs each chosen expert once over all its rows. ``layer_input``
+        (T, P): each row's per-layer input, with PLE. x may be updated in place."""
         out = self.ffn(x if self.ffn_normed_inside else rms_norm(x, self.ffn_norm, self.eps))
         x += out if self.ffn_post_norm is None else rms_norm(out, self.ffn_post_norm, self.eps)
         if self.input is not None:
@@ -106,6 +108,9 @@ class Model:
                                                _dense(pack, "per_layer_proj_norm")) if c.per_layer_input else None
         self.max_step_tokens = MAX_STEP_TOKENS  # states made by new_state() rely on it: set it before
         moe_blocks = [layer.moe for layer in self.layers if layer.moe is not None]
+        self.routing_stats = RoutingStats()  # how much a batch's sequences share their experts
+        for block in moe_blocks:
+            block.stats = self.routing_stats
         for block, next_block in zip(moe_blocks, moe_blocks[1:]):
             block.next_block = next_block  # lookahead prefetch: layer l predicts layer l+1's experts
 
@@ -146,30 +151,74 @@ class Model:
         size = self.max_step_tokens
         steps = [token_ids[i:i + size] for i in range(0, max(token_ids.shape[0], 1), size)]
         last = len(steps) - 1
-        logits = [self._step(ids, state, "all" if all_logits else ("last" if i == last else None))
+        logits = [self.forward_batch([StepInput(state, ids, "all" if all_logits else ("last" if i == last else None))])[0]
                   for i, ids in enumerate(steps)]
         return np.concatenate([rows for rows in logits if rows is not None])
 
-    def _step(self, token_ids: np.ndarray, state: SequenceState, logits: str | None) -> np.ndarray | None:
-        """One pass of at most max_step_tokens tokens; logits of "all" of them, the "last", or None."""
-        start = state.length
-        positions = np.arange(start, start + token_ids.shape[0])
-        tables = {}  # id(rotary) -> (cos, sin) of these positions, each computed once
-        x = self.embed_tokens(token_ids)  # (T, D)
-        inputs = self.per_layer_inputs(token_ids, x) if self.per_layer_inputs is not None else None  # (T, L, P)
-        for layer, layer_state in zip(self.layers, state.layers):
+    def forward_batch(self, inputs: Sequence["StepInput"]) -> list[np.ndarray | None]:
+        """One step over several sequences: each input's tokens run after those already in its
+        state, through each layer's token mixer per sequence (each with its own state and
+        positions) and through the feed-forward half once for all rows (each routed expert
+        once per layer for the whole step). Returns each input's logits as it asks: (T, V)
+        for "all", (1, V) for "last", None for None. Every row's numbers are the same as in a
+        step of that sequence alone: the kernels compute each row on its own.
+
+        A sequence may appear at most once; each input has at most max_step_tokens tokens."""
+        if len({id(item.state) for item in inputs}) != len(inputs):
+            raise ValueError("a sequence may take part in a step only once")
+        for item in inputs:
+            if item.token_ids.shape[0] > self.max_step_tokens:
+                raise ValueError(f"a step takes at most {self.max_step_tokens} tokens of a sequence")
+            if item.state.length + item.token_ids.shape[0] > item.state.max_tokens:
+                raise ValueError(f"context full: {item.state.length + item.token_ids.shape[0]} tokens > "
+                                 f"{item.state.max_tokens}")
+        counts = [item.token_ids.shape[0] for item in inputs]
+        bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # (N + 1,) row offsets
+        token_ids = np.concatenate([np.asarray(item.token_ids, dtype=np.int64) for item in inputs]) \
+            if inputs else np.empty(0, np.int64)
+        positions = np.concatenate([np.arange(item.state.length, item.state.length + n)
+                                    for item, n in zip(inputs, counts)]) if inputs else np.empty(0, np.int64)
+        x = self.embed_tokens(token_ids)  # (T, D) T: every row of the step
+        per_layer = self.per_layer_inputs(token_ids, x) if self.per_layer_inputs is not None else None  # (T, L, P)
+        tables = {}  # id(rotary) -> (cos, sin) of every row's position, each computed once
+        self.routing_stats.begin_step(bounds)
+        for layer in self.layers:
             rotary = layer.rotary
             if id(rotary) not in tables:
                 tables[id(rotary)] = rotary.cos_sin(positions)
-            x = layer(x, positions, *tables[id(rotary)], layer_state, start,
-                      None if inputs is None else inputs[:, layer.layer])
-        state.advance(token_ids.shape[0])
-        if logits is None:
-            return None
-        if logits == "last":
-            x = x[-1:]
-        logits = linear(rms_norm(x, self.final_norm, self.config.rms_norm_eps), self.lm_head)
+            cos, sin = tables[id(rotary)]
+            for i, item in enumerate(inputs):
+                a, b = bounds[i], bounds[i + 1]
+                if a < b:
+                    x[a:b] = layer.mixer.residual(x[a:b], positions[a:b], cos[a:b], sin[a:b],
+                                                  item.state.layers[layer.layer], item.state.length)
+            x = layer.feed_forward(x, None if per_layer is None else per_layer[:, layer.layer])
+        for item, n in zip(inputs, counts):
+            item.state.advance(n)
+        return self._logits(x, bounds, [item.logits for item in inputs])
+
+    def _logits(self, x: np.ndarray, bounds: np.ndarray, wanted: list[str | None]) -> list[np.ndarray | None]:
+        """The output head over the rows each sequence wants ("all" its rows, its "last", or
+        None), in one product for the whole step."""
+        rows = [np.arange(bounds[i], bounds[i + 1]) if want == "all" else
+                np.arange(bounds[i + 1] - 1, bounds[i + 1]) if want == "last" and bounds[i + 1] > bounds[i] else
+                np.empty(0, np.int64) for i, want in enumerate(wanted)]
+        picked = np.concatenate(rows) if rows else np.empty(0, np.int64)
+        if picked.shape[0] == 0:
+            return [None] * len(wanted)
+        logits = linear(rms_norm(x[picked], self.final_norm, self.config.rms_norm_eps), self.lm_head)  # (n, V)
         cap = self.config.final_logit_softcap
         if cap:
             logits = np.tanh(logits / np.float32(cap)) * np.float32(cap)
-        return logits
+        ends = np.cumsum([r.shape[0] for r in rows])
+        return [None if want is None else logits[end - r.shape[0]:end]
+                for want, r, end in zip(wanted, rows, ends)]
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One sequence's part of a batched step (Model.forward_batch)."""
+
+    state: SequenceState
+    token_ids: np.ndarray  # (T,) int, the sequence's next tokens
+    logits: str | None  # "all" (T, V), "last" (1, V), or None: what the step returns for it

@@ -64,6 +64,40 @@ def _distinct(experts: np.ndarray) -> list[int]:
     return np.unique(experts).tolist()
 
 
+class RoutingStats:
+    """How much the sequences of a step share their experts, summed over MoE layer steps:
+    the distinct experts a layer step ran (each read and computed once) against the sum of
+    each sequence's own distinct experts (what running the sequences one by one would run).
+    Their ratio is the batch's saving in expert reads and passes over expert weights."""
+
+    def __init__(self) -> None:
+        self.layer_steps = 0
+        self.distinct_experts = 0  # summed over layer steps
+        self.sequence_experts = 0  # summed over layer steps and the step's sequences
+        self._bounds = np.zeros(2, np.int64)  # (N + 1,) the current step's row offsets per sequence
+
+    def begin_step(self, bounds: np.ndarray) -> None:
+        """The rows of the step about to run: sequence i has rows bounds[i] .. bounds[i + 1]."""
+        self._bounds = bounds
+
+    def record(self, experts: np.ndarray, distinct: int) -> None:
+        """One MoE layer step that chose ``experts`` (T, A) and ran ``distinct`` experts."""
+        self.layer_steps += 1
+        self.distinct_experts += distinct
+        bounds = self._bounds
+        if bounds.shape[0] <= 2:  # one sequence: its own experts are the step's
+            self.sequence_experts += distinct
+            return
+        self.sequence_experts += sum(len(_distinct(experts[bounds[i]:bounds[i + 1]]))
+                                     for i in range(bounds.shape[0] - 1) if bounds[i + 1] > bounds[i])
+
+    def summary(self) -> dict:
+        steps = max(self.layer_steps, 1)
+        return {"layer_steps": self.layer_steps,
+                "distinct_experts_per_layer_step": self.distinct_experts / steps,
+                "sequence_experts_per_layer_step": self.sequence_experts / steps}
+
+
 # Lookahead prefetch reads, per token, only the next layer's LOOKAHEAD_TOP likeliest experts:
 # on the OLMoE-shaped bench packs (top-8) 4 keeps the disk 74-85 % busy at a 25 % cache with
 # prediction precision 0.80; 1 or 2 guess better (0.90 / 0.87) but leave the disk idler.
@@ -78,6 +112,7 @@ class MoeBlock:
         self.experts = experts
         self.router = Router(config, weights)
         self.next_block: "MoeBlock | None" = None  # the next MoE layer, for lookahead prefetch (Model sets it)
+        self.stats: RoutingStats | None = None  # the model's, where it keeps them (Model sets it)
 
     def __call__(self, x: np.ndarray, router_input: np.ndarray | None = None) -> np.ndarray:
         """The experts' sum for x (T, D), routed on ``router_input`` (T, D) (default: x)."""
@@ -85,6 +120,8 @@ class MoeBlock:
         routing = self.router(x if router_input is None else router_input)
         out = np.zeros_like(x)  # (T, D)
         selected = _distinct(routing.experts)  # batch-union: each expert once per step
+        if self.stats is not None:
+            self.stats.record(routing.experts, len(selected))
         # A long prompt may touch more experts than the cache can pin at once: run them in waves.
         wave_size = max(1, getattr(self.experts, "max_pinned", len(selected)))
         lookahead = self._lookahead_enabled()

@@ -133,6 +133,7 @@ class FakeDaemon:
         self.cancel_received = threading.Event()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._threads: list[threading.Thread] = []
+        self._connections: list[socket.socket] = []
         self._stopping = False
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -150,6 +151,11 @@ class FakeDaemon:
         except OSError:
             pass
         self._listener.close()
+        for connection in self._connections:  # as when a daemon dies: its clients see EOF
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         for thread in self._threads:
             thread.join(timeout=2)
         if os.path.exists(self.socket_path):
@@ -177,6 +183,7 @@ class FakeDaemon:
                 connection, _ = self._listener.accept()
             except OSError:
                 return
+            self._connections.append(connection)
             self._spawn(self._serve, connection)
 
     def _serve(self, connection: socket.socket) -> None:

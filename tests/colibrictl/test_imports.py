@@ -20,7 +20,7 @@ def third_party():
 start = third_party()
 import msgpack
 with_msgpack = third_party()
-import colibrictl.cli
+import colibrictl.cli, colibrictl.chat, colibrictl.conversation
 print(json.dumps({"start": start, "with_msgpack": with_msgpack, "with_cli": third_party()}))
 """
 

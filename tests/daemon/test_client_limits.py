@@ -80,6 +80,7 @@ def test_a_client_that_stops_reading_is_closed_and_the_engine_moves_on(start_dae
             patient.ask("short", max_tokens=2)
             _, done = patient.collect("short")
             waited_s = time.monotonic() - started_s
+        time.sleep(1.5)  # the patient's ask ran beside the stalled one; the stalled client's 1 s runs out
         events = []
         try:
             while True:

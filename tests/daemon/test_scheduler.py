@@ -1,113 +1,125 @@
-"""The scheduler against a scripted engine: one generation at a time, in order, stoppable between tokens."""
+"""The scheduler on a real engine (the demo pack): asks run together in one batch, join and
+leave between steps, stop at a step boundary, wait for KV memory, and fail alone."""
 
 from __future__ import annotations
 
 import queue
 import time
-from types import SimpleNamespace
 
 import pytest
 
+from colibrid.engine.engine import Engine
 from colibrid.engine.expert_cache import ExpertLoadingPaused
 from colibrid.engine.experts import ExpertLoadError
-from colibrid.engine.generate import GenerationDone, GenerationEvent
 from colibrid.protocol import parse_request
 from colibrid.scheduler import STOP_CANCELLED, STOP_DISCONNECTED, Job, QueueFull, Scheduler, SchedulerStopped
 
+BIG_BUDGET = 1 << 34
 
-class ScriptedEngine:
-    """Yields one token per prompt character, a few ms apart; records overlapping generations."""
 
-    def __init__(self, token_delay_s: float = 0.002) -> None:
-        self.token_delay_s = token_delay_s
-        self.loads = 0
-        self.experts = SimpleNamespace(summary=lambda: {"hits": 0, "misses": self.loads, "bytes_read": 0})
-        self.tokenizer = SimpleNamespace(decode=lambda ids: f"<{ids[0]}>")
-        self.active = 0
-        self.max_active = 0
-        self.started: list[str] = []
+class FaultyEngine(Engine):
+    """The demo engine, with faults scripted by the prompt: "!" an expert that fails its
+    checksum, "~" loading paused by the thermal watch, "chat-without-template" a ValueError;
+    and a record of how many sequences each step carried."""
+
+    def __init__(self, *args, step_delay_s: float = 0.0, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_sizes: list[int] = []
+        self.step_delay_s = step_delay_s
+        self._faults: dict[int, Exception] = {}  # id(state) -> what its steps raise
+        self._next_fault: Exception | None = None
+        forward_batch = self.model.forward_batch
+
+        def faulty_forward_batch(inputs):
+            self.step_sizes.append(len(inputs))
+            time.sleep(self.step_delay_s)
+            for item in inputs:
+                if id(item.state) in self._faults:
+                    raise self._faults[id(item.state)]
+            return forward_batch(inputs)
+
+        self.model.forward_batch = faulty_forward_batch
 
     def prompt_ids(self, prompt=None, messages=None, system=None, raw=False, tools=None):
         if prompt == "chat-without-template":
             raise ValueError("this model has no chat template")
-        return [ord(c) for c in prompt]
+        self._next_fault = {"!": ExpertLoadError("expert 3 of layer 1 fails its checksum", 1, 3, 0, "x"),
+                            "~": ExpertLoadingPaused("expert 2 of layer 0 is not in the cache and expert loading is "
+                                                     "paused: the NVMe drive is at 86 °C", "thermal", 0, 2, 0, "x"),
+                            }.get(prompt[:1])
+        return [ord(c) % self.config.vocab_size for c in prompt]
 
-    def generate(self, prompt_ids, params):
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        return self._events(prompt_ids, params)
-
-    def _events(self, prompt_ids, params):
-        self.active += 1
-        self.max_active = max(self.max_active, self.active)
-        self.started.append("".join(map(chr, prompt_ids)))
-        try:
-            for n in range(params.max_tokens):
-                time.sleep(self.token_delay_s)
-                if prompt_ids[0] == ord("!"):
-                    raise ExpertLoadError("expert 3 of layer 1 fails its checksum", 1, 3, 0, "x")
-                if prompt_ids[0] == ord("~"):
-                    raise ExpertLoadingPaused("expert 2 of layer 0 is not in the cache and expert loading is "
-                                              "paused: the NVMe drive is at 86 °C", "thermal", 0, 2, 0, "x")
-                self.loads += 1
-                yield GenerationEvent(n, "t", -1.0, [(n, -1.0)])
-            yield GenerationDone("length", len(prompt_ids), params.max_tokens, 0.001, 100.0, "t" * params.max_tokens)
-        finally:
-            self.active -= 1
+    def start_generation(self, prompt_ids, params):
+        generation, session = super().start_generation(prompt_ids, params)
+        if self._next_fault is not None:
+            self._faults[id(session.state)] = self._next_fault
+        return generation, session
 
 
 def ask(request_id, prompt="abc", **fields):
-    return parse_request({"op": "ask", "id": request_id, "prompt": prompt, **fields}, default_max_tokens=5)
+    return parse_request({"op": "ask", "id": request_id, "prompt": prompt, "temperature": 0.0, "ignore_eos": True,
+                          **fields}, default_max_tokens=5)
 
 
 class Recorder:
-    """Collects what a job emits, from the worker thread."""
+    """Collects what jobs emit, from the worker thread, sorted by request."""
 
     def __init__(self) -> None:
         self.events: queue.Queue = queue.Queue()
+        self._by_id: dict = {}
 
     def job(self, request) -> Job:
         return Job(request, emit=self.events.put)
 
-    def until_end(self, request_id, timeout_s: float = 10.0) -> tuple[list[dict], dict]:
-        tokens = []
-        while True:
+    def until_end(self, request_id, timeout_s: float = 20.0) -> tuple[list[dict], dict]:
+        """The request's token events and its last event, in the order they came."""
+        mine = self._by_id.setdefault(request_id, [])
+        while not mine or mine[-1]["event"] == "token":
             event = self.events.get(timeout=timeout_s)
-            if event["id"] != request_id:
-                continue
-            if event["event"] == "token":
-                tokens.append(event)
-            else:
-                return tokens, event
+            self._by_id.setdefault(event["id"], []).append(event)
+        return mine[:-1], mine[-1]
+
+
+@pytest.fixture(scope="module")
+def pack(demo_pack):
+    from colibrid.pack.reader import Pack
+
+    return Pack.open(demo_pack)
 
 
 @pytest.fixture
-def engine():
-    return ScriptedEngine()
+def engine(pack):
+    return FaultyEngine(pack)
+
+
+def started(engine, max_queue=8, **kwargs) -> Scheduler:
+    scheduler = Scheduler(engine, max_queue=max_queue, **{"kv_budget_bytes": BIG_BUDGET, **kwargs})
+    scheduler.start()
+    return scheduler
 
 
 @pytest.fixture
 def scheduler(engine):
-    scheduler = Scheduler(engine, max_queue=4)
-    scheduler.start()
+    scheduler = started(engine)
     yield scheduler
     scheduler.stop()
-    assert scheduler.join(5)
+    assert scheduler.join(10)
 
 
-def test_jobs_run_one_at_a_time_in_order(scheduler, engine):
+def test_asks_run_together_and_each_gets_what_it_would_alone(scheduler, engine, pack):
     recorder = Recorder()
-    for n in range(5):
-        if n == 0:
-            scheduler.submit(recorder.job(ask(n, prompt=f"p{n}", max_tokens=20)))
-            time.sleep(0.01)  # it is running: the queue holds the next four
-        else:
-            scheduler.submit(recorder.job(ask(n, prompt=f"p{n}")))
-    ends = [recorder.until_end(n)[1] for n in range(5)]
-    assert [e["finish_reason"] for e in ends] == ["length"] * 5
-    assert engine.max_active == 1
-    assert engine.started == [f"p{n}" for n in range(5)]
-    assert scheduler.requests_served == 5
+    prompts = [f"prompt number {n}" * (n + 1) for n in range(6)]
+    for n, prompt in enumerate(prompts):
+        scheduler.submit(recorder.job(ask(n, prompt=prompt, max_tokens=4 + n)))
+    ends = {n: recorder.until_end(n) for n in range(6)}
+    assert max(engine.step_sizes) > 1  # they shared steps
+    alone = FaultyEngine(pack)
+    for n, prompt in enumerate(prompts):
+        tokens, done = ends[n]
+        params = ask(n, prompt=prompt, max_tokens=4 + n).params
+        expected = [e.token_id for e in list(alone.generate(alone.prompt_ids(prompt=prompt), params))[:-1]]
+        assert [t["token_ids"][0] for t in tokens] == expected and done["finish_reason"] == "length"
+    assert scheduler.requests_served == 6
 
 
 def test_a_full_queue_is_refused(engine):
@@ -120,29 +132,56 @@ def test_a_full_queue_is_refused(engine):
     assert scheduler.queue_depth == 2
 
 
-def test_cancel_stops_between_tokens_with_the_text_so_far(scheduler):
-    recorder = Recorder()
-    job = recorder.job(ask("c", max_tokens=10_000))
-    scheduler.submit(job)
-    assert recorder.events.get(timeout=5)["event"] == "token"
-    assert scheduler.withdraw(job, STOP_CANCELLED) is False  # running: the worker ends it
-    tokens, done = recorder.until_end("c")
-    assert done["finish_reason"] == "cancelled"
-    assert done["usage"]["generated_tokens"] == len(tokens) + 1 < 10_000  # + the one read above
-    assert done["text"] == "t" * done["usage"]["generated_tokens"]
+def test_asks_beyond_max_batch_wait_and_join_as_others_leave(engine):
+    scheduler = started(engine, max_batch=2)
+    try:
+        recorder = Recorder()
+        for n in range(5):
+            scheduler.submit(recorder.job(ask(n, prompt=f"p{n}", max_tokens=3 + 2 * n)))
+        assert [recorder.until_end(n)[1]["finish_reason"] for n in range(5)] == ["length"] * 5
+        assert max(engine.step_sizes) == 2
+    finally:
+        scheduler.stop()
+        assert scheduler.join(10)
 
 
-def test_a_disconnected_job_ends_silently_and_frees_the_worker(scheduler):
-    recorder = Recorder()
-    gone = recorder.job(ask("gone", max_tokens=10_000))
-    scheduler.submit(gone)
-    recorder.events.get(timeout=5)
-    scheduler.withdraw(gone, STOP_DISCONNECTED)
-    scheduler.submit(recorder.job(ask("next")))
-    _, done = recorder.until_end("next", timeout_s=2)
-    assert done["event"] == "done"
-    remaining = [recorder.events.get_nowait() for _ in range(recorder.events.qsize())]
-    assert all(event["id"] != "gone" or event["event"] == "token" for event in remaining)
+def test_cancel_frees_the_slot_at_the_next_step_with_the_text_so_far(engine):
+    engine.step_delay_s = 0.002
+    scheduler = started(engine, max_batch=1)
+    try:
+        recorder = Recorder()
+        job = recorder.job(ask("c", max_tokens=10_000))
+        scheduler.submit(job)
+        scheduler.submit(recorder.job(ask("next", max_tokens=3)))
+        assert recorder.events.get(timeout=10)["event"] == "token"
+        assert scheduler.withdraw(job, STOP_CANCELLED) is False  # running: the worker ends it
+        tokens, done = recorder.until_end("c")
+        assert done["finish_reason"] == "cancelled"
+        assert len(tokens) + 1 <= done["usage"]["generated_tokens"] < 10_000  # + the one read above
+        assert recorder.until_end("next")[1]["finish_reason"] == "length"  # the slot was freed
+    finally:
+        scheduler.stop()
+        assert scheduler.join(10)
+
+
+def test_a_disconnected_job_ends_silently_and_frees_its_slot(engine):
+    engine.step_delay_s = 0.002
+    scheduler = started(engine, max_batch=1)
+    try:
+        recorder = Recorder()
+        gone = recorder.job(ask("gone", max_tokens=10_000))
+        scheduler.submit(gone)
+        recorder.events.get(timeout=10)
+        scheduler.withdraw(gone, STOP_DISCONNECTED)
+        scheduler.submit(recorder.job(ask("next")))
+        _, done = recorder.until_end("next", timeout_s=10)
+        assert done["event"] == "done"
+        remaining = [recorder.events.get_nowait() for _ in range(recorder.events.qsize())]
+        assert all(event["id"] != "gone" or event["event"] == "token" for event in remaining)
+        assert scheduler.requests_running == 0
+    finally:
+        scheduler.stop()
+        assert scheduler.join(10)
 
 
 def test_a_waiting_job_can_be_withdrawn(engine):
@@ -153,45 +192,102 @@ def test_a_waiting_job_can_be_withdrawn(engine):
     assert scheduler.queue_depth == 0
 
 
-def test_engine_errors_end_only_their_request(scheduler):
+def test_bad_asks_end_only_themselves(scheduler):
     recorder = Recorder()
-    scheduler.submit(recorder.job(ask("bad", prompt="!x")))
     scheduler.submit(recorder.job(ask("empty", prompt="")))
     scheduler.submit(recorder.job(ask("chat", prompt="chat-without-template")))
     scheduler.submit(recorder.job(ask("good")))
-    assert recorder.until_end("bad")[1]["code"] == "engine"
     assert recorder.until_end("empty")[1]["code"] == "invalid_params"
     assert recorder.until_end("chat")[1]["code"] == "invalid_params"
     assert recorder.until_end("good")[1]["event"] == "done"
 
 
-def test_a_paused_expert_load_ends_its_request_with_the_pause_code(scheduler):
-    """The thermal watch paused loading: the request that needed a read gets `thermal`, the next runs."""
-    recorder = Recorder()
-    scheduler.submit(recorder.job(ask("hot", prompt="~x")))
-    scheduler.submit(recorder.job(ask("cool")))
-    error = recorder.until_end("hot")[1]
-    assert (error["event"], error["code"]) == ("error", "thermal") and "86 °C" in error["message"]
-    assert recorder.until_end("cool")[1]["event"] == "done"
+def test_an_expert_that_cannot_load_ends_the_requests_of_its_step_and_the_rest_go_on(engine):
+    scheduler = started(engine, max_batch=1)
+    try:
+        recorder = Recorder()
+        scheduler.submit(recorder.job(ask("bad", prompt="!x")))
+        scheduler.submit(recorder.job(ask("hot", prompt="~x")))
+        scheduler.submit(recorder.job(ask("good")))
+        assert recorder.until_end("bad")[1]["code"] == "engine"
+        error = recorder.until_end("hot")[1]
+        assert (error["event"], error["code"]) == ("error", "thermal") and "86 °C" in error["message"]
+        assert recorder.until_end("good")[1]["event"] == "done"
+    finally:
+        scheduler.stop()
+        assert scheduler.join(10)
+
+
+def test_a_request_that_can_never_fit_the_kv_budget_is_refused_and_one_that_can_waits(engine, pack):
+    need = FaultyEngine(pack).start_generation([1, 2, 3], ask(0, prompt="abc", max_tokens=40).params)[1].state.nbytes
+    engine.step_delay_s = 0.002
+    scheduler = started(engine, kv_budget_bytes=int(1.5 * need))  # room for one such request at a time
+    try:
+        recorder = Recorder()
+        scheduler.submit(recorder.job(ask("huge", max_tokens=4000)))
+        scheduler.submit(recorder.job(ask("first", max_tokens=40)))
+        scheduler.submit(recorder.job(ask("second", max_tokens=40)))
+        error = recorder.until_end("huge")[1]
+        assert error["code"] == "invalid_params" and "kv_cache_size" in error["message"]
+        assert recorder.until_end("first")[1]["finish_reason"] == "length"
+        assert recorder.until_end("second")[1]["finish_reason"] == "length"
+        assert max(engine.step_sizes) == 1  # the second waited for the first's memory
+    finally:
+        scheduler.stop()
+        assert scheduler.join(10)
 
 
 def test_stop_ends_the_running_and_the_waiting_jobs(engine):
-    scheduler = Scheduler(engine, max_queue=4)
-    scheduler.start()
+    engine.step_delay_s = 0.002
+    scheduler = started(engine, max_batch=1)
     recorder = Recorder()
     scheduler.submit(recorder.job(ask("running", max_tokens=10_000)))
-    recorder.events.get(timeout=5)
+    recorder.events.get(timeout=10)
     waiting = recorder.job(ask("waiting"))
     scheduler.submit(waiting)
     assert scheduler.stop() == [waiting]  # the caller ends the waiting ones
     assert recorder.until_end("running")[1]["code"] == "shutdown"
-    assert scheduler.join(5)
+    assert scheduler.join(10)
     with pytest.raises(SchedulerStopped):
         scheduler.submit(recorder.job(ask("late")))
 
 
-def test_logprobs_carry_the_alternatives_text(scheduler):
+def test_close_intake_drains_the_whole_batch(engine):
+    scheduler = started(engine, max_batch=3)
+    recorder = Recorder()
+    for n in range(5):
+        scheduler.submit(recorder.job(ask(n, max_tokens=6)))
+    scheduler.close_intake()
+    assert [recorder.until_end(n)[1]["finish_reason"] for n in range(5)] == ["length"] * 5
+    assert scheduler.join(10)
+
+
+def test_logprobs_carry_the_alternatives_text(scheduler, engine):
     recorder = Recorder()
     scheduler.submit(recorder.job(ask("lp", max_tokens=2, logprobs=1)))
     tokens, _ = recorder.until_end("lp")
-    assert tokens[0]["top_logprobs"] == [[0, "<0>", -1.0]] and tokens[0]["logprob"] == -1.0
+    token_id, text, logprob = tokens[0]["top_logprobs"][0]
+    assert text == engine.tokenizer.decode([token_id]) and logprob == tokens[0]["logprob"]
+
+
+def test_status_shows_each_running_request_and_the_batch(engine):
+    engine.step_delay_s = 0.002
+    scheduler = started(engine, max_batch=4)
+    try:
+        recorder = Recorder()
+        for n in range(2):
+            scheduler.submit(recorder.job(ask(n, max_tokens=10_000)))
+        deadline = time.monotonic() + 10
+        while scheduler.requests_running < 2 or any(r["tokens"] < 2 for r in scheduler.running_status()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        running = scheduler.running_status()
+        assert {r["id"] for r in running} == {0, 1} and {r["phase"] for r in running} == {"decode"}
+        assert all(r["peer"] == "a client" and r["tokens_per_s"] > 0 for r in running)
+        batch, kv = scheduler.batch_status(), scheduler.kv_status()
+        assert batch["max_batch"] == 4 and batch["size"] == 2 and batch["steps"] > 0
+        assert 0 < batch["distinct_experts_per_layer_step"] <= batch["sequence_experts_per_layer_step"]
+        assert kv["budget_bytes"] == BIG_BUDGET and kv["used_bytes"] > 0 and kv["sequences"] == 2
+    finally:
+        scheduler.stop()
+        assert scheduler.join(10)

@@ -63,13 +63,13 @@ def test_specs_exercise_the_features_they_claim(packs):
     assert configs[4].v_norm and configs[4].post_norms and configs[4].values_from_keys and configs[4].layer_head_dim
 
 
-def test_the_cache_grows_under_the_fused_step_and_refuses_past_its_end(packs):
+def test_the_fused_step_fills_the_cache_in_parts_and_refuses_past_its_end(packs):
     from colibrid.engine.kv_cache import KVCache
     from colibrid.engine.sequence_state import SequenceState
 
     fused, stepwise = _engines(packs.pack(SPECS[2], "q8_0"))
-    config = fused.config  # grows 2 -> 4 -> 8 -> 16:
-    states = [SequenceState([KVCache(config.num_kv_heads, config.head_dim, 16, initial_tokens=2)
+    config = fused.config
+    states = [SequenceState([KVCache(config.num_kv_heads, config.head_dim, 16)
                              for _ in range(config.num_layers)], 16) for _ in range(2)]
     for part in (PROMPT[:3], PROMPT[3:4], PROMPT[4:9], PROMPT[9:]):
         a, b = (e.model.forward(np.asarray(part), state) for e, state in zip((fused, stepwise), states))

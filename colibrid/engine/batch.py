@@ -1,0 +1,201 @@
+"""Continuous batching: many generations advanced together, one model step at a time.
+
+A step carries one decode token for every running sequence that has sampled, and chunks of
+prompt from the sequences still prefilling (at most ``prefill_chunk`` prompt tokens per step
+in all, whole chunks in arrival order), so a long prompt never stalls the others' tokens for
+more than one chunk. The model runs each sequence's token mixer on its own state and the
+feed-forward half once over every row of the step: each routed expert is acquired and
+computed once per layer for all the sequences routed to it (Model.forward_batch).
+
+A sequence's tokens do not depend on what else runs: the kernels compute each row alone and
+every sequence keeps its own sampler, seed and stop strings (Generation). Each sequence's
+state is allocated whole when it is admitted, for its prompt plus max_tokens (capped by the
+context), and counted against the KV budget: a sequence is admitted only when it fits, so the
+batch never runs out of memory halfway.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from colibrid.engine.generate import Generation, GenerationDone, GenerationEvent
+from colibrid.engine.model import Model, StepInput
+
+Outcome = "GenerationEvent | GenerationDone | SequenceFailed"
+
+
+@dataclass(eq=False)
+class BatchSequence:
+    """One admitted generation and what the batch knows of it."""
+
+    key: Hashable  # the caller's handle for it
+    generation: Generation
+    session: "object"  # colibrid.engine.engine.Session: its state is what the steps advance
+    kv_bytes: int  # its state's size, reserved in the KV budget while it runs
+    expert_hits: int = 0  # expert cache hits and misses of the steps it took part in
+    expert_misses: int = 0
+    started_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def phase(self) -> str:
+        return "prefill" if self.generation.prefilling else "decode"
+
+    def tokens_per_s(self) -> float:
+        return self.generation.decode_tokens_per_s
+
+
+@dataclass(frozen=True)
+class SequenceFailed:
+    """The outcome of a sequence that cannot go on (its logits were not finite): it has left
+    the batch; the others go on."""
+
+    message: str
+
+
+class StepFailed(Exception):
+    """The model failed during a step (an expert could not be loaded). Every sequence of the
+    step had its state partly advanced, so they have left the batch (``sequences``); the
+    sequences that were not in the step are untouched. ``__cause__`` is the model's error."""
+
+    def __init__(self, sequences: list["BatchSequence"]) -> None:
+        super().__init__(f"a step of {len(sequences)} sequences failed")
+        self.sequences = sequences
+
+
+class KVBudgetExceeded(ValueError):
+    """The sequence cannot fit in the KV budget even alone: it will never be admitted."""
+
+
+class Batch:
+    """The running sequences and the step that advances them all."""
+
+    def __init__(self, model: Model, max_batch: int, prefill_chunk: int, kv_budget_bytes: int,
+                 expert_counts=None) -> None:
+        if max_batch < 1 or prefill_chunk < 1 or kv_budget_bytes < 0:
+            raise ValueError("max_batch and prefill_chunk must be >= 1, kv_budget_bytes >= 0")
+        self.model = model
+        self.max_batch = max_batch
+        self.prefill_chunk = min(prefill_chunk, model.max_step_tokens)
+        self.kv_budget_bytes = kv_budget_bytes
+        self._expert_counts = expert_counts  # () -> (hits, misses) of the expert cache so far
+        self.sequences: list[BatchSequence] = []  # in arrival order
+        self.steps = 0
+        self.last_step_size = 0  # sequences in the last step
+
+    # -- admission --------------------------------------------------------------------------
+
+    @property
+    def kv_used_bytes(self) -> int:
+        return sum(sequence.kv_bytes for sequence in self.sequences)
+
+    def check_fits_alone(self, kv_bytes: int) -> None:
+        """KVBudgetExceeded if a sequence of ``kv_bytes`` could never run, even in an empty batch."""
+        if kv_bytes > self.kv_budget_bytes:
+            raise KVBudgetExceeded(
+                f"the request needs {kv_bytes / 2**20:.1f} MiB of KV cache for its prompt and max_tokens, "
+                f"more than the whole KV budget ({self.kv_budget_bytes / 2**20:.1f} MiB, kv_cache_size); "
+                "ask for fewer tokens")
+
+    def has_room(self, kv_bytes: int) -> bool:
+        """Whether a sequence of ``kv_bytes`` can join now (a slot free and its KV fits)."""
+        return len(self.sequences) < self.max_batch and self.kv_used_bytes + kv_bytes <= self.kv_budget_bytes
+
+    def admit(self, key: Hashable, generation: Generation, session) -> BatchSequence:
+        kv_bytes = session.state.nbytes
+        if not self.has_room(kv_bytes):
+            raise RuntimeError("admit() without room: call has_room() first")
+        sequence = BatchSequence(key, generation, session, kv_bytes)
+        self.sequences.append(sequence)
+        return sequence
+
+    def remove(self, key: Hashable) -> BatchSequence | None:
+        """Takes the sequence out (between steps): its state and KV reservation are freed."""
+        for i, sequence in enumerate(self.sequences):
+            if sequence.key == key:
+                return self.sequences.pop(i)
+        return None
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[BatchSequence, list[Outcome]]]:
+        """Advances every running sequence by one step; returns what each produced (a token
+        event, and GenerationDone at its end; nothing for a prompt chunk that is not the last;
+        SequenceFailed for one that cannot go on). Finished and failed sequences leave the
+        batch. StepFailed if the model fails (see there)."""
+        plan = self._plan()
+        if not plan:
+            return []
+        before = self._expert_counts() if self._expert_counts is not None else (0, 0)
+        try:
+            logits = self.model.forward_batch([StepInput(seq.session.state, ids, "last" if last else None)
+                                               for seq, ids, last in plan])
+        except Exception as exc:
+            failed = [sequence for sequence, _, _ in plan]
+            self.sequences = [sequence for sequence in self.sequences if sequence not in failed]
+            raise StepFailed(failed) from exc
+        after = self._expert_counts() if self._expert_counts is not None else (0, 0)
+        self.steps += 1
+        self.last_step_size = len(plan)
+        return [(sequence, self._outcomes(sequence, rows if last else None, after[0] - before[0], after[1] - before[1]))
+                for (sequence, _, last), rows in zip(plan, logits)]
+
+    def _outcomes(self, sequence: BatchSequence, logits: np.ndarray | None, hits: int, misses: int) -> list[Outcome]:
+        """What one sequence's part of a step produced; it leaves the batch when it ends."""
+        sequence.expert_hits += hits
+        sequence.expert_misses += misses
+        if logits is None:
+            return []
+        try:
+            outcomes = sequence.generation.accept(logits[-1])
+        except ValueError as exc:  # non-finite logits: this sequence's numbers are broken, not the others'
+            outcomes = [SequenceFailed(f"the model's output is not finite: {exc}")]
+        if sequence.generation.finished or isinstance(outcomes[-1], SequenceFailed):
+            self.sequences.remove(sequence)
+        return outcomes
+
+    def _plan(self) -> list[tuple[BatchSequence, np.ndarray, bool]]:
+        """(sequence, its tokens this step, whether they end its pending input) for each
+        sequence in the step: every decoding sequence's one token, and prompt chunks in
+        arrival order, at least one and then as many as fit in prefill_chunk tokens.
+
+        A prompt is always cut at the same places, every prefill_chunk tokens of its own,
+        whatever else runs: DeltaNet's chunked prefill rounds differently for different
+        cuts, and a request's numbers must not depend on its neighbours."""
+        plan, prompt_budget = [], self.prefill_chunk
+        for sequence in self.sequences:
+            generation = sequence.generation
+            if not generation.prefilling:
+                plan.append((sequence, generation.next_input(), True))
+                continue
+            chunk = min(self.prefill_chunk, generation.pending_tokens)
+            if chunk <= prompt_budget:
+                prompt_budget -= chunk
+                plan.append((sequence, generation.next_input(chunk), generation.pending_tokens == 0))
+            else:
+                prompt_budget = 0  # the next prompts wait their turn: first come, first fed
+        return plan
+
+    # -- observability ------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        routing = self.model.routing_stats.summary()
+        return {
+            "max_batch": self.max_batch,
+            "size": len(self.sequences),
+            "last_step_size": self.last_step_size,
+            "steps": self.steps,
+            "prefill_chunk": self.prefill_chunk,
+            "distinct_experts_per_layer_step": routing["distinct_experts_per_layer_step"],
+            "sequence_experts_per_layer_step": routing["sequence_experts_per_layer_step"],
+        }
+
+    def kv_status(self) -> dict:
+        return {"budget_bytes": self.kv_budget_bytes, "used_bytes": self.kv_used_bytes,
+                "sequences": len(self.sequences)}

@@ -48,6 +48,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None = no alternatives; n = the n most likely tokens per step
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False: special tokens the model writes (EOS aside) appear in the text
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range and what it accepts."""
@@ -66,6 +67,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, allowed, lambda v: 0 <= v <= MAX_TOP_LOGPROBS)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -26,7 +26,7 @@ DOCDIR ?= $(PREFIX)/share/doc/colibri
 INSTALL ?= install
 # The documents installed next to the units (their Documentation= names two); install and
 # uninstall both read this one list, so they cannot drift apart.
-DOCS = systemd.md protocol.md thermal.md security.md
+DOCS = systemd.md protocol.md thermal.md security.md gateway.md
 # The units name the colibrid executable and the docs by absolute path, known only at install.
 SUBSTITUTE = sed -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@DOCDIR@|$(DOCDIR)|g'
 
@@ -40,7 +40,10 @@ install:
 		$(DESTDIR)$(UDEVRULESDIR) $(DESTDIR)$(SYSCTLDIR) $(DESTDIR)$(DOCDIR) $(DESTDIR)$(SYSCONFDIR)/colibri
 	$(SUBSTITUTE) systemd/colibrid.service > $(DESTDIR)$(UNITDIR)/colibrid.service
 	$(SUBSTITUTE) systemd/colibrid.socket > $(DESTDIR)$(UNITDIR)/colibrid.socket
-	chmod 0644 $(DESTDIR)$(UNITDIR)/colibrid.service $(DESTDIR)$(UNITDIR)/colibrid.socket
+	$(SUBSTITUTE) systemd/colibri-openai.service > $(DESTDIR)$(UNITDIR)/colibri-openai.service
+	$(SUBSTITUTE) systemd/colibri-openai.socket > $(DESTDIR)$(UNITDIR)/colibri-openai.socket
+	chmod 0644 $(DESTDIR)$(UNITDIR)/colibrid.service $(DESTDIR)$(UNITDIR)/colibrid.socket \
+		$(DESTDIR)$(UNITDIR)/colibri-openai.service $(DESTDIR)$(UNITDIR)/colibri-openai.socket
 	$(INSTALL) -m 0644 systemd/sysusers.d/colibri.conf $(DESTDIR)$(SYSUSERSDIR)/colibri.conf
 	$(INSTALL) -m 0644 systemd/tmpfiles.d/colibri.conf $(DESTDIR)$(TMPFILESDIR)/colibri.conf
 	$(INSTALL) -m 0644 udev/60-colibri-nvme.rules $(DESTDIR)$(UDEVRULESDIR)/60-colibri-nvme.rules
@@ -49,14 +52,17 @@ install:
 	@# The config is the admin's once installed: never overwrite an edited one.
 	test -e $(DESTDIR)$(SYSCONFDIR)/colibri/colibrid.toml || \
 		$(INSTALL) -m 0644 etc/colibri/colibrid.toml $(DESTDIR)$(SYSCONFDIR)/colibri/colibrid.toml
+	test -e $(DESTDIR)$(SYSCONFDIR)/colibri/colibri-openai.toml || \
+		$(INSTALL) -m 0644 etc/colibri/colibri-openai.toml $(DESTDIR)$(SYSCONFDIR)/colibri/colibri-openai.toml
 
 uninstall:
 	rm -f $(DESTDIR)$(UNITDIR)/colibrid.service $(DESTDIR)$(UNITDIR)/colibrid.socket \
+		$(DESTDIR)$(UNITDIR)/colibri-openai.service $(DESTDIR)$(UNITDIR)/colibri-openai.socket \
 		$(DESTDIR)$(SYSUSERSDIR)/colibri.conf $(DESTDIR)$(TMPFILESDIR)/colibri.conf \
 		$(DESTDIR)$(UDEVRULESDIR)/60-colibri-nvme.rules $(DESTDIR)$(SYSCTLDIR)/60-colibri.conf \
 		$(addprefix $(DESTDIR)$(DOCDIR)/,$(DOCS))
 	-rmdir $(DESTDIR)$(DOCDIR) 2>/dev/null
-	@echo "left in place: $(SYSCONFDIR)/colibri/colibrid.toml, /var/lib/colibri and the colibri user"
+	@echo "left in place: $(SYSCONFDIR)/colibri/colibrid.toml, colibri-openai.toml, /var/lib/colibri and the colibri user"
 
 activate:
 	systemd-sysusers $(SYSUSERSDIR)/colibri.conf

@@ -33,6 +33,13 @@ RequestId = Union[str, int]
 # its id, so without a bound one 900 kB id in an ask becomes hundreds of MB of token events.
 MAX_ID_BYTES = 256
 
+# Tool calling (an ask's `tools`, an assistant message's `tool_calls`): how many, and how deeply
+# nested their JSON may be. The frame size already bounds their bytes; these bound the work a
+# chat template does walking them (and keep the checks below from recursing without end).
+MAX_TOOLS = 128
+MAX_TOOL_CALLS_PER_MESSAGE = 64
+MAX_JSON_DEPTH = 16
+
 
 class ProtocolError(Exception):
     """A request or frame the server refuses; `code` is a protocol error code."""
@@ -99,6 +106,7 @@ class Ask:
     system: str | None
     raw: bool
     params: SamplingParams
+    tools: list[dict[str, Any]] | None = None  # function descriptions for the chat template
 
 
 @dataclass(frozen=True)
@@ -138,11 +146,64 @@ def is_request_id(value: Any) -> bool:
     return _is_int(value)
 
 
+def is_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> bool:
+    """JSON data (nil, bool, number, string, list, map with string keys) nested at most max_depth deep.
+    Iterative: a hostile nesting cannot exhaust the stack."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if item is None or isinstance(item, (bool, int, float, str)):
+            continue
+        if depth > max_depth:
+            return False
+        if isinstance(item, list):
+            pending.extend((element, depth + 1) for element in item)
+        elif isinstance(item, dict) and all(isinstance(key, str) for key in item):
+            pending.extend((element, depth + 1) for element in item.values())
+        else:
+            return False
+    return True
+
+
+def _is_tool_call(value: Any) -> bool:
+    """{"id"?, "type"?, "function": {"name": str, "arguments": str or map}}, as OpenAI sends them back."""
+    if not isinstance(value, dict) or not is_json_value(value):
+        return False
+    function = value.get("function")
+    return (isinstance(function, dict) and isinstance(function.get("name"), str)
+            and isinstance(function.get("arguments", ""), (str, dict))
+            and all(isinstance(value.get(key, ""), str) for key in ("id", "type")))
+
+
+# The keys a chat message may hold besides `role`, and the type each must have.
+_MESSAGE_FIELD_TYPES = {
+    "content": lambda v: isinstance(v, str),
+    "tool_calls": lambda v: (isinstance(v, list) and len(v) <= MAX_TOOL_CALLS_PER_MESSAGE
+                             and all(_is_tool_call(call) for call in v)),
+    "tool_call_id": lambda v: isinstance(v, str),  # a `tool` message answers this call
+    "name": lambda v: isinstance(v, str),
+    "reasoning_content": lambda v: isinstance(v, str),
+}
+
+
+def _is_message(value: Any) -> bool:
+    """A map with `role` and `content` strings; an assistant message with `tool_calls` may have no
+    `content` (or nil). nil-valued optional keys mean absent, as everywhere in a request."""
+    if not isinstance(value, dict) or not isinstance(value.get("role"), str):
+        return False
+    fields = {key: field for key, field in value.items() if key != "role" and field is not None}
+    if "content" not in fields and "tool_calls" not in fields:
+        return False
+    return all(key in _MESSAGE_FIELD_TYPES and _MESSAGE_FIELD_TYPES[key](field) for key, field in fields.items())
+
+
 def _is_message_list(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(m, dict) and set(m) == {"role", "content"} and all(isinstance(v, str) for v in m.values())
-        for m in value
-    )
+    return isinstance(value, list) and all(_is_message(m) for m in value)
+
+
+def _is_tool_list(value: Any) -> bool:
+    return (isinstance(value, list) and len(value) <= MAX_TOOLS
+            and all(isinstance(tool, dict) and is_json_value(tool) for tool in value))
 
 
 def _is_string_list(value: Any) -> bool:
@@ -152,7 +213,10 @@ def _is_string_list(value: Any) -> bool:
 # Optional ask fields: the type each must have and what the error calls it. nil means absent.
 _ASK_FIELD_TYPES = {
     "prompt": (lambda v: isinstance(v, str), "a string"),
-    "messages": (_is_message_list, "a list of {role, content} maps of strings"),
+    "messages": (_is_message_list, "a list of {role, content} maps of strings (tool_calls, tool_call_id, name, "
+                                   "reasoning_content optional)"),
+    "tools": (_is_tool_list, f"a list of at most {MAX_TOOLS} maps of JSON data nested at most {MAX_JSON_DEPTH} deep"),
+    "special_tokens": (lambda v: isinstance(v, bool), "a boolean"),
     "system": (lambda v: isinstance(v, str), "a string"),
     "raw": (lambda v: isinstance(v, bool), "a boolean"),
     "max_tokens": (_is_int, "an integer"),
@@ -213,10 +277,15 @@ def _parse_ask(message: dict[str, Any], request_id: RequestId, default_max_token
     sampling = {"max_tokens": default_max_tokens, **sampling_defaults,
                 **{name: fields[name] for name in _SAMPLING_FIELDS if fields[name] is not None}}
     try:
-        params = SamplingParams(**sampling)  # the one check of a client's parameters: built valid or not at all
+        # The one check of a client's parameters: built valid or not at all.
+        params = SamplingParams(**sampling, skip_special_tokens=not fields["special_tokens"])
     except ValueError as exc:
         raise ProtocolError("invalid_params", str(exc), request_id) from None
-    return Ask(request_id, fields["prompt"], fields["messages"], fields["system"], bool(fields["raw"]), params)
+    if fields["tools"] and fields["raw"]:
+        raise ProtocolError("invalid_params", "`tools` go through the chat template; a `raw` ask has none",
+                            request_id)
+    return Ask(request_id, fields["prompt"], fields["messages"], fields["system"], bool(fields["raw"]), params,
+               fields["tools"] or None)
 
 
 def _parse_cancel(message: dict[str, Any], request_id: RequestId) -> Cancel:

@@ -39,6 +39,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # any sequence of strings is accepted and kept as a tuple
     logprobs: int | None = None  # None = no alternatives; n = the n most likely tokens per step
     ignore_eos: bool = False
+    skip_special_tokens: bool = True  # False: special tokens the model writes (EOS aside) appear in the text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, list):
@@ -63,6 +64,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, allowed, lambda v: 0 <= v <= MAX_TOP_LOGPROBS)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -248,7 +248,7 @@ class Scheduler:
         ask = job.ask
         try:
             prompt_ids = self.engine.prompt_ids(prompt=ask.prompt, messages=ask.messages, system=ask.system,
-                                                raw=ask.raw)
+                                                raw=ask.raw, tools=ask.tools)
             generation, session = self.engine.start_generation(prompt_ids, ask.params)
             self.batch.check_fits_alone(session.state.nbytes)
         except ChatTemplateError as exc:  # the pack's template went over its budget: the model's fault

@@ -173,26 +173,31 @@ class Engine:
         return (session or self.new_session()).forward(token_ids)
 
     def prompt_ids(self, prompt: str | None = None, messages: list[dict] | None = None,
-                   system: str | None = None, raw: bool = False) -> list[int]:
-        """Token ids for a raw prompt or a chat; chats go through the model's template.
+                   system: str | None = None, raw: bool = False, tools: list[dict] | None = None) -> list[int]:
+        """Token ids for a raw prompt or a chat; chats go through the model's template, which
+        also sees ``tools`` (function descriptions, as transformers passes them).
 
         A raw prompt is the client's whole text: special-token text in it becomes special tokens
         (there is no template whose roles it could forge). In a chat it stays text unless the
         tokenizer's parse_special_tokens_in_content is set.
         ValueError, before any tokenizing, if the text is too long to fit in max_context.
         """
-        self._check_prompt_bytes(prompt, messages, system)
+        self._check_prompt_bytes(prompt, messages, system, tools)
         if messages is None:
+            if tools and (raw or not self.tokenizer.has_chat_template):
+                raise ValueError("tools are given to the model through its chat template; "
+                                 + ("a raw prompt has none" if raw else "this model has none"))
             if raw or not self.tokenizer.has_chat_template:
                 text = prompt if system is None else f"{system}\n\n{prompt}"
                 return self.tokenizer.encode(text or "", add_special_tokens=True)
             messages = [{"role": "user", "content": prompt or ""}]
-        return self.tokenizer.encode_chat(messages, system=system)
+        return self.tokenizer.encode_chat(messages, system=system, tools=tools)
 
-    def _check_prompt_bytes(self, prompt: str | None, messages: list[dict] | None, system: str | None) -> None:
-        texts = [prompt or "", system or "", *(value for message in messages or () for value in message.values())]
+    def _check_prompt_bytes(self, prompt: str | None, messages: list[dict] | None, system: str | None,
+                            tools: list[dict] | None = None) -> None:
         # Encoding to count costs about a millisecond per MB: nothing next to tokenizing it.
-        prompt_bytes = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts if isinstance(text, str))
+        prompt_bytes = sum(len(text.encode("utf-8", "surrogatepass"))
+                           for text in _strings_in((prompt, system, messages, tools)))
         if prompt_bytes > self.max_prompt_bytes:
             raise ValueError(
                 f"the prompt is {prompt_bytes} bytes; max_context {self.max_context} tokens of this model's "
@@ -203,7 +208,8 @@ class Engine:
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  session: Session | None = None) -> Iterator[GenerationEvent | GenerationDone]:
         """The events of a generation of ``prompt_ids``; ``params`` were checked when they were built."""
-        return generate(session or self.new_session(), self.tokenizer, prompt_ids, params)
+        return generate(session or self.new_session(), self.tokenizer, prompt_ids, params,
+                        skip_special_tokens=params.skip_special_tokens)
 
     def start_generation(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Generation, Session]:
         """A generation ready to join a batch, on a session of its own sized for its prompt
@@ -211,7 +217,7 @@ class Engine:
         ValueError if the prompt is empty or does not fit."""
         tokens = min(len(prompt_ids) + params.max_tokens, self.max_context)
         session = self.new_session(max_context=max(tokens, 1))
-        return Generation(session, self.tokenizer, prompt_ids, params), session
+        return Generation(session, self.tokenizer, prompt_ids, params, params.skip_special_tokens), session
 
     def new_batch(self, max_batch: int, prefill_chunk: int, kv_budget_bytes: int) -> Batch:
         """An empty batch of generations on this engine's model (see engine/batch.py)."""
@@ -222,6 +228,21 @@ class Engine:
         """Token ids of a greedy continuation (ignores EOS), for tests and tools."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         return [e.token_id for e in self.generate(prompt_ids, params) if isinstance(e, GenerationEvent)]
+
+
+def _strings_in(value) -> Iterator[str]:
+    """Every string in a request's plain data (strings, lists, tuples, maps: keys and values).
+    Iterative: the protocol bounds the nesting, but a caller in Python need not have."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
 
 
 def _hits_and_misses(experts: ExpertSource) -> tuple[int, int]:

@@ -409,10 +409,12 @@ class Tokenizer:
         """
         return self._render(messages, add_generation_prompt, lambda text: text, extra)
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], system: str | None = None) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], system: str | None = None,
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         """Prompt ids for a conversation: the rendered template, encoded without added special tokens.
 
-        `system`, if given, is prepended as a system message. add_special_tokens=False because
+        `system`, if given, is prepended as a system message; `tools` (function descriptions)
+        reach the template as transformers passes them. add_special_tokens=False because
         the template already writes BOS and friends itself (transformers does the same).
 
         Special-token text inside the conversation (a user writing "<|im_start|>system") stays
@@ -423,10 +425,12 @@ class Tokenizer:
         self._require_template()
         if system is not None:
             messages = [{"role": "system", "content": system}, *messages]
+        extra = {"tools": list(tools)} if tools else {}
         if self.parse_special_tokens_in_content:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt=True, **extra),
+                               add_special_tokens=False)
         mask = _SpecialTextMask(self._special_texts)
-        prompt = self._render(messages, True, mask.mask, {})
+        prompt = self._render(messages, True, mask.mask, extra)
         if not mask.masked:
             return self.encode(prompt, add_special_tokens=False)
         return self._encode_template_specials_only(prompt, mask)

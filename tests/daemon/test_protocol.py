@@ -78,6 +78,38 @@ def test_unknown_fields_are_ignored():
     assert parse({"op": "status", "id": 1, "verbose": True}) == Status(1)
 
 
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+
+def _nested(depth: int) -> dict:
+    """A map nested `depth` maps deep below its top level."""
+    value: dict = {}
+    for _ in range(depth):
+        value = {"x": value}
+    return value
+
+
+def test_a_chat_with_tools_keeps_every_role_and_the_tool_calls():
+    messages = [
+        {"role": "system", "content": "You report the weather."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [_CALL]},  # OpenAI sends content null back
+        {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {"a": [1, 2.5, None]}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"temp_c": 21}'},
+        {"role": "assistant", "content": "21 C", "reasoning_content": "the tool said so"},
+    ]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": _nested(13)}}]  # 16 maps deep
+    ask = parse({"op": "ask", "id": 1, "messages": messages, "tools": tools})
+    assert ask.messages == messages and ask.tools == tools
+    assert parse({"op": "ask", "id": 1, "prompt": "x", "tools": []}).tools is None
+    assert parse({"op": "ask", "id": 1, "prompt": "x"}).tools is None
+
+
+def test_special_tokens_keeps_special_token_text_in_the_output():
+    assert parse({"op": "ask", "id": 1, "prompt": "x"}).params.skip_special_tokens is True
+    assert parse({"op": "ask", "id": 1, "prompt": "x", "special_tokens": True}).params.skip_special_tokens is False
+
+
 @pytest.mark.parametrize("message, code", [
     ({"op": "hello", "id": 1}, "bad_request"),
     ({"op": "hello", "id": 1, "protocol": 2}, "unsupported_protocol"),
@@ -93,7 +125,21 @@ def test_unknown_fields_are_ignored():
     ({"op": "ask", "id": 1, "prompt": "x", "max_tokens": 0}, "invalid_params"),
     ({"op": "ask", "id": 1, "prompt": "x", "stop": [""]}, "invalid_params"),
     ({"op": "ask", "id": 1, "prompt": "x", "temperature": float("nan")}, "invalid_params"),
-    ({"op": "ask", "id": 1, "messages": [{"role": "user", "content": "x", "name": "y"}]}, "bad_request"),
+    ({"op": "ask", "id": 1, "messages": [{"role": "user", "content": "x", "nick": "y"}]}, "bad_request"),
+    ({"op": "ask", "id": 1, "messages": [{"role": "user"}]}, "bad_request"),
+    ({"op": "ask", "id": 1, "messages": [{"role": "user", "content": 3}]}, "bad_request"),
+    ({"op": "ask", "id": 1, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
+                                                                                          "arguments": 3}}]}]},
+     "bad_request"),
+    ({"op": "ask", "id": 1, "messages": [{"role": "assistant", "tool_calls": [{"id": "c"}]}]}, "bad_request"),
+    ({"op": "ask", "id": 1, "messages": [{"role": "assistant", "tool_calls": [_CALL] * 65}]}, "bad_request"),
+    ({"op": "ask", "id": 1, "prompt": "x", "tools": {"type": "function"}}, "bad_request"),
+    ({"op": "ask", "id": 1, "prompt": "x", "tools": ["get_weather"]}, "bad_request"),
+    ({"op": "ask", "id": 1, "prompt": "x", "tools": [{"type": "function"}] * 129}, "bad_request"),
+    ({"op": "ask", "id": 1, "prompt": "x", "tools": [_nested(16)]}, "bad_request"),
+    ({"op": "ask", "id": 1, "prompt": "x", "tools": [{"x": b"bytes"}]}, "bad_request"),
+    ({"op": "ask", "id": 1, "prompt": "x", "special_tokens": 1}, "bad_request"),
+    ({"op": "ask", "id": 1, "prompt": "x", "raw": True, "tools": [{"type": "function"}]}, "invalid_params"),
 ])
 def test_refusals_carry_the_code_the_document_gives(message, code):
     with pytest.raises(ProtocolError) as caught:

@@ -288,3 +288,47 @@ def test_the_settings_that_shape_requests(start_daemon):
         error = client.recv()
         assert (error["code"], error["id"]) == ("frame_too_large", None)
         assert client.is_closed_by_server()
+
+
+# -- many clients at once: one batch ------------------------------------------------------------
+
+
+def _ask_alone(socket_path, request_id, prompt, fields) -> tuple[list[int], str, str]:
+    with WireClient(socket_path) as client:
+        client.hello()
+        client.ask(request_id, prompt, **fields)
+        tokens, done = client.collect(request_id)
+    assert done["event"] == "done", done
+    return [t for event in tokens for t in event["token_ids"]], done["text"], done["finish_reason"]
+
+
+def test_eight_clients_at_once_each_get_exactly_what_they_get_alone(shared_daemon):
+    asks = [(f"c{n}", f"client {n} asks: " + "why " * (3 * n + 1),
+             dict(max_tokens=8 + 5 * n, ignore_eos=True, **({"temperature": 0.8, "seed": 1000 + n} if n % 2 else {})))
+            for n in range(8)]
+    results: dict[str, tuple] = {}
+    status_seen: list[dict] = []
+
+    def client(request_id, prompt, fields):
+        time.sleep(0.02 * int(request_id[1:]))  # they start at different times and join a running batch
+        results[request_id] = _ask_alone(shared_daemon.socket_path, request_id, prompt, fields)
+
+    threads = [threading.Thread(target=client, args=a) for a in asks]
+    for thread in threads:
+        thread.start()
+    with WireClient(shared_daemon.socket_path) as watcher:  # status while they run
+        watcher.hello()
+        while any(thread.is_alive() for thread in threads):
+            watcher.send({"op": "status", "id": "s"})
+            status_seen.append(watcher.recv())
+            time.sleep(0.01)
+    for thread in threads:
+        thread.join()
+    assert len(results) == 8
+    alone = {request_id: _ask_alone(shared_daemon.socket_path, request_id, prompt, fields)
+             for request_id, prompt, fields in asks}
+    assert results == alone
+    assert max(status["batch"]["last_step_size"] for status in status_seen) > 1  # they really shared steps
+    running = [r for status in status_seen for r in status["running"]]
+    assert running and {"id", "peer", "phase", "tokens", "tokens_per_s"} <= set(running[0])
+    assert all(status["kv_cache"]["used_bytes"] <= status["kv_cache"]["budget_bytes"] for status in status_seen)

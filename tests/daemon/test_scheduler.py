@@ -40,7 +40,7 @@ class FaultyEngine(Engine):
 
         self.model.forward_batch = faulty_forward_batch
 
-    def prompt_ids(self, prompt=None, messages=None, system=None, raw=False):
+    def prompt_ids(self, prompt=None, messages=None, system=None, raw=False, tools=None):
         if prompt == "chat-without-template":
             raise ValueError("this model has no chat template")
         self._next_fault = {"!": ExpertLoadError("expert 3 of layer 1 fails its checksum", 1, 3, 0, "x"),

@@ -173,3 +173,21 @@ def test_the_batched_attention_call_refuses_rows_that_do_not_add_up(demo_engine)
     cos, sin = attention.rotary.cos_sin(np.arange(3))
     with pytest.raises(native.InvalidArgumentError, match="add up to 2"):
         native.attention_block_batch(attention.fused, x, cos, sin, [(*state.buffers(0, 2), 0, 2, False)])
+
+
+@pytest.mark.parametrize("n_slots", [1, 3])  # fewer than one token's top-k; fewer than a batch step's experts
+def test_a_batch_through_a_tiny_expert_cache_gets_the_same_tokens(n_slots, packs):
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.pack.reader import Pack
+
+    path = packs.pack(STATE_KINDS[0], "q8_0")
+    reference = Engine(Pack.open(path))
+    requests = _requests(reference.config.vocab_size)
+    expected = [_summary(o) for o in _run(reference, requests, max_batch=8, prefill_chunk=5, join_every=1)]
+    pack = Pack.open(path)
+    slot_bytes = -(-pack.manifest.expert_records[0].length // 4096) * 4096
+    with CachedExpertSource(pack, n_slots * slot_bytes, hugepages="off") as source:
+        cached = Engine(pack, experts=source)
+        assert [_summary(o) for o in _run(cached, requests, max_batch=8, prefill_chunk=5, join_every=1)] == expected
+        assert source.stats()["total"]["evictions"] > 0  # the steps' experts really came through a full cache

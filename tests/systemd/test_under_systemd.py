@@ -16,6 +16,7 @@ where it hides (/tmp, /root, /var/...).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -155,9 +156,16 @@ class BootedSystemd:
 
 @pytest.fixture
 def booted_systemd(demo_pack):
+    with boot_systemd_with(demo_pack) as systemd:
+        yield systemd
+
+
+@contextlib.contextmanager
+def boot_systemd_with(pack: Path):
+    """A booted systemd whose /run/colibri-test holds `pack` as demo.pack and what `make install` needs."""
     work_dir = Path(tempfile.mkdtemp(prefix="colibri-it-"))
     work_dir.chmod(0o755)
-    shutil.copytree(demo_pack, work_dir / "demo.pack")
+    shutil.copytree(pack, work_dir / "demo.pack")
     repo = work_dir / "repo"  # what `make install` needs, carried into the namespace
     repo.mkdir()
     for part in ("Makefile", "systemd", "udev", "etc", "docs"):

@@ -26,13 +26,17 @@ def staged(tmp_path_factory) -> Path:
 def test_make_install_puts_every_file_where_systemd_and_udev_look(staged):
     files = sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file())
     assert files == [
+        "etc/colibri/colibri-openai.toml",
         "etc/colibri/colibrid.toml",
         "usr/lib/sysctl.d/60-colibri.conf",
+        "usr/lib/systemd/system/colibri-openai.service",
+        "usr/lib/systemd/system/colibri-openai.socket",
         "usr/lib/systemd/system/colibrid.service",
         "usr/lib/systemd/system/colibrid.socket",
         "usr/lib/sysusers.d/colibri.conf",
         "usr/lib/tmpfiles.d/colibri.conf",
         "usr/lib/udev/rules.d/60-colibri-nvme.rules",
+        "usr/share/doc/colibri/gateway.md",
         "usr/share/doc/colibri/protocol.md",
         "usr/share/doc/colibri/security.md",
         "usr/share/doc/colibri/systemd.md",
@@ -40,6 +44,8 @@ def test_make_install_puts_every_file_where_systemd_and_udev_look(staged):
     ]
     service = (staged / "usr/lib/systemd/system/colibrid.service").read_text()
     assert f"ExecStart={BINDIR}/colibrid --config /etc/colibri/colibrid.toml" in service
+    gateway = (staged / "usr/lib/systemd/system/colibri-openai.service").read_text()
+    assert f"ExecStart={BINDIR}/colibri-openai --config /etc/colibri/colibri-openai.toml" in gateway
     assert "@" not in re.sub(r"@[a-z-]+", "", service), "an @PLACEHOLDER@ was left unsubstituted"
 
 
@@ -61,10 +67,27 @@ def test_systemd_analyze_verify_says_nothing(staged):
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
-def test_the_sandbox_rates_ok(staged):
-    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", "./colibrid.service"],
+def test_systemd_analyze_verify_says_nothing_of_the_gateway_units(tmp_path):
+    # ExecStart= is checked for an executable file: where colibri-openai is installed, or a stand-in
+    # (a checkout tested without `pip install` has no colibri-openai command).
+    bindir = Path(shutil.which("colibri-openai") or tmp_path / "bin" / "colibri-openai").parent
+    if not (bindir / "colibri-openai").exists():
+        bindir.mkdir()
+        (bindir / "colibri-openai").write_text("#!/bin/sh\n")
+        (bindir / "colibri-openai").chmod(0o755)
+    subprocess.run(["make", "-s", "-C", str(REPO), "install", f"DESTDIR={tmp_path / 'stage'}", "PREFIX=/usr",
+                    f"BINDIR={bindir}"], check=True, capture_output=True)
+    result = subprocess.run(["systemd-analyze", "verify", "./colibri-openai.service", "./colibri-openai.socket"],
+                            cwd=tmp_path / "stage/usr/lib/systemd/system", capture_output=True, text=True)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+@pytest.mark.parametrize("unit", ["colibrid.service", "colibri-openai.service"])
+def test_the_sandbox_rates_ok(staged, unit):
+    result = subprocess.run(["systemd-analyze", "security", "--offline=yes", f"./{unit}"],
                             cwd=staged / "usr/lib/systemd/system", capture_output=True, text=True)
-    exposure = re.search(r"Overall exposure level for colibrid.service: ([0-9.]+)", result.stdout)
+    exposure = re.search(rf"Overall exposure level for {re.escape(unit)}: ([0-9.]+)", result.stdout)
     assert exposure and float(exposure.group(1)) <= 2.0, result.stdout[-500:]
 
 
@@ -97,7 +120,7 @@ def test_make_uninstall_removes_every_file_but_the_config(tmp_path):
     subprocess.run([*make, "uninstall"], check=True, capture_output=True)
 
     left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
-    assert left == ["etc/colibri/colibrid.toml"]
+    assert left == ["etc/colibri/colibri-openai.toml", "etc/colibri/colibrid.toml"]
     assert not (tmp_path / "usr/share/doc/colibri").exists()
 
 

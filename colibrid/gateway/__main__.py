@@ -1,0 +1,5 @@
+import sys
+
+from colibrid.gateway.main import main
+
+sys.exit(main())

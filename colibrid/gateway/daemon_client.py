@@ -1,0 +1,150 @@
+"""The gateway's side of the colibrid protocol (docs/protocol.md), on asyncio.
+
+One DaemonConnection per HTTP request: the request's `ask` is the only one open on it, so its
+events arrive in order and nothing has to be told apart by id, and closing the connection is
+the daemon's signal that nobody listens any more (on top of the `cancel` we send first). The
+framing is colibrictl's (msgpack, no daemon code): the gateway imports nothing of the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Any, AsyncIterator
+
+from colibrictl.connection import PROTOCOL_VERSION, ProtocolViolation, decode_body, encode_frame
+
+from colibrid import __version__
+
+log = logging.getLogger(__name__)
+
+CLIENT_NAME = f"colibri-openai {__version__}"
+# A `done` repeats the whole generated text, so replies may be far larger than requests; this
+# still stops a garbage length prefix from allocating gigabytes.
+MAX_INCOMING_FRAME_BYTES = 64 * 1024 * 1024
+_LENGTH_BYTES = 4
+
+
+class DaemonUnavailable(Exception):
+    """colibrid cannot be reached, or went away mid-request; str() says why."""
+
+
+class DaemonError(Exception):
+    """colibrid answered with an `error` event; `code` is the protocol's error code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"[{code}] {message}")
+        self.code = code
+        self.message = message
+
+
+class DaemonConnection:
+    """An open, greeted connection to colibrid. Use ``await DaemonConnection.open(path)``."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, socket_path: str) -> None:
+        self._reader = reader
+        self._writer = writer
+        self.socket_path = socket_path
+        self._ids = itertools.count(1)
+        self.hello: dict[str, Any] = {}
+        self.open_ask: int | None = None  # the id of the ask whose `done` has not arrived
+
+    @classmethod
+    async def open(cls, socket_path: str, timeout_s: float) -> "DaemonConnection":
+        """Connect and say hello within timeout_s; DaemonUnavailable if that fails."""
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(socket_path), timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise DaemonUnavailable(f"cannot connect to colibrid at {socket_path}: "
+                                    f"{getattr(exc, 'strerror', None) or type(exc).__name__}") from None
+        connection = cls(reader, writer, socket_path)
+        try:
+            connection.hello = await asyncio.wait_for(
+                connection.request("hello", protocol=PROTOCOL_VERSION, client=CLIENT_NAME), timeout_s)
+        except asyncio.TimeoutError:
+            connection.close()
+            raise DaemonUnavailable(f"colibrid at {socket_path} did not answer hello within {timeout_s:g} s") from None
+        except BaseException:
+            connection.close()
+            raise
+        return connection
+
+    # ---- requests ---------------------------------------------------------------------------
+
+    def send(self, op: str, **fields: Any) -> int:
+        """Send one request; returns its id."""
+        request_id = next(self._ids)
+        self._writer.write(encode_frame({"op": op, "id": request_id, **fields}))
+        return request_id
+
+    async def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """A request answered by one event (hello, status, models); that event."""
+        request_id = self.send(op, **fields)
+        event = await self.next_event(request_id)
+        if event.get("event") != op:
+            raise ProtocolViolation(f"expected a {op} event from colibrid, got {event.get('event')!r}")
+        return event
+
+    async def ask(self, fields: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Send an ask and yield its `token` events, then its `done`; DaemonError for an `error`."""
+        request_id = self.send("ask", **fields)
+        self.open_ask = request_id
+        while True:
+            event = await self.next_event(request_id)
+            if event.get("event") == "done":
+                self.open_ask = None
+            yield event
+            if event.get("event") == "done":
+                return
+
+    def cancel_open_ask(self) -> None:
+        """Best effort, without waiting: the HTTP client went away. Closing follows; either stops it."""
+        if self.open_ask is not None:
+            try:
+                self.send("cancel", target=self.open_ask)
+            except (OSError, RuntimeError):
+                pass
+            self.open_ask = None
+
+    async def next_event(self, request_id: int) -> dict[str, Any]:
+        """The next event of `request_id`; an `error` for it (or for the connection) raises DaemonError."""
+        while True:
+            event = await self._read_event()
+            owner = event.get("id")
+            if event.get("event") == "error" and owner in (request_id, None):
+                if owner == self.open_ask:
+                    self.open_ask = None
+                raise DaemonError(str(event.get("code", "unknown")), str(event.get("message", "")))
+            if owner == request_id:
+                return event
+            # The `ok` of a cancel, or a stray event: nothing of ours waits for it.
+
+    async def _read_event(self) -> dict[str, Any]:
+        try:
+            await self._writer.drain()
+            header = await self._reader.readexactly(_LENGTH_BYTES)
+            length = int.from_bytes(header, "big")
+            if length == 0 or length > MAX_INCOMING_FRAME_BYTES:
+                raise ProtocolViolation(f"colibrid sent a frame length of {length} bytes")
+            event = decode_body(await self._reader.readexactly(length))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+            raise DaemonUnavailable(f"the connection to colibrid at {self.socket_path} was lost "
+                                    f"({type(exc).__name__})") from None
+        if not isinstance(event.get("event"), str):
+            raise ProtocolViolation(f"colibrid sent a map without an event name: {event!r:.200}")
+        return event
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+async def one_request(socket_path: str, op: str, timeout_s: float) -> dict[str, Any]:
+    """Connect, send one `status` or `models`, return its event, close; all within timeout_s."""
+    connection = await DaemonConnection.open(socket_path, timeout_s)
+    try:
+        return await asyncio.wait_for(connection.request(op), timeout_s)
+    except asyncio.TimeoutError:
+        raise DaemonUnavailable(f"colibrid at {socket_path} did not answer {op} within {timeout_s:g} s") from None
+    finally:
+        connection.close()

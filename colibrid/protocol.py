@@ -319,6 +319,25 @@ def error_event(request_id: RequestId | None, code: str, message: str) -> dict[s
 
 
 
+def hello_event(request_id: RequestId, model_name: str, max_frame_bytes: int) -> dict[str, Any]:
+    return {"event": "hello", "id": request_id, "protocol": PROTOCOL_VERSION, "server": SERVER_NAME,
+            "model": model_name, "max_frame_bytes": max_frame_bytes}
+
+
+def ok_event(request_id: RequestId) -> dict[str, Any]:
+    """The reply to a `cancel`: the target ends with its own `done`."""
+    return {"event": "ok", "id": request_id}
+
+
+def models_event(request_id: RequestId, models: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"event": "models", "id": request_id, "models": models}
+
+
+def status_event(request_id: RequestId, daemon_status: dict[str, Any]) -> dict[str, Any]:
+    """The `status` event: the daemon's view of itself (docs/protocol.md lists the fields)."""
+    return {"event": "status", "id": request_id, **daemon_status}
+
+
 def token_event(request_id: RequestId, token: Any, token_text: Callable[[int], str] | None = None) -> dict[str, Any]:
     """A `token` event for one sampled token: the engine's GenerationEvent (token_id, text,
     logprob, top_logprobs). With ``token_text`` (the request asked for logprobs), the event

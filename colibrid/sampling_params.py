@@ -44,9 +44,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
-        self.validate()
+        self._check()
 
-    def validate(self) -> None:
+    def _check(self) -> None:
         """Raise ValueError naming the first field that is out of range and what it accepts.
         Construction runs it; a SamplingParams that exists has passed it."""
         _check_real("temperature", self.temperature, "a number >= 0 (0 = greedy)", lambda v: v >= 0)

@@ -44,8 +44,8 @@ from colibrid import __version__
 from colibrid.access import AccessPolicy, PeerCredentials, peer_credentials
 from colibrid.listener import Listener
 from colibrid.protocol import (
-    LENGTH_PREFIX, PROTOCOL_VERSION, SERVER_NAME, Ask, Cancel, Hello, Models, ProtocolError, Request, RequestId,
-    Status, body_length, decode_body, encode_frame, error_event, is_request_id, parse_request,
+    LENGTH_PREFIX, Ask, Cancel, Hello, Models, ProtocolError, Request, RequestId, Status, body_length, decode_body,
+    encode_frame, error_event, hello_event, is_request_id, models_event, ok_event, parse_request, status_event,
 )
 from colibrid.scheduler import (
     STOP_CANCELLED, STOP_DISCONNECTED, Event, Job, QueueFull, Scheduler, SchedulerStopped, cancelled_done,
@@ -336,8 +336,7 @@ class Server:
     def status_event(self, request_id: RequestId) -> Event:
         cache = self.engine.cache_status()
         memory_budget = self.engine.memory_budget()
-        return {
-            "event": "status", "id": request_id,
+        return status_event(request_id, {
             "model": self.model["name"], "path": self.model["path"], "architecture": self.model["architecture"],
             "parameters_total": self.model["parameters_total"], "parameters_active": self.model["parameters_active"],
             "quantization": self.model["quantization"], "sampling_defaults": self.model["sampling_defaults"],
@@ -363,7 +362,7 @@ class Server:
             **self._machine,
             **({"memory_budget": memory_budget} if memory_budget is not None else {}),
             "settings": dict(self._shown_settings),
-        }
+        })
 
     def service_status(self, recent_tokens_per_s: float) -> str:
         """The one line systemd shows as `Status:` (STATUS=): what is served and how it is going."""
@@ -378,8 +377,7 @@ class Server:
                 f"{recent_tokens_per_s:.1f} tokens/s recently; {hit_rate}{thermal}")
 
     def hello_event(self, request_id: RequestId) -> Event:
-        return {"event": "hello", "id": request_id, "protocol": PROTOCOL_VERSION, "server": SERVER_NAME,
-                "model": self.model["name"], "max_frame_bytes": self.settings.max_frame_bytes}
+        return hello_event(request_id, self.model["name"], self.settings.max_frame_bytes)
 
 
 class _TokenRate:
@@ -560,7 +558,7 @@ class Connection:
         elif isinstance(request, Status):
             self.send(self.server.status_event(request.id))
         elif isinstance(request, Models):
-            self.send({"event": "models", "id": request.id, "models": [self.server.model]})
+            self.send(models_event(request.id, [self.server.model]))
 
     def _submit(self, ask: Ask) -> None:
         log.debug("%s: ask %r, max_tokens %d", self.name, ask.id, ask.params.max_tokens)
@@ -580,7 +578,7 @@ class Connection:
         if job is None:
             raise ProtocolError("unknown_request", f"no open ask with id {cancel.target!r} on this connection",
                                 cancel.id)
-        self.send({"event": "ok", "id": cancel.id})
+        self.send(ok_event(cancel.id))
         if self.server.scheduler.withdraw(job, STOP_CANCELLED):
             self._deliver(job, cancelled_done(job))  # it never started; otherwise the worker ends it
 

@@ -86,7 +86,7 @@ def generate(
     """Generate a continuation of `prompt_ids`, yielding a GenerationEvent per token, then a GenerationDone.
 
     `prompt_ids` are appended to whatever the session already holds. Raises ValueError before
-    doing any work if the parameters are invalid, the prompt is empty, or it does not fit.
+    doing any work if the prompt is empty or does not fit (SamplingParams were checked when built).
     Special tokens other than EOS (e.g. a stray <|im_start|>) are left out of the text
     unless `skip_special_tokens` is False.
     """
@@ -163,7 +163,6 @@ class Generation:
 
     def __init__(self, session: GenerationSession, tokenizer: Tokenizer, prompt_ids: Sequence[int],
                  params: SamplingParams, skip_special_tokens: bool = True) -> None:
-        params.validate()
         _check_prompt_fits(session, prompt_ids)
         self.session = session  # read for its n_past and max_context only
         self.params = params

@@ -203,7 +203,7 @@ def test_status_says_the_pack_is_not_on_nvme_and_runs_unthrottled(shared_daemon)
 
 
 def test_a_full_queue_answers_busy_at_once(start_daemon):
-    daemon = start_daemon("--max-queue", "1")
+    daemon = start_daemon("--max-queue", "1", "--max-batch", "1")  # one runs, one waits, the next is refused
     with WireClient(daemon.socket_path) as client:
         client.hello()
         client.ask("running", max_tokens=LONG_MAX_TOKENS)

@@ -142,6 +142,27 @@ def test_every_level_quantizes_activations_the_same(type_, kernel_level):
     np.testing.assert_allclose(first[0, :8], [127, 2, -4, 0, 0, 2, 126, -126], rtol=2e-3, atol=1e-5)  # halves to even
 
 
+@pytest.mark.skipif(len(SIMD_LEVELS) < 2, reason="needs two SIMD levels to compare")
+@pytest.mark.parametrize("type_", [TensorType.Q8_0, TensorType.Q4_G64], ids=lambda t: t.name_in_pack)
+def test_every_level_quantizes_a_nan_the_same(type_, kernel_level):
+    """Through an identity weight: a NaN is left out of its block's scale and becomes -127 on
+    every level (its output is -max|block|, the rest of the block keeps its own values)."""
+    n, block = 128, type_.block_elems
+    x = gaussian((2, n), 170)
+    nan_at = [(0, 5), (0, block - 1), (1, n - 1)]  # inside a block and last (the running max meets it last)
+    for t, j in nan_at:
+        x[t, j] = np.nan
+    eye = native.quantize(type_, np.eye(n, dtype=np.float32))
+    step = np.repeat(np.nanmax(np.abs(x).reshape(2, n // block, block), axis=2) / 127, block, axis=1)
+    for level in SIMD_LEVELS:
+        kernel_level(level)
+        y = native.matmul(type_, eye, n, n, x)
+        np.testing.assert_allclose([y[t, j] for t, j in nan_at], [-127 * step[t, j] for t, j in nan_at], rtol=1e-3,
+                                   err_msg=level)
+        finite = ~np.isnan(x)
+        assert (np.abs(y - np.nan_to_num(x))[finite] <= 0.51 * step[finite]).all(), level
+
+
 @pytest.mark.parametrize("type_", QUANT_TYPES, ids=lambda t: t.name_in_pack)
 def test_simd_matmul_reads_weights_at_any_alignment(type_, kernel_level):
     packed, _, x, n_out, n_in = _inputs(type_, (19, 3, 2), 7)

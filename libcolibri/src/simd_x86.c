@@ -898,6 +898,39 @@ TARGET_AVX512 static int32_t quantize_block_avx512(const float *x, int n, int8_t
     return _mm512_reduce_add_epi32(sum);
 }
 
+/* The same, eight values at a time (AVX2): identical bytes, scale and sum. */
+TARGET_AVX2 static int32_t quantize_block_avx2(const float *x, int n, int8_t *qs, float *d) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) amax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), amax);
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float a = _mm_cvtss_f32(m);
+    const float id = a > 0.0f ? 127.0f / a : 0.0f;
+    *d = a / 127.0f;
+    const __m256 vid = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < n; j += 32) { /* n is a multiple of 32 */
+        __m256i q[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * k), vid), lo), hi);
+            v = _mm256_sub_ps(_mm256_add_ps(v, magic), magic); /* round half to even */
+            q[k] = _mm256_cvttps_epi32(v);
+            sum = _mm256_add_epi32(sum, q[k]);
+        }
+        /* 32 int32 -> 32 int8 in order: the packs work per 128-bit lane, one permute restores it */
+        const __m256i q16 = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+        const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(qs + j), q8);
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4);
+}
+
 /* ---- RMSNorm ------------------------------------------------------------------------------ */
 
 /* col_rms_norm_row_portable with the sum of squares in four double chains of eight (the
@@ -1160,7 +1193,7 @@ TARGET_AVX512 static void dequantize_bf16_avx512(const uint8_t *src, float *y, i
      [COL_TYPE_Q4_G64] = dequantize_q4_g64_##level, [COL_TYPE_MXFP4] = dequantize_mxfp4_##level}
 static const col_kernel_set avx2_kernels = {
     COL_KERNELS_AVX2, {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2, [COL_TYPE_MXFP4] = dot_mxfp4_avx2},
-    dot_f32_avx2, axpy_f32_avx2, {NULL}, col_silu_mul_portable, col_quantize_block_portable,
+    dot_f32_avx2, axpy_f32_avx2, {NULL}, col_silu_mul_portable, quantize_block_avx2,
     col_rms_norm_row_portable, col_clamped_swiglu_portable, {[COL_TYPE_Q4_G64] = col_quantize_row_q4_g64_avx2},
     col_gelu_tanh_mul_portable, DEQUANTIZERS(avx2), {[COL_TYPE_Q8_0] = rows_q8_0_avx2, [COL_TYPE_Q4_G64] = rows_q4_g64_avx2}};
 static const col_kernel_set avx512_kernels = {

@@ -57,7 +57,8 @@ static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4)
  * Without VNNI every 32 products cost two multiplies (vpmaddubsw into int16 pairs, vpmaddwd
  * into int32 quads) whatever the layout; what a kernel can save is the rest. These kernels
  * take a panel of eight weight rows and reduce, per block and token, each row's products to
- * one exact int32 sum, the eight rows in the eight lanes of one register (a vphaddd tree).
+ * one exact int32 sum, the eight rows in the eight lanes of one register (a tree of
+ * unpacks and adds).
  * The float work is then one conversion, one scale product and one fma per block for eight
  * rows at once, the eight rows' f16 scales are converted together, and up to four tokens
  * share each step's weight loads, signs and nibbles (llama.cpp's repacked AVX2 Q4_0 gemm has
@@ -73,11 +74,23 @@ static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4)
 #define PANEL_ROWS 8
 #define PANEL_TOKENS 4
 
+/* Two rows' eight int32 lanes a, b folded to four each: [a0+a2, b0+b2, a1+a3, b1+b3 | the same
+ * of lanes 4..7]. Unpacks and an add (single-uop everywhere) do what vphaddd does, which is
+ * as fast on Zen 5 and slower on older cores. */
+TARGET_AVX2 static inline __m256i pair_fold(__m256i a, __m256i b) {
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+/* Two pair folds (rows a, b and c, d) to one: [a0-3, b0-3, c0-3, d0-3 | a4-7, b4-7, c4-7, d4-7]
+ * (each entry the sum of those lanes). */
+TARGET_AVX2 static inline __m256i quad_fold(__m256i ab, __m256i cd) {
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+}
+
 /* Eight rows' int32 partial sums folded to one register, lane r = row r's total, from the
- * pairwise vphaddd of rows (0, 1), (2, 3), (4, 5), (6, 7). */
+ * pair folds of rows (0, 1), (2, 3), (4, 5), (6, 7). */
 TARGET_AVX2 static inline __m256i fold_rows8(__m256i h01, __m256i h23, __m256i h45, __m256i h67) {
-    const __m256i lo = _mm256_hadd_epi32(h01, h23); /* [rows 0-3, lanes 0-3 | rows 0-3, lanes 4-7] */
-    const __m256i hi = _mm256_hadd_epi32(h45, h67); /* rows 4-7 likewise */
+    const __m256i lo = quad_fold(h01, h23); /* [rows 0-3, lanes 0-3 | rows 0-3, lanes 4-7] */
+    const __m256i hi = quad_fold(h45, h67); /* rows 4-7 likewise */
     return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
@@ -129,7 +142,9 @@ static inline void prefetch_line(const uint8_t *p) { __asm__ volatile("prefetcht
 /* Block step `off` (bytes into each row) of the panel at row[0]: 5 lines cover the 272 / 288
  * bytes of a q8_0 / q4_g64 step. */
 static inline void prefetch_panel_step(const uint8_t *const *row, int64_t ahead, int64_t off) {
-    const uint8_t *p = row[0] + ahead + PANEL_ROWS * off;
+    /* an address past the matrix is harmless for a prefetch; computed as an integer because
+     * C does not allow such a pointer */
+    const uint8_t *p = (const uint8_t *)((uintptr_t)row[0] + (uintptr_t)(ahead + PANEL_ROWS * off));
     for (int i = 0; i < 5; i++) prefetch_line(p + 64 * i);
 }
 
@@ -144,7 +159,7 @@ TARGET_AVX2 static inline __m256i q8_block_sums8(const uint8_t *const *row, int6
         const __m256i wb = _mm256_loadu_si256((const __m256i *)(row[2 * p + 1] + off + 2));
         const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wa, wa), _mm256_sign_epi8(xq, wa)), ones);
         const __m256i pb = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wb, wb), _mm256_sign_epi8(xq, wb)), ones);
-        h[p] = _mm256_hadd_epi32(pa, pb);
+        h[p] = pair_fold(pa, pb);
     }
     return fold_rows8(h[0], h[1], h[2], h[3]);
 }
@@ -200,8 +215,7 @@ TARGET_AVX2 static inline __m256i q4_block_sums8(const uint8_t *const *row, int6
         const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
         p[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)), ones);
     }
-    return fold_rows8(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]), _mm256_hadd_epi32(p[4], p[5]),
-                      _mm256_hadd_epi32(p[6], p[7]));
+    return fold_rows8(pair_fold(p[0], p[1]), pair_fold(p[2], p[3]), pair_fold(p[4], p[5]), pair_fold(p[6], p[7]));
 }
 
 /* The (d, m) f16 pairs at byte `off` of the eight rows as float32 lanes: *d and *m. */

@@ -327,7 +327,8 @@ const col_kernel_set *col_kernels_avx512_vnni(void);
 const col_kernel_set *col_kernels_neon(void);
 
 /* y[i * y_stride + (r - r0)] = w_r . x[i] for rows r0 <= r < r1 of w and activation rows
- * x[0..n): four activation rows at a time where the level has a dot4 kernel (matmul.c). */
+ * x[0..n): by the level's rows_xq kernel if it has one, else four activation rows at a time
+ * where the level has a dot4 kernel (matmul.c). */
 void col_rows_times_xq(const col_kernel_set *k, int type, const uint8_t *w, int64_t row_bytes, int64_t r0,
                        int64_t r1, const col_xq_row *x, int64_t n, int64_t nb, float *y, int64_t y_stride);
 

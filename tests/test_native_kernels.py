@@ -86,6 +86,37 @@ def test_a_token_gets_the_same_bits_alone_or_in_a_batch(type_, n_in_64, kernel_l
             np.testing.assert_array_equal(native.matmul(type_, packed, n_out, n_in, x[t:t + 1]), batch[t:t + 1], err_msg=level)
 
 
+@pytest.mark.parametrize("type_", QUANT_TYPES, ids=lambda t: t.name_in_pack)
+def test_a_row_gets_the_same_bits_whatever_rows_share_its_call(type_, kernel_level):
+    """Kernels that tile several weight rows (AVX2's panels of eight rows in eight lanes) give
+    each row the same bits whichever panel, lane or tail it lands in: the product of rows
+    k..O of w equals those columns of the product of all rows, for every start k."""
+    packed, _, x, n_out, n_in = _inputs(type_, (21, 5, 9), 400)
+    row_bytes = type_.row_bytes(n_in)
+    rows = np.frombuffer(packed.tobytes(), np.uint8).reshape(n_out, row_bytes)
+    for level in native.supported_kernels():
+        kernel_level(level)
+        full = native.matmul(type_, packed, n_out, n_in, x)
+        for k in range(1, 9):
+            part = native.matmul(type_, np.ascontiguousarray(rows[k:]), n_out - k, n_in, x)
+            np.testing.assert_array_equal(part, full[:, k:], err_msg=f"{level} rows {k}..")
+        single = native.matmul(type_, np.ascontiguousarray(rows[13:14]), 1, n_in, x[4:5])
+        np.testing.assert_array_equal(single, full[4:5, 13:14], err_msg=level)
+
+
+@pytest.mark.parametrize("type_", QUANT_TYPES, ids=lambda t: t.name_in_pack)
+def test_a_long_prompt_gives_each_token_its_own_bits(type_, kernel_level):
+    """At a prompt's size (many token groups, rows in several tiles and panels, full-width
+    activation rows) every token's product equals its product alone."""
+    packed, _, x, n_out, n_in = _inputs(type_, (40, 32, 67), 500)
+    for level in native.supported_kernels():
+        kernel_level(level)
+        batch = native.matmul(type_, packed, n_out, n_in, x)
+        for t in (0, 1, 3, 4, 31, 64, 66):
+            np.testing.assert_array_equal(native.matmul(type_, packed, n_out, n_in, x[t:t + 1]), batch[t:t + 1],
+                                          err_msg=f"{level} token {t}")
+
+
 @pytest.mark.skipif(len(SIMD_LEVELS) < 2, reason="needs two SIMD levels to compare")
 @pytest.mark.parametrize("type_", QUANT_TYPES, ids=lambda t: t.name_in_pack)
 def test_every_level_quantizes_activations_the_same(type_, kernel_level):
@@ -109,6 +140,27 @@ def test_every_level_quantizes_activations_the_same(type_, kernel_level):
     for level, y in results.items():
         assert (np.abs(y - first) <= 0.25 * step).all(), level
     np.testing.assert_allclose(first[0, :8], [127, 2, -4, 0, 0, 2, 126, -126], rtol=2e-3, atol=1e-5)  # halves to even
+
+
+@pytest.mark.skipif(len(SIMD_LEVELS) < 2, reason="needs two SIMD levels to compare")
+@pytest.mark.parametrize("type_", [TensorType.Q8_0, TensorType.Q4_G64], ids=lambda t: t.name_in_pack)
+def test_every_level_quantizes_a_nan_the_same(type_, kernel_level):
+    """Through an identity weight: a NaN is left out of its block's scale and becomes -127 on
+    every level (its output is -max|block|, the rest of the block keeps its own values)."""
+    n, block = 128, type_.block_elems
+    x = gaussian((2, n), 170)
+    nan_at = [(0, 5), (0, block - 1), (1, n - 1)]  # inside a block and last (the running max meets it last)
+    for t, j in nan_at:
+        x[t, j] = np.nan
+    eye = native.quantize(type_, np.eye(n, dtype=np.float32))
+    step = np.repeat(np.nanmax(np.abs(x).reshape(2, n // block, block), axis=2) / 127, block, axis=1)
+    for level in SIMD_LEVELS:
+        kernel_level(level)
+        y = native.matmul(type_, eye, n, n, x)
+        np.testing.assert_allclose([y[t, j] for t, j in nan_at], [-127 * step[t, j] for t, j in nan_at], rtol=1e-3,
+                                   err_msg=level)
+        finite = ~np.isnan(x)
+        assert (np.abs(y - np.nan_to_num(x))[finite] <= 0.51 * step[finite]).all(), level
 
 
 @pytest.mark.parametrize("type_", QUANT_TYPES, ids=lambda t: t.name_in_pack)
@@ -233,6 +285,27 @@ def test_fused_experts_match_the_per_expert_reference(type_, n_tok, kernel_level
         quantized_activations = level != "portable" and type_ in QUANT_TYPES
         limit = 4e-2 if quantized_activations else tolerance["portable"]
         assert np.abs(results[0] - want).max() <= limit * np.abs(want).max() + 1e-6, level
+
+
+@pytest.mark.parametrize("type_", [TensorType.F32, *QUANT_TYPES], ids=lambda t: t.name_in_pack)
+def test_fused_experts_give_a_token_the_same_bits_alone_or_with_others(type_, kernel_level):
+    """The batching guarantee for the expert FFN: a token routed to experts that also serve
+    other tokens (groups of four, tails, any place in an expert's list) gets exactly the bits
+    it gets alone, on every level."""
+    n_experts, dim, ffn, top_k, n_tok = 3, 128, 192, 2, 11  # an expert serves 5-9 tokens
+    experts = _experts(type_, n_experts, dim, ffn, 70)
+    rng = np.random.default_rng(7)
+    x = gaussian((n_tok, dim), 80)
+    expert_of = np.stack([rng.permutation(n_experts)[:top_k] for _ in range(n_tok)]).astype(np.int32)
+    weight = rng.random((n_tok, top_k)).astype(np.float32)
+    for level in native.supported_kernels():
+        kernel_level(level)
+        together = np.zeros((n_tok, dim), np.float32)
+        native.moe_experts(type_, *zip(*experts), dim, ffn, x, expert_of, weight, together)
+        for t in range(n_tok):
+            alone = np.zeros((1, dim), np.float32)
+            native.moe_experts(type_, *zip(*experts), dim, ffn, x[t:t + 1], expert_of[t:t + 1], weight[t:t + 1], alone)
+            np.testing.assert_array_equal(alone, together[t:t + 1], err_msg=f"{level} token {t}")
 
 
 def test_silu_mul_matches_numpy_on_every_level(kernel_level):

@@ -256,6 +256,13 @@ typedef void (*col_axpy_f32_fn)(float *y, float a, const float *x, int64_t n);
 /* One weight row times four activation rows x[0..3]: out[t] = dot(w, x[t]). */
 typedef void (*col_dot4_xq_fn)(const uint8_t *w, const col_xq_row *x, int64_t nb, float *out);
 
+/* Rows 0..n_rows of w (rows of row_bytes bytes) times activation rows x[0..n_tok):
+ * y[t * y_stride + r] = dot(w_r, x[t]). A level's version computes each (row, token) with
+ * the same float operations whatever n_rows, n_tok and the row's or token's place in the call,
+ * and dot_xq of the level gives the same bits. */
+typedef void (*col_rows_xq_fn)(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const col_xq_row *x,
+                               int64_t n_tok, int64_t nb, float *y, int64_t y_stride);
+
 /* h[i] = silu(g[i]) * u[i] = g[i] / (1 + exp(-g[i])) * u[i] (the experts' SwiGLU). */
 typedef void (*col_silu_mul_fn)(const float *g, const float *u, float *h, int64_t n);
 
@@ -291,6 +298,7 @@ typedef struct {
     col_gelu_tanh_mul_fn gelu_tanh_mul;     /* NULL: col_gelu_tanh_mul_portable */
     col_dequantize_row_fn dequantize_row[COL_TYPE_COUNT]; /* NULL: the type's reference
                                                              dequantizer; else the same bits */
+    col_rows_xq_fn rows_xq[COL_TYPE_COUNT]; /* NULL: dot4_xq / dot_xq per row */
 } col_kernel_set;
 
 /* The portable float helpers (kernels.c), also used by levels without their own. */
@@ -319,7 +327,8 @@ const col_kernel_set *col_kernels_avx512_vnni(void);
 const col_kernel_set *col_kernels_neon(void);
 
 /* y[i * y_stride + (r - r0)] = w_r . x[i] for rows r0 <= r < r1 of w and activation rows
- * x[0..n): four activation rows at a time where the level has a dot4 kernel (matmul.c). */
+ * x[0..n): by the level's rows_xq kernel if it has one, else four activation rows at a time
+ * where the level has a dot4 kernel (matmul.c). */
 void col_rows_times_xq(const col_kernel_set *k, int type, const uint8_t *w, int64_t row_bytes, int64_t r0,
                        int64_t r1, const col_xq_row *x, int64_t n, int64_t nb, float *y, int64_t y_stride);
 

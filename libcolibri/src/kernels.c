@@ -48,7 +48,8 @@ void col_gelu_tanh_mul_portable(const float *g, const float *u, float *h, int64_
 static const col_kernel_set portable_kernels = {COL_KERNELS_PORTABLE, {NULL}, col_dot_f32_portable,
                                                 col_axpy_f32_portable, {NULL}, col_silu_mul_portable,
                                                 col_quantize_block_portable, col_rms_norm_row_portable,
-                                                col_clamped_swiglu_portable, {NULL}, col_gelu_tanh_mul_portable, {NULL}};
+                                                col_clamped_swiglu_portable, {NULL}, col_gelu_tanh_mul_portable, {NULL},
+                                                {NULL}};
 
 static _Atomic(const col_kernel_set *) active_kernels = NULL;
 

@@ -20,6 +20,10 @@
 
 void col_rows_times_xq(const col_kernel_set *k, int type, const uint8_t *w, int64_t row_bytes, int64_t r0,
                        int64_t r1, const col_xq_row *x, int64_t n, int64_t nb, float *y, int64_t y_stride) {
+    if (k->rows_xq[type]) { /* the level tiles rows and tokens itself */
+        k->rows_xq[type](w + r0 * row_bytes, row_bytes, r1 - r0, x, n, nb, y, y_stride);
+        return;
+    }
     const col_dot4_xq_fn dot4 = k->dot4_xq[type];
     const col_dot_xq_fn dot = k->dot_xq[type];
     int64_t i = 0;

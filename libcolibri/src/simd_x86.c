@@ -51,55 +51,242 @@ TARGET_AVX2 static inline float hsum256(__m256 v) {
 
 TARGET_AVX2 static inline float f16_avx2(const uint8_t *p) { return _cvtsh_ss(col_load_u16(p)); }
 
-TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const col_xq_row *x, int64_t nb) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        prefetch_stream(w + b * 34, 2);
-        for (int k = 0; k < 2; k++) {
-            const uint8_t *blk = w + (b + k) * 34;
-            const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            const __m256i xq = _mm256_load_si256((const __m256i *)(x->qs + (b + k) * 32));
-            const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
-            const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-            const __m256 s = _mm256_set1_ps(f16_avx2(blk) * x->d[b + k]);
-            if (k == 0) acc0 = _mm256_fmadd_ps(p, s, acc0);
-            else acc1 = _mm256_fmadd_ps(p, s, acc1);
+static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* ---- AVX2: panels of eight weight rows (q8_0, q4_g64) ------------------------------------
+ * Without VNNI every 32 products cost two multiplies (vpmaddubsw into int16 pairs, vpmaddwd
+ * into int32 quads) whatever the layout; what a kernel can save is the rest. These kernels
+ * take a panel of eight weight rows and reduce, per block and token, each row's products to
+ * one exact int32 sum, the eight rows in the eight lanes of one register (a tree of
+ * unpacks and adds).
+ * The float work is then one conversion, one scale product and one fma per block for eight
+ * rows at once, the eight rows' f16 scales are converted together, and up to four tokens
+ * share each step's weight loads, signs and nibbles (llama.cpp's repacked AVX2 Q4_0 gemm has
+ * the same lanes-are-rows accumulators, reached by interleaving the rows on disk instead).
+ *
+ * Every (row, token) result is one chain of float operations, the same whatever the panel,
+ * the lane or the number of tokens in the call:  acc = 0, then for each block b in order
+ *   q8_0:   acc = fma(float(isum_b), dw_b * dx_b, acc)
+ *   q4_g64: acc = fma(float(isum_b), dw_b * dx_b, acc); acc = fma(mw_b, ds2_b, acc)
+ * with isum_b the exact integer sum of block b's products (|isum_b| < 2^24: exact in float).
+ * A token's output therefore does not depend on which rows or tokens share the call:
+ * decode equals prefill bit for bit. */
+#define PANEL_ROWS 8
+#define PANEL_TOKENS 4
+
+/* Two rows' eight int32 lanes a, b folded to four each: [a0+a2, b0+b2, a1+a3, b1+b3 | the same
+ * of lanes 4..7]. Unpacks and an add (single-uop everywhere) do what vphaddd does, which is
+ * as fast on Zen 5 and slower on older cores. */
+TARGET_AVX2 static inline __m256i pair_fold(__m256i a, __m256i b) {
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+/* Two pair folds (rows a, b and c, d) to one: [a0-3, b0-3, c0-3, d0-3 | a4-7, b4-7, c4-7, d4-7]
+ * (each entry the sum of those lanes). */
+TARGET_AVX2 static inline __m256i quad_fold(__m256i ab, __m256i cd) {
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+}
+
+/* Eight rows' int32 partial sums folded to one register, lane r = row r's total, from the
+ * pair folds of rows (0, 1), (2, 3), (4, 5), (6, 7). */
+TARGET_AVX2 static inline __m256i fold_rows8(__m256i h01, __m256i h23, __m256i h45, __m256i h67) {
+    const __m256i lo = quad_fold(h01, h23); /* [rows 0-3, lanes 0-3 | rows 0-3, lanes 4-7] */
+    const __m256i hi = quad_fold(h45, h67); /* rows 4-7 likewise */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
+}
+
+/* The f16 scales at byte `off` of the eight rows, as float32 lanes. */
+TARGET_AVX2 static inline __m256 f16_scales8(const uint8_t *const *row, int64_t off) {
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)col_load_u16(row[0] + off), (short)col_load_u16(row[1] + off),
+                                          (short)col_load_u16(row[2] + off), (short)col_load_u16(row[3] + off),
+                                          (short)col_load_u16(row[4] + off), (short)col_load_u16(row[5] + off),
+                                          (short)col_load_u16(row[6] + off), (short)col_load_u16(row[7] + off)));
+}
+
+/* Row r of a panel of n_rows (1..8) rows from w: the last real row stands in for missing
+ * ones (their lanes are computed and dropped), so every panel is a full one. */
+static inline void panel_rows(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const uint8_t *row[PANEL_ROWS]) {
+    for (int64_t r = 0; r < PANEL_ROWS; r++) row[r] = w + (r < n_rows ? r : n_rows - 1) * row_bytes;
+}
+
+/* y[t * y_stride + r] = lane r of acc[t] for the panel's n_rows real rows. */
+TARGET_AVX2 static inline void panel_store(const __m256 *acc, int nt, int64_t n_rows, float *y, int64_t y_stride) {
+    for (int t = 0; t < nt; t++) {
+        if (n_rows == PANEL_ROWS) {
+            _mm256_storeu_ps(y + t * y_stride, acc[t]);
+        } else {
+            float v[PANEL_ROWS];
+            _mm256_storeu_ps(v, acc[t]);
+            for (int64_t r = 0; r < n_rows; r++) y[t * y_stride + r] = v[r];
         }
     }
-    for (; b < nb; b++) {
-        const uint8_t *blk = w + b * 34;
-        const __m256i wq = _mm256_loadu_si256((const __m256i *)(blk + 2));
-        const __m256i xq = _mm256_load_si256((const __m256i *)(x->qs + b * 32));
-        const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(wq, wq), _mm256_sign_epi8(xq, wq));
-        const __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-        acc0 = _mm256_fmadd_ps(p, _mm256_set1_ps(f16_avx2(blk) * x->d[b]), acc0);
+}
+
+/* A panel streams from DRAM the first time it is read (decode, and an expert's first tokens
+ * in a prompt): eight sequential streams at once, which the hardware prefetchers follow
+ * poorly. So each block step asks for the next step_bytes (eight blocks' worth) of the panel
+ * `ahead` bytes further on (rows are consecutive: a whole number of panels, at least
+ * STREAM_AHEAD): over one panel's steps, all of that later panel is requested, in address
+ * order. Measured on a cold 32768 x 2048 q8_0 product, one token, AVX2 on Zen 5: 36-38 GB/s
+ * (as the one-row kernel before); a line 0.5 / 1 / 2 KiB ahead in each of the eight rows gave
+ * 22 / 30 / 35. */
+static inline int64_t panel_ahead_bytes(int64_t row_bytes) {
+    const int64_t panel_bytes = PANEL_ROWS * row_bytes;
+    return panel_bytes > 0 ? (STREAM_AHEAD + panel_bytes - 1) / panel_bytes * panel_bytes : 0;
+}
+
+/* prefetcht0 of the line at p. An asm statement: GCC 12 silently deleted every _mm_prefetch
+ * of the panel loops (whose address depends on the row length), which left the kernels
+ * waiting on DRAM at a third of the bandwidth. */
+static inline void prefetch_line(const uint8_t *p) { __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)p)); }
+
+/* Block step `off` (bytes into each row) of the panel at row[0]: 5 lines cover the 272 / 288
+ * bytes of a q8_0 / q4_g64 step. */
+static inline void prefetch_panel_step(const uint8_t *const *row, int64_t ahead, int64_t off) {
+    /* an address past the matrix is harmless for a prefetch; computed as an integer because
+     * C does not allow such a pointer */
+    const uint8_t *p = (const uint8_t *)((uintptr_t)row[0] + (uintptr_t)(ahead + PANEL_ROWS * off));
+    for (int i = 0; i < 5; i++) prefetch_line(p + 64 * i);
+}
+
+/* q8_0 block `off` of the eight rows against 32 activations xq: the exact int32 sums. |w|
+ * and x with w's sign keep vpmaddubsw's u8 operand <= 128 (w = -128 included). */
+TARGET_AVX2 static inline __m256i q8_block_sums8(const uint8_t *const *row, int64_t off, __m256i xq) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i h[PANEL_ROWS / 2];
+#pragma GCC unroll 4
+    for (int p = 0; p < PANEL_ROWS / 2; p++) {
+        const __m256i wa = _mm256_loadu_si256((const __m256i *)(row[2 * p] + off + 2));
+        const __m256i wb = _mm256_loadu_si256((const __m256i *)(row[2 * p + 1] + off + 2));
+        const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wa, wa), _mm256_sign_epi8(xq, wa)), ones);
+        const __m256i pb = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wb, wb), _mm256_sign_epi8(xq, wb)), ones);
+        h[p] = pair_fold(pa, pb);
     }
-    return hsum256(_mm256_add_ps(acc0, acc1));
+    return fold_rows8(h[0], h[1], h[2], h[3]);
+}
+
+/* acc[t] (lane r) = row r . token t over nb blocks, for nt (1..4) tokens. always_inline: one copy per nt with the accumulators in registers. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void q8_panel_avx2(const uint8_t *const *row, const col_xq_row *x,
+                                                                            const int nt, int64_t nb, __m256 *acc,
+                                                                            int64_t ahead) {
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t off = b * 34;
+        prefetch_panel_step(row, ahead, off);
+        const __m256 dw = f16_scales8(row, off);
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            const __m256i isum = q8_block_sums8(row, off, _mm256_load_si256((const __m256i *)(x[t].qs + b * 32)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(x[t].d[b])), acc[t]);
+        }
+    }
+}
+
+TARGET_AVX2 static void rows_q8_0_avx2(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const col_xq_row *x,
+                                       int64_t n_tok, int64_t nb, float *y, int64_t y_stride) {
+    const int64_t ahead = panel_ahead_bytes(row_bytes);
+    for (int64_t r0 = 0; r0 < n_rows; r0 += PANEL_ROWS) {
+        const int64_t nr = n_rows - r0 < PANEL_ROWS ? n_rows - r0 : PANEL_ROWS;
+        const uint8_t *row[PANEL_ROWS];
+        panel_rows(w + r0 * row_bytes, row_bytes, nr, row);
+        for (int64_t t0 = 0; t0 < n_tok; t0 += PANEL_TOKENS) {
+            const int nt = n_tok - t0 < PANEL_TOKENS ? (int)(n_tok - t0) : PANEL_TOKENS;
+            __m256 acc[PANEL_TOKENS];
+            switch (nt) {
+            case 4: q8_panel_avx2(row, x + t0, 4, nb, acc, ahead); break;
+            case 3: q8_panel_avx2(row, x + t0, 3, nb, acc, ahead); break;
+            case 2: q8_panel_avx2(row, x + t0, 2, nb, acc, ahead); break;
+            default: q8_panel_avx2(row, x + t0, 1, nb, acc, ahead); break;
+            }
+            panel_store(acc, nt, nr, y + t0 * y_stride + r0, y_stride);
+        }
+    }
+}
+
+/* q4_g64 block `off` (64 values) of the eight rows against activations x0 (values 0..31)
+ * and x1 (32..63): the exact int32 sums of the nibbles times x. Nibbles are <= 15, so the
+ * two vpmaddubsw results add in int16 (|sum| <= 4 * 15 * 127) before one vpmaddwd. */
+TARGET_AVX2 static inline __m256i q4_block_sums8(const uint8_t *const *row, int64_t off, __m256i x0, __m256i x1) {
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0f);
+    __m256i p[PANEL_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < PANEL_ROWS; r++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(row[r] + off + 4));
+        const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        p[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)), ones);
+    }
+    return fold_rows8(pair_fold(p[0], p[1]), pair_fold(p[2], p[3]), pair_fold(p[4], p[5]), pair_fold(p[6], p[7]));
+}
+
+/* The (d, m) f16 pairs at byte `off` of the eight rows as float32 lanes: *d and *m. */
+TARGET_AVX2 static inline void q4_scales8(const uint8_t *const *row, int64_t off, __m256 *d, __m256 *m) {
+    const __m256i dm = _mm256_setr_epi32((int)load_u32(row[0] + off), (int)load_u32(row[1] + off),
+                                         (int)load_u32(row[2] + off), (int)load_u32(row[3] + off),
+                                         (int)load_u32(row[4] + off), (int)load_u32(row[5] + off),
+                                         (int)load_u32(row[6] + off), (int)load_u32(row[7] + off));
+    /* per 128-bit lane [d d d d m m m m], then the qwords reordered to [d0-3 d4-7 m0-3 m4-7] */
+    const __m256i split = _mm256_shuffle_epi8(dm, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                                   0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i dd_mm = _mm256_permute4x64_epi64(split, 0xd8);
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(dd_mm));
+    *m = _mm256_cvtph_ps(_mm256_extracti128_si256(dd_mm, 1));
 }
 
 /* q4_g64 activations come in blocks of 64 (col_quantize_x): block k has scale x->d[k] and
  * offset sum x->ds2[k]; nb still counts 32-value blocks. */
-TARGET_AVX2 static float dot_q4_g64_avx2(const uint8_t *w, const col_xq_row *x, int64_t nb) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    __m256 acc = _mm256_setzero_ps();
-    float offset_sum = 0.0f;
+TARGET_AVX2 static inline __attribute__((always_inline)) void q4_panel_avx2(const uint8_t *const *row, const col_xq_row *x,
+                                                                            const int nt, int64_t nb, __m256 *acc,
+                                                                            int64_t ahead) {
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t k = 0; k < nb / 2; k++) {
-        const uint8_t *blk = w + k * 36;
-        prefetch_stream(blk, 1);
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 4));
-        const __m256i lo = _mm256_and_si256(q, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-        const __m256i x0 = _mm256_load_si256((const __m256i *)(x->qs + k * 64));
-        const __m256i x1 = _mm256_load_si256((const __m256i *)(x->qs + k * 64 + 32));
-        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x0), ones),
-                                           _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x1), ones));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(f16_avx2(blk) * x->d[k]), acc);
-        offset_sum += f16_avx2(blk + 2) * x->ds2[k];
+        const int64_t off = k * 36;
+        prefetch_panel_step(row, ahead, off);
+        __m256 dw, mw;
+        q4_scales8(row, off, &dw, &mw);
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xs = x[t].qs + k * 64;
+            const __m256i isum = q4_block_sums8(row, off, _mm256_load_si256((const __m256i *)xs),
+                                                _mm256_load_si256((const __m256i *)(xs + 32)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(x[t].d[k])), acc[t]);
+            acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x[t].ds2[k]), acc[t]);
+        }
     }
-    return hsum256(acc) + offset_sum;
+}
+
+TARGET_AVX2 static void rows_q4_g64_avx2(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const col_xq_row *x,
+                                         int64_t n_tok, int64_t nb, float *y, int64_t y_stride) {
+    const int64_t ahead = panel_ahead_bytes(row_bytes);
+    for (int64_t r0 = 0; r0 < n_rows; r0 += PANEL_ROWS) {
+        const int64_t nr = n_rows - r0 < PANEL_ROWS ? n_rows - r0 : PANEL_ROWS;
+        const uint8_t *row[PANEL_ROWS];
+        panel_rows(w + r0 * row_bytes, row_bytes, nr, row);
+        for (int64_t t0 = 0; t0 < n_tok; t0 += PANEL_TOKENS) {
+            const int nt = n_tok - t0 < PANEL_TOKENS ? (int)(n_tok - t0) : PANEL_TOKENS;
+            __m256 acc[PANEL_TOKENS];
+            switch (nt) {
+            case 4: q4_panel_avx2(row, x + t0, 4, nb, acc, ahead); break;
+            case 3: q4_panel_avx2(row, x + t0, 3, nb, acc, ahead); break;
+            case 2: q4_panel_avx2(row, x + t0, 2, nb, acc, ahead); break;
+            default: q4_panel_avx2(row, x + t0, 1, nb, acc, ahead); break;
+            }
+            panel_store(acc, nt, nr, y + t0 * y_stride + r0, y_stride);
+        }
+    }
+}
+
+/* One row, one token: the panel kernels' arithmetic (the kernel table's dot_xq). */
+TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    float y;
+    rows_q8_0_avx2(w, 0, 1, x, 1, nb, &y, 1);
+    return y;
+}
+
+TARGET_AVX2 static float dot_q4_g64_avx2(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    float y;
+    rows_q4_g64_avx2(w, 0, 1, x, 1, nb, &y, 1);
+    return y;
 }
 
 /* ---- AVX-512 (with and without VNNI) -------------------------------------------------- */
@@ -255,8 +442,6 @@ TARGET_AVX512 static float dot_q4_g64_avx512(const uint8_t *w, const col_xq_row 
         s_ = _mm256_dpbusd_epi32(s_, hi_, _mm256_load_si256((const __m256i *)(xs_ + 32)));               \
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), (scale), acc);                                     \
     } while (0)
-
-static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
 /* Four blocks per step: their (d, m) f16 pairs go through one conversion and one multiply
  * by the activations' (d, ds2) pairs (x->dv), [d0 dx0, m0 ds2_0, d1 dx1, ...]: the same
@@ -727,6 +912,39 @@ TARGET_AVX512 static int32_t quantize_block_avx512(const float *x, int n, int8_t
     return _mm512_reduce_add_epi32(sum);
 }
 
+/* The same, eight values at a time (AVX2): identical bytes, scale and sum. */
+TARGET_AVX2 static int32_t quantize_block_avx2(const float *x, int n, int8_t *qs, float *d) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) amax = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), amax);
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float a = _mm_cvtss_f32(m);
+    const float id = a > 0.0f ? 127.0f / a : 0.0f;
+    *d = a / 127.0f;
+    const __m256 vid = _mm256_set1_ps(id), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    __m256i sum = _mm256_setzero_si256();
+    for (int j = 0; j < n; j += 32) { /* n is a multiple of 32 */
+        __m256i q[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(x + j + 8 * k), vid), lo), hi);
+            v = _mm256_sub_ps(_mm256_add_ps(v, magic), magic); /* round half to even */
+            q[k] = _mm256_cvttps_epi32(v);
+            sum = _mm256_add_epi32(sum, q[k]);
+        }
+        /* 32 int32 -> 32 int8 in order: the packs work per 128-bit lane, one permute restores it */
+        const __m256i q16 = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+        const __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(qs + j), q8);
+    }
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4);
+}
+
 /* ---- RMSNorm ------------------------------------------------------------------------------ */
 
 /* col_rms_norm_row_portable with the sum of squares in four double chains of eight (the
@@ -989,15 +1207,15 @@ TARGET_AVX512 static void dequantize_bf16_avx512(const uint8_t *src, float *y, i
      [COL_TYPE_Q4_G64] = dequantize_q4_g64_##level, [COL_TYPE_MXFP4] = dequantize_mxfp4_##level}
 static const col_kernel_set avx2_kernels = {
     COL_KERNELS_AVX2, {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2, [COL_TYPE_MXFP4] = dot_mxfp4_avx2},
-    dot_f32_avx2, axpy_f32_avx2, {NULL}, col_silu_mul_portable, col_quantize_block_portable,
+    dot_f32_avx2, axpy_f32_avx2, {NULL}, col_silu_mul_portable, quantize_block_avx2,
     col_rms_norm_row_portable, col_clamped_swiglu_portable, {[COL_TYPE_Q4_G64] = col_quantize_row_q4_g64_avx2},
-    col_gelu_tanh_mul_portable, DEQUANTIZERS(avx2)};
+    col_gelu_tanh_mul_portable, DEQUANTIZERS(avx2), {[COL_TYPE_Q8_0] = rows_q8_0_avx2, [COL_TYPE_Q4_G64] = rows_q4_g64_avx2}};
 static const col_kernel_set avx512_kernels = {
     COL_KERNELS_AVX512,
     {[COL_TYPE_Q8_0] = dot_q8_0_avx512, [COL_TYPE_Q4_G64] = dot_q4_g64_avx512, [COL_TYPE_MXFP4] = dot_mxfp4_avx512},
     dot_f32_avx512, axpy_f32_avx512, {NULL}, silu_mul_avx512, quantize_block_avx512, rms_norm_row_avx512,
     clamped_swiglu_avx512, {[COL_TYPE_Q4_G64] = col_quantize_row_q4_g64_avx512}, gelu_tanh_mul_avx512,
-    DEQUANTIZERS(avx512)};
+    DEQUANTIZERS(avx512), {NULL}};
 static const col_kernel_set vnni_kernels = {
     COL_KERNELS_AVX512_VNNI,
     {[COL_TYPE_Q8_0] = dot_q8_0_vnni, [COL_TYPE_Q4_G64] = dot_q4_g64_vnni, [COL_TYPE_MXFP4] = dot_mxfp4_vnni},
@@ -1005,7 +1223,7 @@ static const col_kernel_set vnni_kernels = {
     {[COL_TYPE_Q8_0] = dot4_q8_0_vnni, [COL_TYPE_Q4_G64] = dot4_q4_g64_vnni, [COL_TYPE_MXFP4] = dot4_mxfp4_vnni},
     silu_mul_avx512,
     quantize_block_avx512, rms_norm_row_avx512, clamped_swiglu_avx512, {[COL_TYPE_Q4_G64] = col_quantize_row_q4_g64_avx512},
-    gelu_tanh_mul_avx512, DEQUANTIZERS(avx512)};
+    gelu_tanh_mul_avx512, DEQUANTIZERS(avx512), {NULL}};
 
 static int has_avx2(void) {
     __builtin_cpu_init();

@@ -58,7 +58,7 @@ class DaemonConfig:
     allow_groups: tuple[str | int, ...] = ()  # peers allowed by any of their groups (name or gid)
     max_queue: int = 16  # requests waiting beyond the running batch
     max_batch: int = 8  # requests decoding together in one batch (each step advances them all)
-    prefill_chunk: int = 256  # prompt tokens per step, in all: a long prompt runs in chunks beside the others' tokens
+    prefill_chunk: int = 512  # prompt tokens per step, in all: a long prompt runs in chunks beside the others' tokens
     kv_cache_size: str = "10%"  # the running requests' KV caches together: bytes, "2G", or "10%" of the memory budget
     max_frame_bytes: int = 1024 * 1024  # largest frame accepted or sent, length prefix excluded
     max_connections: int = 128  # clients connected at once; one more gets `busy` and is closed

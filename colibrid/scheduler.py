@@ -87,7 +87,7 @@ def cancelled_done(job: Job) -> Event:
 
 
 class Scheduler:
-    def __init__(self, engine, max_queue: int, max_batch: int = 8, prefill_chunk: int = 256,
+    def __init__(self, engine, max_queue: int, max_batch: int = 8, prefill_chunk: int = 512,
                  kv_budget_bytes: int = 1 << 30) -> None:
         self.engine = engine
         self.max_queue = max_queue

@@ -98,12 +98,7 @@ def attention_layer(dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm
         if q_norm is None or k_norm is None:
             raise InvalidArgumentError(f"qk_norm {qk_norm!r} needs q_norm and k_norm")
         vectors += [("q_norm", q_norm, norm_width[0]), ("k_norm", k_norm, norm_width[1])]
-    for field, vector, n in vectors:
-        if vector is not None:
-            keep.append(_f32_vector(vector, field, n))
-            setattr(layer, field, _ptr(vector))
-    layer._keep = keep  # the buffers the pointers point into
-    return layer
+    return _with_vectors(layer, vectors, keep)
 
 
 def _check_rope_tables(cos: np.ndarray, sin: np.ndarray, T: int, width: int) -> None:
@@ -111,6 +106,17 @@ def _check_rope_tables(cos: np.ndarray, sin: np.ndarray, T: int, width: int) -> 
     for name, table in (("cos", cos), ("sin", sin)):
         if not isinstance(table, np.ndarray) or table.dtype != np.float32 or table.shape != (T, width) or not table.flags.c_contiguous:
             raise InvalidArgumentError(f"{name} must be a C-contiguous float32 ({T}, {width}) array")
+
+
+def _with_vectors(layer: ctypes.Structure, vectors: list, keep: list) -> ctypes.Structure:
+    """Points the layer's float vector fields at ``vectors`` ((field, array or None, length),
+    each checked), and keeps every buffer its pointers point into alive with the layer."""
+    for field, vector, n in vectors:
+        if vector is not None:
+            keep.append(_f32_vector(vector, field, n))
+            setattr(layer, field, _ptr(vector))
+    layer._keep = keep
+    return layer
 
 
 @mirrors_c_struct("col_attention_seq_size")
@@ -220,12 +226,7 @@ def mla_layer(dim: int, n_heads: int, q_rank: int, kv_rank: int, nope_dim: int, 
     layer.kvb_type = int(_as_type(weights["kv_b"][0]))
     layer.o_type = int(_as_type(weights["o"][0]))
     vectors = [("kv_a_norm", weights["kv_a_norm"], C), ("bo", bo, dim)] + ([("q_a_norm", weights["q_a_norm"], Cq)] if Cq else [])
-    for field, vector, n in vectors:
-        if vector is not None:
-            keep.append(_f32_vector(vector, field, n))
-            setattr(layer, field, _ptr(vector))
-    layer._keep = keep  # the buffers the pointers point into
-    return layer
+    return _with_vectors(layer, vectors, keep)
 
 
 def mla_block(layer: MlaLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cache: np.ndarray, n_past: int,

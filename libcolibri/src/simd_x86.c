@@ -182,26 +182,32 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void q8_panel_avx2(cons
     }
 }
 
-TARGET_AVX2 static void rows_q8_0_avx2(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const col_xq_row *x,
-                                       int64_t n_tok, int64_t nb, float *y, int64_t y_stride) {
-    const int64_t ahead = panel_ahead_bytes(row_bytes);
-    for (int64_t r0 = 0; r0 < n_rows; r0 += PANEL_ROWS) {
-        const int64_t nr = n_rows - r0 < PANEL_ROWS ? n_rows - r0 : PANEL_ROWS;
-        const uint8_t *row[PANEL_ROWS];
-        panel_rows(w + r0 * row_bytes, row_bytes, nr, row);
-        for (int64_t t0 = 0; t0 < n_tok; t0 += PANEL_TOKENS) {
-            const int nt = n_tok - t0 < PANEL_TOKENS ? (int)(n_tok - t0) : PANEL_TOKENS;
-            __m256 acc[PANEL_TOKENS];
-            switch (nt) {
-            case 4: q8_panel_avx2(row, x + t0, 4, nb, acc, ahead); break;
-            case 3: q8_panel_avx2(row, x + t0, 3, nb, acc, ahead); break;
-            case 2: q8_panel_avx2(row, x + t0, 2, nb, acc, ahead); break;
-            default: q8_panel_avx2(row, x + t0, 1, nb, acc, ahead); break;
-            }
-            panel_store(acc, nt, nr, y + t0 * y_stride + r0, y_stride);
-        }
+/* rows_xq of a panel kernel: panels of PANEL_ROWS rows, each met by groups of up to
+ * PANEL_TOKENS tokens; the switch hands the panel a constant token count, so each count is
+ * compiled with its loops unrolled. */
+#define PANEL_ROWS_XQ_AVX2(name, panel)                                                                             \
+    TARGET_AVX2 static void name(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const col_xq_row *x,          \
+                                 int64_t n_tok, int64_t nb, float *y, int64_t y_stride) {                           \
+        const int64_t ahead = panel_ahead_bytes(row_bytes);                                                         \
+        for (int64_t r0 = 0; r0 < n_rows; r0 += PANEL_ROWS) {                                                       \
+            const int64_t nr = n_rows - r0 < PANEL_ROWS ? n_rows - r0 : PANEL_ROWS;                                 \
+            const uint8_t *row[PANEL_ROWS];                                                                         \
+            panel_rows(w + r0 * row_bytes, row_bytes, nr, row);                                                     \
+            for (int64_t t0 = 0; t0 < n_tok; t0 += PANEL_TOKENS) {                                                  \
+                const int nt = n_tok - t0 < PANEL_TOKENS ? (int)(n_tok - t0) : PANEL_TOKENS;                        \
+                __m256 acc[PANEL_TOKENS];                                                                           \
+                switch (nt) {                                                                                       \
+                case 4: panel(row, x + t0, 4, nb, acc, ahead); break;                                               \
+                case 3: panel(row, x + t0, 3, nb, acc, ahead); break;                                               \
+                case 2: panel(row, x + t0, 2, nb, acc, ahead); break;                                               \
+                default: panel(row, x + t0, 1, nb, acc, ahead); break;                                              \
+                }                                                                                                   \
+                panel_store(acc, nt, nr, y + t0 * y_stride + r0, y_stride);                                         \
+            }                                                                                                       \
+        }                                                                                                           \
     }
-}
+
+PANEL_ROWS_XQ_AVX2(rows_q8_0_avx2, q8_panel_avx2)
 
 /* q4_g64 block `off` (64 values) of the eight rows against activations x0 (values 0..31)
  * and x1 (32..63): the exact int32 sums of the nibbles times x. Nibbles are <= 15, so the
@@ -255,26 +261,7 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void q4_panel_avx2(cons
     }
 }
 
-TARGET_AVX2 static void rows_q4_g64_avx2(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const col_xq_row *x,
-                                         int64_t n_tok, int64_t nb, float *y, int64_t y_stride) {
-    const int64_t ahead = panel_ahead_bytes(row_bytes);
-    for (int64_t r0 = 0; r0 < n_rows; r0 += PANEL_ROWS) {
-        const int64_t nr = n_rows - r0 < PANEL_ROWS ? n_rows - r0 : PANEL_ROWS;
-        const uint8_t *row[PANEL_ROWS];
-        panel_rows(w + r0 * row_bytes, row_bytes, nr, row);
-        for (int64_t t0 = 0; t0 < n_tok; t0 += PANEL_TOKENS) {
-            const int nt = n_tok - t0 < PANEL_TOKENS ? (int)(n_tok - t0) : PANEL_TOKENS;
-            __m256 acc[PANEL_TOKENS];
-            switch (nt) {
-            case 4: q4_panel_avx2(row, x + t0, 4, nb, acc, ahead); break;
-            case 3: q4_panel_avx2(row, x + t0, 3, nb, acc, ahead); break;
-            case 2: q4_panel_avx2(row, x + t0, 2, nb, acc, ahead); break;
-            default: q4_panel_avx2(row, x + t0, 1, nb, acc, ahead); break;
-            }
-            panel_store(acc, nt, nr, y + t0 * y_stride + r0, y_stride);
-        }
-    }
-}
+PANEL_ROWS_XQ_AVX2(rows_q4_g64_avx2, q4_panel_avx2)
 
 /* One row, one token: the panel kernels' arithmetic (the kernel table's dot_xq). */
 TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const col_xq_row *x, int64_t nb) {

@@ -3,8 +3,10 @@ leave between steps, stop at a step boundary, wait for KV memory, and fail alone
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -98,12 +100,21 @@ def started(engine, max_queue=8, **kwargs) -> Scheduler:
     return scheduler
 
 
+@contextlib.contextmanager
+def running(engine, **kwargs) -> Iterator[Scheduler]:
+    """A started scheduler, stopped and joined when the block ends."""
+    scheduler = started(engine, **kwargs)
+    try:
+        yield scheduler
+    finally:
+        scheduler.stop()
+        assert scheduler.join(10)
+
+
 @pytest.fixture
 def scheduler(engine):
-    scheduler = started(engine)
-    yield scheduler
-    scheduler.stop()
-    assert scheduler.join(10)
+    with running(engine) as scheduler:
+        yield scheduler
 
 
 def test_asks_run_together_and_each_gets_what_it_would_alone(scheduler, engine, pack):
@@ -133,22 +144,17 @@ def test_a_full_queue_is_refused(engine):
 
 
 def test_asks_beyond_max_batch_wait_and_join_as_others_leave(engine):
-    scheduler = started(engine, max_batch=2)
-    try:
+    with running(engine, max_batch=2) as scheduler:
         recorder = Recorder()
         for n in range(5):
             scheduler.submit(recorder.job(ask(n, prompt=f"p{n}", max_tokens=3 + 2 * n)))
         assert [recorder.until_end(n)[1]["finish_reason"] for n in range(5)] == ["length"] * 5
         assert max(engine.step_sizes) == 2
-    finally:
-        scheduler.stop()
-        assert scheduler.join(10)
 
 
 def test_cancel_frees_the_slot_at_the_next_step_with_the_text_so_far(engine):
     engine.step_delay_s = 0.002
-    scheduler = started(engine, max_batch=1)
-    try:
+    with running(engine, max_batch=1) as scheduler:
         recorder = Recorder()
         job = recorder.job(ask("c", max_tokens=10_000))
         scheduler.submit(job)
@@ -159,15 +165,11 @@ def test_cancel_frees_the_slot_at_the_next_step_with_the_text_so_far(engine):
         assert done["finish_reason"] == "cancelled"
         assert len(tokens) + 1 <= done["usage"]["generated_tokens"] < 10_000  # + the one read above
         assert recorder.until_end("next")[1]["finish_reason"] == "length"  # the slot was freed
-    finally:
-        scheduler.stop()
-        assert scheduler.join(10)
 
 
 def test_a_disconnected_job_ends_silently_and_frees_its_slot(engine):
     engine.step_delay_s = 0.002
-    scheduler = started(engine, max_batch=1)
-    try:
+    with running(engine, max_batch=1) as scheduler:
         recorder = Recorder()
         gone = recorder.job(ask("gone", max_tokens=10_000))
         scheduler.submit(gone)
@@ -179,9 +181,6 @@ def test_a_disconnected_job_ends_silently_and_frees_its_slot(engine):
         remaining = [recorder.events.get_nowait() for _ in range(recorder.events.qsize())]
         assert all(event["id"] != "gone" or event["event"] == "token" for event in remaining)
         assert scheduler.requests_running == 0
-    finally:
-        scheduler.stop()
-        assert scheduler.join(10)
 
 
 def test_a_waiting_job_can_be_withdrawn(engine):
@@ -203,8 +202,7 @@ def test_bad_asks_end_only_themselves(scheduler):
 
 
 def test_an_expert_that_cannot_load_ends_the_requests_of_its_step_and_the_rest_go_on(engine):
-    scheduler = started(engine, max_batch=1)
-    try:
+    with running(engine, max_batch=1) as scheduler:
         recorder = Recorder()
         scheduler.submit(recorder.job(ask("bad", prompt="!x")))
         scheduler.submit(recorder.job(ask("hot", prompt="~x")))
@@ -213,16 +211,12 @@ def test_an_expert_that_cannot_load_ends_the_requests_of_its_step_and_the_rest_g
         error = recorder.until_end("hot")[1]
         assert (error["event"], error["code"]) == ("error", "thermal") and "86 °C" in error["message"]
         assert recorder.until_end("good")[1]["event"] == "done"
-    finally:
-        scheduler.stop()
-        assert scheduler.join(10)
 
 
 def test_a_request_that_can_never_fit_the_kv_budget_is_refused_and_one_that_can_waits(engine, pack):
     need = FaultyEngine(pack).start_generation([1, 2, 3], ask(0, prompt="abc", max_tokens=40).params)[1].state.nbytes
     engine.step_delay_s = 0.002
-    scheduler = started(engine, kv_budget_bytes=int(1.5 * need))  # room for one such request at a time
-    try:
+    with running(engine, kv_budget_bytes=int(1.5 * need)) as scheduler:  # room for one such request at a time
         recorder = Recorder()
         scheduler.submit(recorder.job(ask("huge", max_tokens=4000)))
         scheduler.submit(recorder.job(ask("first", max_tokens=40)))
@@ -232,9 +226,6 @@ def test_a_request_that_can_never_fit_the_kv_budget_is_refused_and_one_that_can_
         assert recorder.until_end("first")[1]["finish_reason"] == "length"
         assert recorder.until_end("second")[1]["finish_reason"] == "length"
         assert max(engine.step_sizes) == 1  # the second waited for the first's memory
-    finally:
-        scheduler.stop()
-        assert scheduler.join(10)
 
 
 def test_stop_ends_the_running_and_the_waiting_jobs(engine):
@@ -272,8 +263,7 @@ def test_logprobs_carry_the_alternatives_text(scheduler, engine):
 
 def test_status_shows_each_running_request_and_the_batch(engine):
     engine.step_delay_s = 0.002
-    scheduler = started(engine, max_batch=4)
-    try:
+    with running(engine, max_batch=4) as scheduler:
         recorder = Recorder()
         for n in range(2):
             scheduler.submit(recorder.job(ask(n, max_tokens=10_000)))
@@ -281,13 +271,10 @@ def test_status_shows_each_running_request_and_the_batch(engine):
         while scheduler.requests_running < 2 or any(r["tokens"] < 2 for r in scheduler.running_status()):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        running = scheduler.running_status()
-        assert {r["id"] for r in running} == {0, 1} and {r["phase"] for r in running} == {"decode"}
-        assert all(r["peer"] == "a client" and r["tokens_per_s"] > 0 for r in running)
+        requests = scheduler.running_status()
+        assert {r["id"] for r in requests} == {0, 1} and {r["phase"] for r in requests} == {"decode"}
+        assert all(r["peer"] == "a client" and r["tokens_per_s"] > 0 for r in requests)
         batch, kv = scheduler.batch_status(), scheduler.kv_status()
         assert batch["max_batch"] == 4 and batch["size"] == 2 and batch["steps"] > 0
         assert 0 < batch["distinct_experts_per_layer_step"] <= batch["sequence_experts_per_layer_step"]
         assert kv["budget_bytes"] == BIG_BUDGET and kv["used_bytes"] > 0 and kv["sequences"] == 2
-    finally:
-        scheduler.stop()
-        assert scheduler.join(10)

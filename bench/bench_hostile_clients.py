@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import socket
 import struct
 import subprocess
@@ -30,6 +29,9 @@ import time
 from pathlib import Path
 
 import msgpack
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_process import ServerProcess  # noqa: E402
 
 HELLO = {"op": "hello", "id": 0, "protocol": 1}
 
@@ -60,17 +62,16 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-class Daemon:
+class Daemon(ServerProcess):
     """colibrid on `pack`, its socket and log in a temporary directory; optional open-files limit."""
 
     def __init__(self, pack: Path, open_files: int | None = None) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="colibri-hostile-"))
+        super().__init__("colibri-hostile-")
         self.socket_path = str(self.dir / "colibrid.sock")
         argv = [sys.executable, "-m", "colibrid", "--model", str(pack), "--socket", self.socket_path,
                 "--hugepage-record", str(self.dir / "hugepages.json")]
         if open_files is not None:
             argv = ["prlimit", f"--nofile={open_files}", *argv]
-        self.log = open(self.dir / "colibrid.log", "w+")
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and hello_latency(self.socket_path, 1.0)[1] != "hello":
@@ -86,17 +87,7 @@ class Daemon:
 
     def stop(self) -> str:
         """SIGTERM (SIGKILL after 30 s); its log."""
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.seek(0)
-        text = self.log.read()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        return text
+        return super().stop(30.0)
 
 
 def connect_when_the_backlog_has_room(socket_path: str, timeout_s: float) -> socket.socket | None:

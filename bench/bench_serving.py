@@ -47,12 +47,10 @@ import argparse
 import http.client
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -70,6 +68,7 @@ from machine import cpu_model, memory_bandwidth  # noqa: E402
 from memory_cgroup import (  # noqa: E402
     PROCESS_ALLOWANCE_BYTES, MemoryCgroup, drop_from_page_cache, evict_from_page_cache,
 )
+from server_process import ServerProcess  # noqa: E402
 from shapes import SHAPES, log  # noqa: E402
 from shapes.common import FIRST_TEXT_ID  # noqa: E402
 
@@ -289,28 +288,6 @@ def summarize(timings: list[RequestTiming], expected_tokens: int) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-class ServerProcess:
-    """A server started for one measurement, its files and log in a temporary directory."""
-
-    def __init__(self, prefix: str) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix=prefix))
-        self.log = open(self.dir / "server.log", "w+")
-        self.proc: subprocess.Popen | None = None
-
-    def stop(self) -> str:
-        """SIGTERM (SIGKILL after 60 s); its log."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.seek(0)
-        text = self.log.read()
-        self.log.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-        return text
 
 
 class ColibriDaemon(ServerProcess):

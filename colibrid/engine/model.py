@@ -202,8 +202,9 @@ class Model:
                 np.arange(bounds[i + 1] - 1, bounds[i + 1]) if want == "last" and bounds[i + 1] > bounds[i] else
                 np.empty(0, np.int64) for i, want in enumerate(wanted)]
         picked = np.concatenate(rows) if rows else np.empty(0, np.int64)
-        if picked.shape[0] == 0:
-            return [None] * len(wanted)
+        if picked.shape[0] == 0:  # nothing wanted, or only empty inputs: no product to run
+            empty = np.empty((0, self.config.vocab_size), np.float32)
+            return [None if want is None else empty for want in wanted]
         logits = linear(rms_norm(x[picked], self.final_norm, self.config.rms_norm_eps), self.lm_head)  # (n, V)
         cap = self.config.final_logit_softcap
         if cap:

@@ -39,7 +39,9 @@ def timed_hello(daemon) -> float:
 
 def test_a_client_that_pipelines_without_reading_is_read_no_further_and_others_are_served(start_daemon):
     daemon = start_daemon("--max-outbox-bytes", "65536")
-    requests = b"".join(frame({"op": "status", "id": i}) for i in range(20_000))  # ~420 kB
+    # ~1.4 MB: several times what the kernel's socket buffers and asyncio's read buffer hold
+    # together, so the daemon can only have taken it all by reading on while its replies sat unread.
+    requests = b"".join(frame({"op": "status", "id": i}) for i in range(60_000))
     sent_bytes = 0
     with WireClient(daemon.socket_path, timeout_s=3) as pipeliner:
         pipeliner.hello()

@@ -8,6 +8,7 @@ engine runs every architecture through the same code.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -326,3 +327,32 @@ def common_fields(hf: dict[str, Any], architecture: str, default_theta: float,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_token_ids(hf),
     )
+
+
+class FusedExpertsArchitecture(Architecture):
+    """A family whose checkpoints store each layer's experts fused, in ``gate_up_proj`` and
+    ``down_proj`` (see fused_gate_up_names): every checkpoint (``experts_always_fused``), or
+    those in which for_checkpoint finds the fused tensor (Qwen3.5 publishes both layouts).
+    Naming an expert's parts needs F, so for_checkpoint binds it from the config."""
+
+    experts_always_fused = True
+    experts_transposed = False  # stored as transformers multiplies them, x @ W (Llama 4)
+    fused_expert_ffn: int | None = None  # F, set on the architecture for_checkpoint returns
+
+    def for_checkpoint(self, config: ModelConfig, has_tensor: Callable[[str], bool]) -> "Architecture":
+        if not self.experts_always_fused:
+            first = config.moe_layer_ids[0] if config.moe_layer_ids else None
+            if first is None or not has_tensor(f"model.layers.{first}.{self.experts_prefix}.gate_up_proj"):
+                return self
+        bound = copy.copy(self)
+        bound.fused_expert_ffn = config.expert_ffn
+        return bound
+
+    def expert_tensor_names(self, layer: int, expert: int) -> ExpertTensorNames:
+        F = self.fused_expert_ffn
+        if F is None:
+            if self.experts_always_fused:
+                raise ValueError(f"{self.name}: expert_tensor_names needs the architecture for_checkpoint() returns")
+            return super().expert_tensor_names(layer, expert)  # one tensor per expert and projection
+        return fused_gate_up_names(f"model.layers.{layer}.{self.experts_prefix}", expert, F,
+                                   transposed=self.experts_transposed)

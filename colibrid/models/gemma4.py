@@ -22,12 +22,10 @@ per-layer ones by sqrt(P), and the logits soft-capped by ``final_logit_softcappi
 
 from __future__ import annotations
 
-import copy
 import math
-from typing import Any, Callable
+from typing import Any
 
-from colibrid.models.base import (Architecture, ExpertTensorNames, UnsupportedConfig, common_fields, fused_gate_up_names,
-                                  require)
+from colibrid.models.base import FusedExpertsArchitecture, UnsupportedConfig, common_fields, require
 from colibrid.models.config import ModelConfig, RopeConfig
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -106,7 +104,7 @@ def refuse_unsupported(hf: dict[str, Any]) -> None:
         raise UnsupportedConfig("vocab_size_per_layer_input must equal vocab_size")
 
 
-class Gemma4(Architecture):
+class Gemma4(FusedExpertsArchitecture):
     name = "gemma4"
     hf_model_types = ("gemma4_text",)
     router_name = "router.proj"
@@ -151,20 +149,6 @@ class Gemma4(Architecture):
             per_layer_input=int(hf.get("hidden_size_per_layer_input") or 0),
             layer_scalar=True,
         )
-
-    expert_ffn: int | None = None  # F, which splits gate_up_proj; set by for_checkpoint
-
-    def for_checkpoint(self, config: ModelConfig, has_tensor: Callable[[str], bool]) -> Architecture:
-        bound = copy.copy(self)
-        bound.expert_ffn = config.expert_ffn
-        return bound
-
-    def expert_tensor_names(self, layer: int, expert: int) -> ExpertTensorNames:
-        """gate_up_proj (E, 2F, D) holds the gate's F rows, then the up's; down_proj is (E, D, F)."""
-        F = self.expert_ffn
-        if F is None:
-            raise ValueError("gemma4 expert names need the experts' width: use for_checkpoint(config, ...)")
-        return fused_gate_up_names(f"model.layers.{layer}.{self.experts_prefix}", expert, F)
 
     def conversion_notes(self, hf: dict[str, Any]) -> list[str]:
         notes = []

@@ -18,11 +18,9 @@ llama4_text; converted through the multimodal wrapper, the vision tower left out
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Callable
+from typing import Any
 
-from colibrid.models.base import (Architecture, ExpertTensorNames, UnsupportedConfig, common_fields, fused_gate_up_names,
-                                  num_experts, require)
+from colibrid.models.base import FusedExpertsArchitecture, UnsupportedConfig, common_fields, num_experts, require
 from colibrid.models.config import ModelConfig
 
 DEFAULT_THETA = 500000.0  # transformers' Llama4TextConfig.default_theta
@@ -73,14 +71,14 @@ def layer_chunks(hf: dict[str, Any], nope: tuple[bool, ...]) -> tuple[int | None
     return tuple(chunk if t == "chunked_attention" else None for t in types)
 
 
-class Llama4(Architecture):
+class Llama4(FusedExpertsArchitecture):
     name = "llama4"
     hf_model_types = ("llama4_text",)  # "llama4" is the multimodal wrapper, read through its text_config
     router_name = "feed_forward.router"
     shared_expert_prefix = "feed_forward.shared_expert"
     experts_prefix = "feed_forward.experts"
     dense_mlp_prefix = "feed_forward"
-    expert_ffn: int | None = None  # F, which locates the up half of gate_up_proj (for_checkpoint sets it)
+    experts_transposed = True  # gate_up_proj (E, D, 2F), down_proj (E, F, D)
 
     def model_config(self, hf: dict[str, Any]) -> ModelConfig:
         fields = common_fields(hf, self.name, default_theta=DEFAULT_THETA)
@@ -111,13 +109,3 @@ class Llama4(Architecture):
             router_weight_on_input=True,
         )
 
-    def for_checkpoint(self, config: ModelConfig, has_tensor: Callable[[str], bool]) -> Architecture:
-        bound = copy.copy(self)
-        bound.expert_ffn = config.expert_ffn
-        return bound
-
-    def expert_tensor_names(self, layer: int, expert: int) -> ExpertTensorNames:
-        F = self.expert_ffn
-        if F is None:
-            raise ValueError("llama4: expert_tensor_names needs the architecture for_checkpoint() returns")
-        return fused_gate_up_names(f"model.layers.{layer}.{self.experts_prefix}", expert, F, transposed=True)

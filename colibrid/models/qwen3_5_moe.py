@@ -21,12 +21,10 @@ per layer (``mlp.experts.gate_up_proj`` (E, 2F, D), gate rows first, and ``down_
 
 from __future__ import annotations
 
-import copy
-from typing import Any, Callable
+from typing import Any
 
 from colibrid.convert.safetensors import TensorRef
-from colibrid.models.base import (Architecture, ExpertTensorNames, UnsupportedConfig, common_fields, fused_gate_up_names,
-                                  num_experts, require)
+from colibrid.models.base import FusedExpertsArchitecture, UnsupportedConfig, common_fields, num_experts, require
 from colibrid.models.config import DeltaNetConfig, ModelConfig
 
 # transformers' Qwen3_5MoeTextConfig / Qwen3NextConfig defaults, for keys config.json leaves out
@@ -62,10 +60,11 @@ def mtp_layers(hf: dict[str, Any]) -> int:
     return int(hf.get("mtp_num_hidden_layers") or hf.get("num_nextn_predict_layers") or 0)
 
 
-class Qwen35Moe(Architecture):
+class Qwen35Moe(FusedExpertsArchitecture):
     name = "qwen3_5_moe"
     # The text model's type: the published multimodal config (qwen3_5_moe) wraps it.
     hf_model_types = ("qwen3_5_moe_text",)
+    experts_always_fused = False  # published checkpoints fuse them, others not: for_checkpoint looks
 
     def moe_fields(self, hf: dict[str, Any], layers: int) -> dict[str, Any]:
         """Every layer routes; the router always renormalises its top-k (no norm_topk_prob)."""
@@ -105,24 +104,6 @@ class Qwen35Moe(Architecture):
         conv = names[f"layers.{layer}.attn.conv"]  # (C, 1, Kc): a depthwise conv's weight
         names[f"layers.{layer}.attn.conv"] = TensorRef(conv, view=(d.conv_channels, d.conv_kernel))
         return names
-
-    fused_expert_ffn: int | None = None  # F when the checkpoint fuses its experts per layer (for_checkpoint)
-
-    def for_checkpoint(self, config: ModelConfig, has_tensor: Callable[[str], bool]) -> Architecture:
-        first = config.moe_layer_ids[0] if config.moe_layer_ids else None
-        if first is None or not has_tensor(f"model.layers.{first}.{self.experts_prefix}.gate_up_proj"):
-            return self
-        fused = copy.copy(self)
-        fused.fused_expert_ffn = config.expert_ffn
-        return fused
-
-    def expert_tensor_names(self, layer: int, expert: int) -> ExpertTensorNames:
-        """One tensor per expert and projection, or parts of the layer's fused gate_up_proj
-        (E, 2F, D), the gate's F rows first, and down_proj (E, D, F)."""
-        F = self.fused_expert_ffn
-        if F is None:
-            return super().expert_tensor_names(layer, expert)
-        return fused_gate_up_names(f"model.layers.{layer}.{self.experts_prefix}", expert, F)
 
     def conversion_notes(self, hf: dict[str, Any]) -> list[str]:
         count = mtp_layers(hf)

@@ -537,6 +537,9 @@ class CachedExpertSource(ExpertSource):
         return {"layers": layers, "total": total, "resident": resident, "pinned": pinned,
                 "loader": {k: loader[k] for k in ("reads", "bytes_read", "failures", "busy_ns", "queue_depth")}}
 
+    def hits_and_misses(self) -> tuple[int, int]:
+        return self._cache.hits_and_misses()
+
     def summary(self) -> dict:
         """The counters and settings status shows; an in-flight hit (the read another request
         started) counts as a hit: this request did not cause a read."""

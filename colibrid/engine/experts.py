@@ -106,6 +106,12 @@ class ExpertSource(ABC):
     @abstractmethod
     def summary(self) -> dict: ...
 
+    def hits_and_misses(self) -> tuple[int, int]:
+        """The hit and miss counters of ``summary``, which a batch reads around every step: a
+        source whose summary costs more than a few microseconds says so by overriding this."""
+        summary = self.summary()
+        return summary["hits"], summary["misses"]
+
     @abstractmethod
     def set_io_queue_depth(self, depth: int) -> None: ...
 

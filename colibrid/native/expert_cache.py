@@ -336,6 +336,16 @@ class ExpertCacheCore:
         out["latency_us"] = list(st.latency_us)
         return out
 
+    def hits_and_misses(self) -> tuple[int, int]:
+        """Hits (in-flight ones included) and misses of every layer: the counters alone,
+        without building layer_stats' dicts and histograms."""
+        st, hits, misses = ExpertCacheLayerStats(), 0, 0
+        for layer in range(self.n_layers):
+            check(_lib().col_expert_cache_get_stats(self.handle, layer, ctypes.byref(st)), "stats")
+            hits += st.hits + st.inflight_hits
+            misses += st.misses
+        return hits, misses
+
     def reset_stats(self) -> None:
         _lib().col_expert_cache_reset_stats(self.handle)
 

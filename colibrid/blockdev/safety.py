@@ -210,8 +210,8 @@ def _signatures(fd: int, device: BlockDevice, resolved: str) -> list[sig.Signatu
     from_blkid, problem = sig.blkid_signatures(resolved)
     if problem:
         log.info("%s: %s; checked the signatures Colibri reads itself", resolved, problem)
-    names = {s.name.lower() for s in found}
-    return found + [s for s in from_blkid if not any(s.name.lower() in n or n in s.name.lower() for n in names)]
+    kinds = {s.kind for s in found}  # blkid's answer adds only what our own reading missed
+    return found + [s for s in from_blkid if s.kind not in kinds]
 
 
 def _partition_signatures(fd: int, disk: BlockDevice, sysfs_root: Path):

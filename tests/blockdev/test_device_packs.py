@@ -88,9 +88,9 @@ def test_the_device_is_found_by_its_superblock_under_another_name(loops, tmp_pat
     out = tmp_path / "device.pack"
     assert _convert(out, "--device", str(node)).returncode == 0
     loops.detach(node)
-    placeholder = loops.attach(DEVICE_BYTES, name="placeholder.img")  # takes the old name, holds nothing
+    loops.attach(DEVICE_BYTES, name="placeholder.img")  # takes the old name, holds nothing
     moved = loops.attach(0, image=image)
-    assert moved != node and placeholder == node
+    assert moved != node  # the placeholder (or another program) holds the old name
     pack = Pack.open(out)
     assert pack.experts_path == moved
     assert _greedy(out, cache=True) == _greedy(file_pack, cache=False)

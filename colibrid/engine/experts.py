@@ -221,19 +221,19 @@ class PreadExpertSource(PlainExpertSource):
 
     def __init__(self, pack: Pack) -> None:
         super().__init__(pack)
-        self.path = pack.experts_path
         self.stats = ExpertReadStats()
-        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fd = pack.experts.open()  # experts.bin, or the device carrying the pack's superblock
+        self.path = pack.experts_path
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         record = self.pack.expert_record(layer, expert)
-        where = f"expert {expert} of layer {layer} at offset {record.offset} of {self.path}"
+        where = f"expert {expert} of layer {layer} at {self.pack.experts.where(record.offset)}"
         pause = self.loading_pause
         if pause is not None:
             raise ExpertLoadingPaused(f"{where} would be read while expert loading is paused: {pause.reason}",
                                       pause.code, layer, expert, record.offset, self.path)
         try:
-            data = os.pread(self._fd, record.length, record.offset)
+            data = os.pread(self._fd, record.length, self.pack.experts.device_offset(record))
         except OSError as exc:
             raise ExpertLoadError(f"I/O error reading {where}: {exc.strerror}", layer, expert, record.offset, self.path) from None
         if len(data) != record.length:

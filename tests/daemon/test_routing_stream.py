@@ -164,3 +164,14 @@ def test_nothing_is_captured_while_nobody_watches():
     _capture_step(capture, rows=3)
     routing = stream.after_step(2)
     assert capture.enabled and routing is not None and routing.rows == 3 and stream.summaries_made == 0
+
+
+def test_a_stopping_daemon_ends_its_subscriptions(start_daemon):
+    daemon = start_daemon()
+    with WireClient(daemon.socket_path) as client:
+        client.hello()
+        assert subscribe(client)["event"] == "subscribed"
+        returncode, _ = daemon.terminate()
+        assert client.recv() == {"event": "unsubscribed", "id": "r", "reason": "shutdown"}
+        assert client.is_closed_by_server()
+    assert returncode == 0

@@ -554,10 +554,20 @@ class CachedExpertSource(ExpertSource):
         return {"kind": "aepc", "resident_slots": stats["resident"],
                 "hits": total.get("hits", 0) + total.get("inflight_hits", 0),
                 "misses": total.get("misses", 0), "bytes_read": total.get("bytes_read", 0),
+                "read_busy_s": stats["loader"]["busy_ns"] / 1e9,  # time with a read in flight: the disk's busy time
                 "evictions": total.get("evictions", 0),
                 "read_ms_p50": total.get("read_ms_p50"), "read_ms_p99": total.get("read_ms_p99"),
                 "prediction_precision": total.get("prediction_precision"),
                 "prediction_recall": total.get("prediction_recall"), **self.backing_info()}
+
+    def layer_counters(self) -> dict[int, tuple[int, int]]:
+        """(hits, misses) since start of each layer with experts; an in-flight hit counts as a hit."""
+        counters = {}
+        for layer in range(self._cache.n_layers):
+            if self._lengths[layer].any():
+                st = self._cache.layer_stats(layer)
+                counters[layer] = (st["hits"] + st["inflight_hits"], st["misses"])
+        return counters
 
     @staticmethod
     def _derived(st: dict, hist: np.ndarray, predicted: int, requested: int, correct: int) -> dict:

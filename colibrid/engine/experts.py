@@ -112,6 +112,11 @@ class ExpertSource(ABC):
         summary = self.summary()
         return summary["hits"], summary["misses"]
 
+    def layer_counters(self) -> dict[int, tuple[int, int]] | None:
+        """Hits and misses since start per MoE layer, for the routing stream; None when the
+        source keeps no per-layer counters (a plain pread source)."""
+        return None
+
     @abstractmethod
     def set_io_queue_depth(self, depth: int) -> None: ...
 

@@ -544,7 +544,8 @@ class CachedExpertSource(ExpertSource):
                 "loader": {k: loader[k] for k in ("reads", "bytes_read", "failures", "busy_ns", "queue_depth")}}
 
     def hits_and_misses(self) -> tuple[int, int]:
-        return self._cache.hits_and_misses()
+        counters = self.layer_counters().values()
+        return sum(hits for hits, _ in counters), sum(misses for _, misses in counters)
 
     def summary(self) -> dict:
         """The counters and settings status shows; an in-flight hit (the read another request
@@ -562,12 +563,8 @@ class CachedExpertSource(ExpertSource):
 
     def layer_counters(self) -> dict[int, tuple[int, int]]:
         """(hits, misses) since start of each layer with experts; an in-flight hit counts as a hit."""
-        counters = {}
-        for layer in range(self._cache.n_layers):
-            if self._lengths[layer].any():
-                st = self._cache.layer_stats(layer)
-                counters[layer] = (st["hits"] + st["inflight_hits"], st["misses"])
-        return counters
+        return {layer: self._cache.layer_hits_and_misses(layer)
+                for layer in range(self._cache.n_layers) if self._lengths[layer].any()}
 
     @staticmethod
     def _derived(st: dict, hist: np.ndarray, predicted: int, requested: int, correct: int) -> dict:

@@ -342,15 +342,12 @@ class ExpertCacheCore:
         out["latency_us"] = list(st.latency_us)
         return out
 
-    def hits_and_misses(self) -> tuple[int, int]:
-        """Hits (in-flight ones included) and misses of every layer: the counters alone,
-        without building layer_stats' dicts and histograms."""
-        st, hits, misses = ExpertCacheLayerStats(), 0, 0
-        for layer in range(self.n_layers):
-            check(_lib().col_expert_cache_get_stats(self.handle, layer, ctypes.byref(st)), "stats")
-            hits += st.hits + st.inflight_hits
-            misses += st.misses
-        return hits, misses
+    def layer_hits_and_misses(self, layer: int) -> tuple[int, int]:
+        """Hits (in-flight ones included) and misses of one layer: the two counters alone,
+        without building layer_stats' dict and histogram (read around every batch step)."""
+        st = ExpertCacheLayerStats()
+        check(_lib().col_expert_cache_get_stats(self.handle, int(layer), ctypes.byref(st)), "stats")
+        return st.hits + st.inflight_hits, st.misses
 
     def reset_stats(self) -> None:
         _lib().col_expert_cache_reset_stats(self.handle)

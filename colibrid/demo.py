@@ -103,17 +103,23 @@ def random_olmoe_tensors(config: dict, seed: int) -> dict[str, np.ndarray]:
     return tensors
 
 
-def build_demo_checkpoint(directory: Path, seed: int = 0) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    vocab = write_tokenizer(directory)
+def write_demo_config(directory: Path, vocab_size: int) -> dict:
+    """The demo shape's OLMoE config.json and generation_config.json in ``directory``; returns the config."""
     config = {
-        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": vocab,
+        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": vocab_size,
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
         "tie_word_embeddings": False, "norm_topk_prob": False, "eos_token_id": 0, "pad_token_id": 0,
         "bos_token_id": None, **DEMO_SHAPE,
     }
     (directory / "config.json").write_text(json.dumps(config, indent=1))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    return config
+
+
+def build_demo_checkpoint(directory: Path, seed: int = 0) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = write_tokenizer(directory)
+    config = write_demo_config(directory, vocab)
     write_safetensors(directory / "model.safetensors", random_olmoe_tensors(config, seed))
     return directory
 

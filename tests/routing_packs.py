@@ -12,14 +12,13 @@ the checkpoints go through the converter as any checkpoint does.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from colibrid.convert.converter import convert
 from colibrid.convert.quant_spec import parse_quant
-from colibrid.demo import DEMO_SHAPE, random_olmoe_tensors, write_safetensors, write_tokenizer
+from colibrid.demo import random_olmoe_tensors, write_demo_config, write_safetensors, write_tokenizer
 
 CONSTANT_CHANNEL = 0  # the embedding dimension the collapsed pack makes constant
 COLLAPSED_EXPERT = 0
@@ -30,12 +29,7 @@ def build_routing_pack(work_dir: Path, collapsed: bool, seed: int = 3) -> Path:
     checkpoint = work_dir / f"{name}-checkpoint"
     checkpoint.mkdir(parents=True)
     vocab = write_tokenizer(checkpoint)
-    config = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": vocab,
-              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-              "tie_word_embeddings": False, "norm_topk_prob": False, "eos_token_id": 0, "pad_token_id": 0,
-              "bos_token_id": None, **DEMO_SHAPE}
-    (checkpoint / "config.json").write_text(json.dumps(config))
-    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    config = write_demo_config(checkpoint, vocab)
     tensors = random_olmoe_tensors(config, seed=seed)
     for tensor_name, tensor in tensors.items():
         if tensor_name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):

@@ -24,7 +24,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from colibrid.convert.converter import convert
 from colibrid.convert.quant_spec import parse_quant
-from colibrid.demo import DEMO_SHAPE, random_olmoe_tensors, write_safetensors, write_tokenizer
+from colibrid.demo import random_olmoe_tensors, write_demo_config, write_safetensors, write_tokenizer
 from tests.hermes_template import HERMES_TEMPLATE
 
 CALL_JSON = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -49,12 +49,7 @@ def build_steered_pack(work_dir: Path) -> Path:
     config_path.write_text(json.dumps(tokenizer_config))
 
     vocab = tokenizer.get_vocab_size()
-    config = {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "vocab_size": vocab,
-              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-              "tie_word_embeddings": False, "norm_topk_prob": False, "eos_token_id": 0, "pad_token_id": 0,
-              "bos_token_id": None, **DEMO_SHAPE}
-    (checkpoint / "config.json").write_text(json.dumps(config))
-    (checkpoint / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    config = write_demo_config(checkpoint, vocab)
     tensors = random_olmoe_tensors(config, seed=1)
     for name, tensor in tensors.items():
         if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):

@@ -1,6 +1,9 @@
 """Micro-benchmark of the integer kernels at MoE shapes: col_matmul of a (D, D) weight over a
 512-token prompt and over one token, and one MoE layer's fused expert call over a 512-token
 prompt (every expert gets T * top_k / E tokens on average, the random routing of a prompt).
+``--only batch``: a matrix too large for the caches over 1, 2, 3, 4 and 8 tokens, as a decode
+batch's attention and head products run: where the product stops being bound by memory and
+becomes bound by its arithmetic (each token costs its multiply-adds, the weights are read once).
 
 Not a test; the machine should be quiet. Best of --repeat runs, milliseconds of CPU time per
 call (so use one thread, the default); pin it with taskset for stable numbers:
@@ -55,6 +58,20 @@ def bench_matmul(t: TensorType, pool, repeat: int) -> None:
     print(f"matmul {t.name_in_pack:7s} ({rows}, {D}) x 1 token:    {ms:8.2f} ms  {gbs:6.1f} GB/s", flush=True)
 
 
+def bench_decode_batch(t: TensorType, pool, repeat: int) -> None:
+    rng = np.random.default_rng(2)
+    rows = 16 * D
+    big = native.quantize(t, (rng.standard_normal((rows, D)) * 0.05).astype(np.float32))
+    one_ms = None
+    for n_tok in (1, 2, 3, 4, 8):
+        x = rng.standard_normal((n_tok, D)).astype(np.float32)
+        ms = best_ms(lambda: native.matmul(t, big, rows, D, x, pool=pool), repeat)
+        one_ms = one_ms or ms
+        ns_per_64 = ms * 1e6 / (rows * D / 64 * n_tok)
+        print(f"matmul {t.name_in_pack:7s} ({rows}, {D}) x {n_tok} tokens: {ms:8.2f} ms = {ms / one_ms:4.2f} x one token, "
+              f"{big.nbytes / ms / 1e6:5.1f} GB/s, {ns_per_64:5.3f} ns per 64 weights and token", flush=True)
+
+
 def bench_moe(t: TensorType, pool, repeat: int, shapes) -> None:
     rng = np.random.default_rng(1)
     for name, n_experts, top_k, ffn in shapes:
@@ -85,7 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernels", default=None, help="kernel level (default: the best)")
     parser.add_argument("--quant", action="append", choices=["q8_0", "q4_g64"])
-    parser.add_argument("--only", choices=["matmul", "moe"])
+    parser.add_argument("--only", choices=["matmul", "moe", "batch"])
     parser.add_argument("--moe-shape", action="append", choices=[s[0] for s in MOE_SHAPES])
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
@@ -96,9 +113,11 @@ def main() -> None:
     print(f"kernels {native.kernels()}, 1 thread, CPU ms per call")
     for q in args.quant or ["q8_0", "q4_g64"]:
         t = TensorType.from_name(q)
-        if args.only != "moe":
+        if args.only in (None, "matmul"):
             bench_matmul(t, pool, args.repeat)
-        if args.only != "matmul":
+        if args.only in (None, "batch"):
+            bench_decode_batch(t, pool, args.repeat)
+        if args.only in (None, "moe"):
             bench_moe(t, pool, args.repeat, shapes)
 
 

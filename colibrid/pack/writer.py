@@ -7,6 +7,7 @@ the pack renamed into place, and each rename is followed by an fsync of the pare
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -29,8 +30,32 @@ from colibrid.pack.recovery import old_dir, partial_dir, recover_interrupted_swa
 log = logging.getLogger(__name__)
 
 
+COPY_CHUNK_BYTES = 4 << 20  # a tokenizer file is copied (and hashed) in pieces of this size
+
+
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
+
+
+class _HashedFile:
+    """A pack file written front to back whose SHA-256 is computed from the bytes as they are
+    written, so recording it costs no second read. A seek forward leaves a hole, which reads
+    as zeros: it is hashed as zeros."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "wb")
+        self.sha256 = hashlib.sha256()
+
+    def write_at(self, offset: int, data) -> None:
+        gap = offset - self.file.tell()
+        if gap < 0:
+            raise ValueError(f"write at {offset}, before the end of what is written ({self.file.tell()})")
+        if gap:
+            self.file.seek(offset)
+            self.sha256.update(bytes(gap))
+        view = memoryview(data).cast("B")
+        self.file.write(view)
+        self.sha256.update(view)  # hashlib releases the GIL for large buffers
 
 
 class PackWriter:
@@ -50,30 +75,30 @@ class PackWriter:
         self.dense_entries: dict[str, TensorEntry] = {}
         self.expert_parts: dict[str, TensorEntry] | None = None
         self.expert_records: list[ExpertRecord] = []
-        self._dense = None
-        self._experts = None
+        self.file_sha256: dict[str, str] = {}  # every file but the manifest -> its SHA-256
+        self._dense: _HashedFile | None = None
+        self._experts: _HashedFile | None = None
 
     def __enter__(self) -> "PackWriter":
         recover_interrupted_swap(self.out)  # a pack a killed --force run left beside OUT goes back first
         remove_stale_leftovers(self.out)
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
-        self._dense = open(self.tmp / DENSE_FILE, "wb")
-        self._experts = open(self.tmp / EXPERTS_FILE, "wb")
+        self._dense = _HashedFile(self.tmp / DENSE_FILE)
+        self._experts = _HashedFile(self.tmp / EXPERTS_FILE)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         for f in (self._dense, self._experts):
-            if f is not None and not f.closed:
-                f.close()
+            if f is not None and not f.file.closed:
+                f.file.close()
         if self.tmp.exists():
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     def add_dense(self, name: str, type_: native.TensorType, shape: tuple[int, ...], data: np.ndarray) -> None:
         """Append one tensor's encoded bytes, starting on an alignment boundary."""
-        offset = _round_up(self._dense.tell(), self.alignment)
-        self._dense.seek(offset)
-        self._dense.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+        offset = _round_up(self._dense.file.tell(), self.alignment)
+        self._dense.write_at(offset, np.ascontiguousarray(data))
         crc = native.crc32c(np.ascontiguousarray(data))
         self.dense_entries[name] = TensorEntry(type_.name_in_pack, tuple(shape), offset, int(data.nbytes), crc)
 
@@ -86,8 +111,8 @@ class PackWriter:
         for name in parts:
             entry, data = layout[name], parts[name][2]
             record[entry.offset : entry.offset + entry.nbytes] = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-        offset = self._experts.tell()  # always aligned: every record is padded
-        self._experts.write(memoryview(record))
+        offset = self._experts.file.tell()  # always aligned: every record is padded
+        self._experts.write_at(offset, record)
         crc = native.crc32c(record)
         self.expert_records.append(ExpertRecord(layer, expert, offset, length, crc))
 
@@ -104,23 +129,32 @@ class PackWriter:
         return layout
 
     def add_file(self, src: Path, name: str) -> None:
-        shutil.copyfile(src, self.tmp / name)
+        """Copy ``src`` into the pack as ``name``, hashing the bytes on the way."""
+        sha256 = hashlib.sha256()
+        with open(src, "rb") as source, open(self.tmp / name, "wb") as copy:
+            while chunk := source.read(COPY_CHUNK_BYTES):
+                copy.write(chunk)
+                sha256.update(chunk)
         fsync_path(self.tmp / name)
+        self.file_sha256[name] = sha256.hexdigest()
 
     def add_file_bytes(self, data: bytes, name: str) -> None:
         """A file made by the converter (a tokenizer.json converted from tiktoken.model)."""
         (self.tmp / name).write_bytes(data)
         fsync_path(self.tmp / name)
+        self.file_sha256[name] = hashlib.sha256(data).hexdigest()
 
     def commit(self, manifest_fields: dict) -> Manifest:
         """Flush everything, write the manifest last and rename the pack into place."""
-        for f in (self._dense, self._experts):
+        for f in (self._dense.file, self._experts.file):
             f.flush()
             os.fsync(f.fileno())
-        dense_size = self._dense.tell()
-        experts_size = self._experts.tell()
-        self._dense.close()
-        self._experts.close()
+        dense_size = self._dense.file.tell()
+        experts_size = self._experts.file.tell()
+        self._dense.file.close()
+        self._experts.file.close()
+        self.file_sha256.update({DENSE_FILE: self._dense.sha256.hexdigest(),
+                                 EXPERTS_FILE: self._experts.sha256.hexdigest()})
         manifest = Manifest(
             alignment=self.alignment,
             dense_tensors=self.dense_entries,
@@ -128,6 +162,7 @@ class PackWriter:
             expert_parts=self.expert_parts or {},
             expert_records=self.expert_records,
             experts_size=experts_size,
+            file_sha256=dict(sorted(self.file_sha256.items())),
             **manifest_fields,
         )
         manifest.write(self.tmp)  # last, and durably: its presence marks the pack complete

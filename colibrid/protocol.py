@@ -314,8 +314,13 @@ _PARSERS = {"hello": _parse_hello, "ask": _parse_ask, "cancel": _parse_cancel, "
 # --------------------------------------------------------------------------------------------
 
 
-def error_event(request_id: RequestId | None, code: str, message: str) -> dict[str, Any]:
-    return {"event": "error", "id": request_id, "code": code, "message": message}
+def error_event(request_id: RequestId | None, code: str, message: str,
+                damage: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An `error`; ``damage`` (code `pack_damaged`): the damaged expert record the request needed."""
+    event = {"event": "error", "id": request_id, "code": code, "message": message}
+    if damage is not None:
+        event["damage"] = damage
+    return event
 
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from colibrid import native
 from colibrid.native import TensorType
+from colibrid.pack.damage import DamageMarks
 from colibrid.pack.manifest import DENSE_FILE, EXPERTS_FILE, ExpertRecord, Manifest, PackError
 from colibrid.pack.recovery import recover_interrupted_swap
 from colibrid.pack.tensor import PackedTensor
@@ -61,6 +62,7 @@ class Pack:
         self.manifest = manifest
         self._dense = dense  # uint8 (dense_size,), read-only, in anonymous memory
         self.notes: list[str] = []  # what is weaker than it should be about this pack (status shows it)
+        self.damage = DamageMarks()  # expert records found damaged while it is open
         config = manifest.model
         self._records = np.full((config.num_layers, max(config.num_experts, 1)), -1, dtype=np.int64)
         for i, record in enumerate(manifest.expert_records):

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from colibrictl import __version__, display
+from colibrictl import verify as verify_command
 from colibrictl.connection import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_SOCKET_PATH,
@@ -58,6 +59,10 @@ ask:
   {{"event": "cancelled", "id", "text", "generated_tokens"}}: what was received
   before the interrupt. So the last line tells a complete answer (done) from a
   failed (error) or a cut-off (cancelled) one.
+
+verify:
+  The daemon checks its whole pack at idle I/O priority; `colibrictl verify
+  --help` says more. Exit 65 when damage is found.
 
 chat:
   A conversation: every turn sends the earlier ones. On a terminal, with line
@@ -166,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(run=run_status, parser=status)
     models = commands.add_parser("models", parents=[common], help="the models the daemon serves")
     models.set_defaults(run=run_models, parser=models)
+    verify_command.add_parser(commands, common, run_verify)
     return parser
 
 
@@ -372,6 +378,26 @@ def run_models(args: argparse.Namespace) -> int:
         raise ProtocolViolation("the models event has no list of models")
     _emit(display.format_models([m for m in models if isinstance(m, dict)]) + "\n")
     return EXIT_OK
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    fields = verify_command.request_fields(args)
+    with connect(args) as connection:
+        request_id = connection.send("verify", **fields)
+        if args.background or args.stop:
+            event = next(connection.events(request_id))
+            if wants_json(args):
+                _emit_json(event)
+            elif args.stop:
+                _error("the running verify is stopping (if one ran)")
+            else:
+                _error("verify started in the background; `colibrictl status` shows its progress")
+            return EXIT_OK
+        try:
+            return verify_command.follow(connection, request_id, wants_json(args), _emit, _emit_json)
+        except (KeyboardInterrupt, BrokenPipeError):
+            connection.cancel(request_id)  # nobody watches it any more
+            raise
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ _MAX_INCOMING_FRAME_BYTES = 64 * 1024 * 1024
 _RECV_CHUNK_BYTES = 64 * 1024
 
 # Events that end a request; everything else (token) is a step along the way.
-_FINAL_EVENTS = frozenset({"done", "ok", "hello", "status", "models"})
+_FINAL_EVENTS = frozenset({"done", "ok", "hello", "status", "models", "verified"})
 
 
 # --------------------------------------------------------------------------------------------

@@ -111,10 +111,12 @@ class VerifyReport:
     def clean(self) -> bool:
         return not self.damage and not self.cancelled
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, max_damage: int | None = None) -> dict[str, Any]:
+        """The report; ``max_damage``: list at most that many findings (damage_found counts all)."""
         return {"pack": self.pack, "clean": self.clean, "cancelled": self.cancelled,
-                "damage": [d.to_json() for d in self.damage], "notes": list(self.notes), "files": dict(self.files),
-                "bytes_read": self.bytes_read, "seconds": round(self.seconds, 3)}
+                "damage": [d.to_json() for d in self.damage[:max_damage]], "damage_found": len(self.damage),
+                "notes": list(self.notes), "files": dict(self.files), "bytes_read": self.bytes_read,
+                "seconds": round(self.seconds, 3)}
 
 
 @dataclass
@@ -125,7 +127,8 @@ class VerifyControls:
 
     on_progress: Callable[[Progress], None] | None = None
     on_damage: Callable[[Damage], None] | None = None
-    on_expert: Callable[[ExpertRecord, bool], None] | None = None  # each record checked: ok or not
+    # each record checked: (record, intact, the CRC-32C read when it does not match its checksum)
+    on_expert: Callable[[ExpertRecord, bool, int | None], None] | None = None
     before_read: Callable[[], None] | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     max_bytes_per_s: float | None = None  # a bandwidth cap; None: as fast as the disk goes
@@ -177,6 +180,7 @@ class PackVerifier:
             if manifest is not None:
                 checks = self._plan(manifest)
                 self._bytes_total = sum(check.size for check in checks)
+                self._progress(force=True)  # what there is to read, before the first read
                 with ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-verify-hash") as hasher:
                     for check in checks:
                         self._file = check.name
@@ -328,7 +332,8 @@ class PackVerifier:
                     message = f"{where} cannot be read: " + (os.strerror(errno_) if errno_ else "short read")
                 self._damage(Damage(EXPERTS_FILE, message, record.offset, record.length, record.layer, record.expert))
             if self.controls.on_expert is not None:
-                self.controls.on_expert(record, ok)
+                wrong_crc = result["crc32c"] if result["status"] == native.Status.ECHECKSUM else None
+                self.controls.on_expert(record, ok, wrong_crc)
         sha256.update(data)
         self._advance(data.nbytes)
 

@@ -68,7 +68,7 @@ def test_a_flipped_byte_in_an_expert_record_is_found_by_layer_expert_and_offset(
     seen = []
     from colibrid.pack.verify import VerifyControls
 
-    report = _verify(demo_copy, controls=VerifyControls(on_expert=lambda record, ok: seen.append((record, ok))))
+    report = _verify(demo_copy, controls=VerifyControls(on_expert=lambda record, ok, crc: seen.append((record, ok))))
     assert not report.clean
     record_damage = [d for d in report.damage if d.layer is not None]
     assert len(record_damage) == 1

@@ -182,3 +182,30 @@ def test_a_disconnect_stops_a_foreground_verify_and_a_shutdown_a_background_one(
     returncode, stderr = daemon.terminate()
     assert returncode == 0 and time.monotonic() - started < 10, stderr
     assert "verify of" in stderr and "stopped" in stderr
+
+
+@pytest.mark.parametrize("fields, code", [
+    ({"background": "yes"}, "bad_request"), ({"stop": 1}, "bad_request"), ({"max_mb_per_s": "9"}, "bad_request"),
+    ({"max_mb_per_s": 0}, "invalid_params"), ({"max_mb_per_s": -3.5}, "invalid_params"),
+    ({"max_mb_per_s": 1e7}, "invalid_params"),
+])
+def test_a_verify_request_is_checked(fields, code):
+    from colibrid.protocol import ProtocolError, Verify, parse_request
+
+    with pytest.raises(ProtocolError) as info:
+        parse_request({"op": "verify", "id": 1, **fields}, 16)
+    assert info.value.code == code and info.value.request_id == 1
+    assert parse_request({"op": "verify", "id": 2, "background": True, "max_mb_per_s": 12}, 16) == \
+        Verify(2, background=True, max_mb_per_s=12.0)
+
+
+def test_only_root_and_the_daemons_user_may_verify():
+    import os
+
+    from colibrid.access import PeerCredentials, may_administer
+
+    def peer(uid):
+        return PeerCredentials(pid=1, uid=uid, gid=uid, groups=frozenset({uid}))
+
+    assert may_administer(peer(0)) and may_administer(peer(os.getuid()))
+    assert not may_administer(peer(65534)) and not may_administer(None)

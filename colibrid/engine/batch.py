@@ -160,7 +160,7 @@ class Batch:
     def _damaged(self, sequence: BatchSequence, record) -> list[Outcome]:
         """A sequence that needed a damaged expert record: its numbers are wrong, it leaves."""
         self.sequences.remove(sequence)
-        return [SequenceFailed(record.describe(self.model.pack.path), "pack_damaged", record.to_json())]
+        return [SequenceFailed(record.describe(self.model.pack), "pack_damaged", record.to_json())]
 
     def _outcomes(self, sequence: BatchSequence, logits: np.ndarray | None, hits: int, misses: int) -> list[Outcome]:
         """What one sequence's part of a step produced; it leaves the batch when it ends."""

@@ -222,7 +222,7 @@ class Engine:
     def new_batch(self, max_batch: int, prefill_chunk: int, kv_budget_bytes: int) -> Batch:
         """An empty batch of generations on this engine's model (see engine/batch.py)."""
         return Batch(self.model, max_batch, prefill_chunk, kv_budget_bytes,
-                     expert_counts=lambda: _hits_and_misses(self.experts))
+                     expert_counts=lambda: self.experts.hits_and_misses())
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """Token ids of a greedy continuation (ignores EOS), for tests and tools."""
@@ -243,11 +243,6 @@ def _strings_in(value) -> Iterator[str]:
             pending.extend(item.values())
         elif isinstance(item, (list, tuple)):
             pending.extend(item)
-
-
-def _hits_and_misses(experts: ExpertSource) -> tuple[int, int]:
-    summary = experts.summary()
-    return summary["hits"], summary["misses"]
 
 
 def _sampling_defaults(pack_dir: Path) -> dict:

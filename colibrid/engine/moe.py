@@ -18,6 +18,7 @@ import numpy as np
 from colibrid import native
 from colibrid.engine.experts import ExpertChecksumError, ExpertDamagedError, ExpertSource
 from colibrid.engine.layers import linear, rms_norm, silu, swiglu_mlp
+from colibrid.engine.routing_capture import RoutingCapture
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
@@ -104,8 +105,8 @@ class StepDamaged(ExpertDamagedError):
     to the damaged record it needed. ``logits`` are the step's results (Model.forward_batch's),
     right for every other input - or None when no input was spared and the step stopped."""
 
-    def __init__(self, inputs: dict, logits: list | None, experts_path, pack_path) -> None:
-        super().__init__(next(iter(inputs.values())), experts_path, pack_path)
+    def __init__(self, inputs: dict, logits: list | None, pack) -> None:
+        super().__init__(next(iter(inputs.values())), pack)
         self.inputs = inputs
         self.logits = logits
 
@@ -116,9 +117,9 @@ class DamageWatch:
     sequences those rows belong to fail at the end of the step (StepDamaged), and the step's
     other sequences, which never touched a damaged record, go on as if there were none."""
 
-    def __init__(self, marks, experts_path, pack_path) -> None:
-        self.marks = marks  # the pack's DamageMarks
-        self.experts_path, self.pack_path = experts_path, pack_path
+    def __init__(self, pack) -> None:
+        self.pack = pack  # the open Pack: its errors name where its records live
+        self.marks = pack.damage  # the pack's DamageMarks
         self._bounds = np.zeros(2, np.int64)  # (N + 1,) the step's row offsets per sequence
         self._inputs: dict[int, object] = {}  # damaged input -> the first record it needed
 
@@ -132,12 +133,12 @@ class DamageWatch:
             for i in np.unique(np.searchsorted(self._bounds, rows, side="right") - 1).tolist():
                 self._inputs.setdefault(i, self.marks.get(layer, expert))
         if len(self._inputs) == self._bounds.shape[0] - 1:  # nothing left worth computing
-            raise StepDamaged(dict(self._inputs), None, self.experts_path, self.pack_path)
+            raise StepDamaged(dict(self._inputs), None, self.pack)
 
     def end_step(self, logits: list) -> list:
         """The step's logits, or StepDamaged if some of its inputs met damage."""
         if self._inputs:
-            raise StepDamaged(dict(self._inputs), logits, self.experts_path, self.pack_path)
+            raise StepDamaged(dict(self._inputs), logits, self.pack)
         return logits
 
 
@@ -157,6 +158,7 @@ class MoeBlock:
         self.next_block: "MoeBlock | None" = None  # the next MoE layer, for lookahead prefetch (Model sets it)
         self.stats: RoutingStats | None = None  # the model's, where it keeps them (Model sets it)
         self.damage: DamageWatch | None = None  # the model's (Model sets it)
+        self.capture: RoutingCapture | None = None  # the model's routing recorder (Model sets it)
 
     def __call__(self, x: np.ndarray, router_input: np.ndarray | None = None) -> np.ndarray:
         """The experts' sum for x (T, D), routed on ``router_input`` (T, D) (default: x)."""
@@ -165,6 +167,10 @@ class MoeBlock:
         selected = _distinct(routing.experts)  # batch-union: each expert once per step
         if self.stats is not None:
             self.stats.record(routing.experts, len(selected))
+        if self.capture is not None and self.capture.enabled:  # someone watches the routing
+            # Once per layer step, here and not in _routed: a layer started over (a load found a
+            # damaged record) keeps the router's choice, which is what the watcher is shown.
+            self.capture.record(self.layer, routing.experts, routing.weights)
         out = self._routed(x, routing, selected)
         if self.c.shared_expert_ffn:
             shared = swiglu_mlp(x, self.w["shared.gate"], self.w["shared.up"], self.w["shared.down"])

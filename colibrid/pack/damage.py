@@ -24,17 +24,17 @@ MAX_SHOWN = 64  # marks listed in status (all are counted)
 class DamagedRecord:
     layer: int
     expert: int
-    offset: int  # bytes into the experts file
+    offset: int  # bytes into the experts region (experts.bin, or the device's region)
     length: int
     found_by: str  # "load" or "verify"
     crc32c: int | None = None  # what was read, when the checksum was wrong
 
-    def describe(self, pack_path) -> str:
-        """The error a request needing it gets."""
+    def describe(self, pack) -> str:
+        """The error a request needing it gets; ``pack`` is the open Pack it belongs to."""
         how = "a verify" if self.found_by == "verify" else "loading it"
-        return (f"pack damaged: expert {self.expert} of layer {self.layer} at offset {self.offset} of "
-                f"{pack_path}/experts.bin ({self.length} bytes) does not match its checksum (found by {how}); "
-                f"run colibri-verify {pack_path}, then re-convert or restore the pack")
+        return (f"pack damaged: expert {self.expert} of layer {self.layer} at {pack.experts.where(self.offset)} "
+                f"({self.length} bytes) does not match its checksum (found by {how}); "
+                f"run colibri-verify {pack.path}, then re-convert or restore the pack")
 
     def to_json(self) -> dict:
         return {key: value for key, value in asdict(self).items() if value is not None}

@@ -1,11 +1,13 @@
 """Check a whole pack: the manifest (parsed strictly, validated against its model, its own
 SHA-256), the CRC-32C of every dense tensor and of every expert record, and the SHA-256 of
-every file, reading each byte once. ``colibri-verify PACK`` (colibrid/pack/verify_cli.py) and
-the daemon's `verify` request (colibrid/verification.py) both run a PackVerifier.
+every file (and of the experts region of a pack on a raw block device), reading each byte
+once. ``colibri-verify PACK`` (colibrid/pack/verify_cli.py) and the daemon's `verify` request
+(colibrid/verification.py) both run a PackVerifier.
 
 How it reads:
-  experts.bin   through libcolibri's loader (native.Loader), the reader the engine loads
-                experts with: whole records, O_DIRECT, at most ``queue_depth`` in flight, each
+  the records   through the pack's ExpertsRegion (experts.bin, or the device found by its
+                superblock) and its libcolibri loader, the reader the engine loads experts
+                with: whole records, O_DIRECT, at most ``queue_depth`` in flight, each
                 record's CRC-32C checked in C by the I/O thread that read it;
   the others    (dense.bin, the tokenizer files) front to back in CHUNK_BYTES reads, O_DIRECT
                 when the file system allows it (buffered otherwise, said in the notes).
@@ -39,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from colibrid import native
+from colibrid.pack.experts_region import ExpertsRegion, experts_region
 from colibrid.pack.manifest import (
     DENSE_FILE, EXPERTS_FILE, MANIFEST_FILE, ExpertRecord, Manifest, PackError, TensorEntry, manifest_content_sha256,
     read_manifest_data,
@@ -48,6 +51,9 @@ from colibrid.pack.validate import check_manifest
 log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 8 << 20  # one sequential read of a file other than experts.bin
+# What findings and the report's files call the experts region of a pack on a raw block device
+# (the manifest key that describes it; its digest is experts.device.sha256).
+EXPERTS_DEVICE = "experts.device"
 BATCH_BYTES = 32 << 20  # expert records read per loader call (at least one record)
 DIRECT_ALIGN_BYTES = 4096  # O_DIRECT offsets, lengths and buffers are multiples of this
 PACING_WINDOW_S = 0.25  # under a bandwidth cap, one read is at most this many seconds' worth
@@ -144,7 +150,8 @@ class _FileCheck:
     size: int
     sha256: str | None
     tensors: list[tuple[str, TensorEntry]] = field(default_factory=list)
-    records: list[ExpertRecord] | None = None  # experts.bin: read through the loader, record by record
+    records: list[ExpertRecord] | None = None  # the experts: read through the loader, record by record
+    region: ExpertsRegion | None = None  # where the records are (experts.bin or a device), with records
     unreadable: bool = False  # a read failed: its SHA-256 cannot be computed
     damaged_parts: int = 0
 
@@ -231,13 +238,16 @@ class PackVerifier:
 
     def _plan(self, manifest: Manifest) -> list[_FileCheck]:
         """The files to read, in the order they are read: each one the pack needs or the
-        manifest records a digest of, that exists as a regular file of the expected size."""
+        manifest records a digest of, that exists as a regular file of the expected size;
+        on a device pack, its experts region second, in place of experts.bin."""
         recorded = manifest.file_sha256
         if not recorded:
             self._note("the manifest records no SHA-256 of the pack's files (a pack converted before they were "
                        "recorded): the files are checked by their CRC-32C only; re-convert it to record them")
+        on_device = manifest.experts_device is not None
         sizes = {DENSE_FILE: manifest.dense_size, EXPERTS_FILE: manifest.experts_size}
-        names = list(dict.fromkeys([DENSE_FILE, EXPERTS_FILE, *manifest.tokenizer_files, *recorded]))
+        names = list(dict.fromkeys([DENSE_FILE, *([] if on_device else [EXPERTS_FILE]), *manifest.tokenizer_files,
+                                    *recorded]))
         checks = []
         for name in names:
             size = self._regular_file_size(name)
@@ -252,15 +262,38 @@ class PackVerifier:
             if name == DENSE_FILE and expected >= 0:
                 check.tensors = sorted(((n, e) for n, e in manifest.dense_tensors.items() if e.crc32c is not None),
                                        key=lambda item: item[1].offset)
-            if name == EXPERTS_FILE and expected >= 0 and manifest.expert_records:
-                check.records = manifest.expert_records
+            if name == EXPERTS_FILE and expected >= 0 and manifest.expert_records and not on_device:
+                check.records, check.region = manifest.expert_records, experts_region(self.path, manifest)
             if check.sha256 is None and not check.tensors and check.records is None:
                 self.report.files[name] = "sha256 not recorded"  # nothing to check it against
                 continue
             if check.sha256 is None:
                 self.report.files[name] = "sha256 not recorded"
             checks.append(check)
+        region = self._device_check(manifest) if on_device else None
+        if region is not None:  # read where experts.bin would be: after dense.bin
+            checks.insert(1 if checks and checks[0].name == DENSE_FILE else 0, region)
         return checks
+
+    def _device_check(self, manifest: Manifest) -> _FileCheck | None:
+        """The experts region of a pack on a raw block device, found by its superblock as the
+        daemon finds it; None (and a Damage) when it cannot be found or trusted."""
+        name, digest = EXPERTS_DEVICE, manifest.experts_device.sha256
+        if manifest.experts_size < 0 or not manifest.expert_records:  # an inconsistent manifest: no usable index
+            self.report.files[name] = "damaged"
+            return None
+        region = experts_region(self.path, manifest)
+        try:
+            region.check()  # the device carrying the pack id, its superblock matching the manifest
+        except PackError as exc:
+            self._damage(Damage(name, str(exc)))
+            self.report.files[name] = "missing"
+            return None
+        if digest is None:
+            self._note(f"the manifest records no SHA-256 of the experts region ({name}.sha256): its records are "
+                       "checked by their CRC-32C only; re-convert the pack to record it")
+            self.report.files[name] = "sha256 not recorded"
+        return _FileCheck(name, manifest.experts_size, digest, records=manifest.expert_records, region=region)
 
     def _regular_file_size(self, name: str) -> int | None:
         """The size of the pack's file ``name``; None (and a Damage) if it is missing or not a
@@ -281,19 +314,20 @@ class PackVerifier:
             return None
         return info.st_size
 
-    # ---- experts.bin, through the loader --------------------------------------------------
+    # ---- the expert records, through the loader ---------------------------------------------
 
     def _read_experts(self, check: _FileCheck, manifest: Manifest, hasher: ThreadPoolExecutor) -> None:
-        """Every record of experts.bin in file order (they follow each other without gaps, so
-        their bytes in order are the whole file), in batches of whole records."""
+        """Every record in index order, in batches of whole records, through the loader of the
+        pack's ExpertsRegion (experts.bin, or the device). The records follow each other without
+        gaps, so their bytes in order are the whole of experts.bin, or of the device's region."""
+        region = check.region
         record_bytes = max(r.length for r in check.records)
         capacity = max(record_bytes, self._batch_limit())
         try:
-            loader = native.Loader(self.path / EXPERTS_FILE, queue_depth=self.queue_depth,
-                                   max_queue_depth=self.queue_depth, direct=DIRECT_MODES[self.direct])
-        except native.ColibriError as exc:
-            self._damage(Damage(EXPERTS_FILE, f"{EXPERTS_FILE} cannot be opened: {exc}"))
-            self.report.files[EXPERTS_FILE] = "damaged"
+            loader = region.loader(self.queue_depth, self.queue_depth, DIRECT_MODES[self.direct])
+        except (native.ColibriError, PackError, OSError) as exc:
+            self._damage(Damage(check.name, f"{check.name} cannot be opened: {exc}"))
+            self.report.files[check.name] = "damaged"
             return
         try:
             sha256 = hashlib.sha256()
@@ -302,13 +336,13 @@ class PackVerifier:
                     buffer = buffers.next_free()
                     self._before_read(sum(r.length for r in batch))
                     start = batch[0].offset
-                    status, results = loader.read([(buffer[r.offset - start:], r.offset, r.length, r.crc32c)
-                                                   for r in batch])
+                    status, results = loader.read([(buffer[r.offset - start:], region.device_offset(r), r.length,
+                                                    r.crc32c) for r in batch])
                     length = batch[-1].offset + batch[-1].length - start
                     buffers.hand_over(buffer, hasher.submit(self._check_records, check, sha256, batch, results,
                                                             buffer[:length]))
             if self.direct != "off" and not loader.info()["direct"]:
-                self._note(f"O_DIRECT refused by the file system of {EXPERTS_FILE} (EINVAL): buffered reads")
+                self._note(f"O_DIRECT refused for {check.name} ({region.describe()}) (EINVAL): buffered reads")
             self._finish_file(check, sha256)
         finally:
             loader.close()
@@ -321,8 +355,7 @@ class PackVerifier:
             ok = result["status"] == native.Status.OK
             if not ok:
                 check.damaged_parts += 1
-                where = (f"expert {record.expert} of layer {record.layer} ({EXPERTS_FILE} bytes {record.offset}.."
-                         f"{record.offset + record.length})")
+                where = f"expert {record.expert} of layer {record.layer} ({_record_place(check, record)})"
                 if result["status"] == native.Status.ECHECKSUM:
                     message = (f"{where} does not match its checksum: crc32c {result['crc32c']:#010x} read, "
                                f"{record.crc32c:#010x} in the manifest")
@@ -330,7 +363,7 @@ class PackVerifier:
                     check.unreadable = True
                     errno_ = result["sys_errno"]
                     message = f"{where} cannot be read: " + (os.strerror(errno_) if errno_ else "short read")
-                self._damage(Damage(EXPERTS_FILE, message, record.offset, record.length, record.layer, record.expert))
+                self._damage(Damage(check.name, message, record.offset, record.length, record.layer, record.expert))
             if self.controls.on_expert is not None:
                 wrong_crc = result["crc32c"] if result["status"] == native.Status.ECHECKSUM else None
                 self.controls.on_expert(record, ok, wrong_crc)
@@ -468,6 +501,15 @@ def verify_pack(path: str | Path, **kwargs) -> VerifyReport:
 
 
 # ---- helpers ------------------------------------------------------------------------------
+
+
+def _record_place(check: _FileCheck, record: ExpertRecord) -> str:
+    """Where a record is, for a finding: its bytes in experts.bin, or in the device's experts
+    region and the LBA they start at."""
+    span = f"bytes {record.offset}..{record.offset + record.length}"
+    if check.region is None or not check.region.on_device:
+        return f"{check.name} {span}"
+    return f"experts region {span}, {check.region.where(record.offset)}"
 
 
 def _batches(records: list[ExpertRecord], capacity: int) -> Iterator[list[ExpertRecord]]:

@@ -32,7 +32,10 @@ checks:
                  expert record, in place), and its own SHA-256
   dense.bin      every tensor's CRC-32C, the file's SHA-256
   experts.bin    every expert record's CRC-32C, read as the daemon reads them
-                 (O_DIRECT, --queue-depth reads in flight), the file's SHA-256
+                 (O_DIRECT, --queue-depth reads in flight), the file's SHA-256;
+                 on a pack converted with --device, the same of its experts
+                 region on the block device found by its superblock (reported
+                 as experts.device, a record also by its LBA)
   the rest       each tokenizer file's SHA-256
 Packs converted before colibri-convert recorded SHA-256 digests are checked by
 their checksums only (a note says so); re-convert to record them.

@@ -7,6 +7,7 @@ the pack renamed into place, and each rename is followed by an fsync of the pare
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -16,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from colibrid import native
+from colibrid.blockdev.safety import WritableDevice
+from colibrid.pack.device_writer import DeviceExpertsSink
 from colibrid.pack.durable import fsync_path, rename_durably
 from colibrid.pack.manifest import (
     DENSE_FILE,
@@ -58,6 +61,29 @@ class _HashedFile:
         self.sha256.update(view)  # hashlib releases the GIL for large buffers
 
 
+class FileExpertsSink:
+    """Appends padded expert records to experts.bin; ``finish`` makes them durable."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "wb")
+        self.size = 0
+
+    def write(self, record: np.ndarray) -> int:
+        offset = self.size  # always aligned: every record is padded
+        self._file.write(memoryview(record))
+        self.size += record.nbytes
+        return offset
+
+    def finish(self) -> None:
+        """The records are in the file, durably; there is no device record to give."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class PackWriter:
     """Append dense tensors and expert records; ``commit`` publishes the pack.
 
@@ -65,19 +91,23 @@ class PackWriter:
     temporary directory; ``commit`` must be called explicitly on success.
     """
 
-    def __init__(self, out: Path, alignment: int, force: bool) -> None:
+    def __init__(self, out: Path, alignment: int, force: bool, experts_device: WritableDevice | None = None) -> None:
         if alignment < 4096 or alignment & (alignment - 1):
             raise ValueError(f"--align must be a power of two >= 4096, got {alignment}")
         self.out = out
         self.alignment = alignment
         self.force = force
+        self.experts_device = experts_device  # None: the records go to experts.bin in the pack
         self.tmp = partial_dir(out, os.getpid())
         self.dense_entries: dict[str, TensorEntry] = {}
         self.expert_parts: dict[str, TensorEntry] | None = None
         self.expert_records: list[ExpertRecord] = []
         self.file_sha256: dict[str, str] = {}  # every file but the manifest -> its SHA-256
         self._dense: _HashedFile | None = None
-        self._experts: _HashedFile | None = None
+        self._experts: FileExpertsSink | DeviceExpertsSink | None = None
+        # The records in index order, as they are written: experts.bin's whole content, or the
+        # experts region of a device (experts.device.sha256), hashed without a second read.
+        self._experts_sha256 = hashlib.sha256()
 
     def __enter__(self) -> "PackWriter":
         recover_interrupted_swap(self.out)  # a pack a killed --force run left beside OUT goes back first
@@ -85,13 +115,17 @@ class PackWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         self._dense = _HashedFile(self.tmp / DENSE_FILE)
-        self._experts = _HashedFile(self.tmp / EXPERTS_FILE)
+        if self.experts_device is None:
+            self._experts = FileExpertsSink(self.tmp / EXPERTS_FILE)
+        else:
+            self._experts = DeviceExpertsSink(self.experts_device, self.alignment)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        for f in (self._dense, self._experts):
-            if f is not None and not f.file.closed:
-                f.file.close()
+        if self._dense is not None and not self._dense.file.closed:
+            self._dense.file.close()
+        if self._experts is not None:
+            self._experts.close()
         if self.tmp.exists():
             shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -111,8 +145,8 @@ class PackWriter:
         for name in parts:
             entry, data = layout[name], parts[name][2]
             record[entry.offset : entry.offset + entry.nbytes] = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-        offset = self._experts.file.tell()  # always aligned: every record is padded
-        self._experts.write_at(offset, record)
+        offset = self._experts.write(record)
+        self._experts_sha256.update(record)  # records follow each other without gaps: in offset order
         crc = native.crc32c(record)
         self.expert_records.append(ExpertRecord(layer, expert, offset, length, crc))
 
@@ -146,22 +180,25 @@ class PackWriter:
 
     def commit(self, manifest_fields: dict) -> Manifest:
         """Flush everything, write the manifest last and rename the pack into place."""
-        for f in (self._dense.file, self._experts.file):
-            f.flush()
-            os.fsync(f.fileno())
+        self._dense.file.flush()
+        os.fsync(self._dense.file.fileno())
         dense_size = self._dense.file.tell()
-        experts_size = self._experts.file.tell()
         self._dense.file.close()
-        self._experts.file.close()
-        self.file_sha256.update({DENSE_FILE: self._dense.sha256.hexdigest(),
-                                 EXPERTS_FILE: self._experts.sha256.hexdigest()})
+        self.file_sha256[DENSE_FILE] = self._dense.sha256.hexdigest()
+        device_record = self._experts.finish()  # on a device: the superblock, last
+        experts_sha256 = self._experts_sha256.hexdigest()
+        if device_record is None:
+            self.file_sha256[EXPERTS_FILE] = experts_sha256
+        else:
+            device_record = dataclasses.replace(device_record, sha256=experts_sha256)
         manifest = Manifest(
             alignment=self.alignment,
             dense_tensors=self.dense_entries,
             dense_size=dense_size,
             expert_parts=self.expert_parts or {},
             expert_records=self.expert_records,
-            experts_size=experts_size,
+            experts_size=self._experts.size,
+            experts_device=device_record,
             file_sha256=dict(sorted(self.file_sha256.items())),
             **manifest_fields,
         )

@@ -90,3 +90,47 @@ def test_only_the_requests_needing_a_damaged_record_fail_and_it_is_not_read_agai
     assert isinstance(again[-1], StepFailed) and "pack damaged" in str(again[-1].__cause__)
     assert (layer, expert) not in asked  # not read again
     assert [(r.layer, r.expert) for r in engine.pack.damage.records()] == [(layer, expert)]
+
+
+def test_a_layer_started_over_without_a_damaged_record_records_its_routing_once(engine):
+    """The routing capture (colibrictl top, debug_routing) and the damage watch compose: a MoE
+    layer whose load finds a record damaged starts over without it, and the capture still gets
+    that layer's routing once, the router's choice (damaged expert included), for every row."""
+    from collections import Counter
+
+    from colibrid.engine.model import StepInput
+    from colibrid.engine.moe import StepDamaged
+
+    model, capture = engine.model, engine.model.routing_capture
+    prompts = [[5, 6, 7, 8, 9], [300, 301]]
+
+    def step():
+        states = [model.new_state(64) for _ in prompts]
+        return model.forward_batch([StepInput(state, np.asarray(ids), "last") for state, ids in zip(states, prompts)])
+
+    capture.enabled = True
+    try:
+        step()
+        clean = capture.step()
+        # An expert only the first sequence's rows chose, in some MoE layer.
+        rows_of_second = slice(len(prompts[0]), None)
+        layer_index, expert = next(
+            (i, int(e)) for i in range(len(clean.layers)) for e in np.unique(clean.experts[i, :len(prompts[0])])
+            if e not in clean.experts[i, rows_of_second])
+        layer = clean.layers[layer_index]
+        flip_byte(engine.pack.experts_path, engine.pack.expert_record(layer, expert).offset + 123)
+
+        calls = Counter()
+        record = capture.record
+        capture.record = lambda layer_, experts, weights: (calls.update([layer_]), record(layer_, experts, weights))
+        with pytest.raises(StepDamaged) as failed:
+            step()
+        damaged = capture.step()
+    finally:
+        capture.enabled = False
+        del capture.record
+    assert set(failed.value.inputs) == {0} and failed.value.logits[1] is not None  # the second one was spared
+    assert [(r.layer, r.expert, r.found_by) for r in engine.pack.damage.records()] == [(layer, expert, "load")]
+    assert calls == Counter({moe_layer: 1 for moe_layer in clean.layers})  # once each, the restarted one too
+    np.testing.assert_array_equal(damaged.experts[:layer_index + 1], clean.experts[:layer_index + 1])
+    assert expert in damaged.experts[layer_index]

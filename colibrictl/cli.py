@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from colibrictl import __version__, display
+from colibrictl import verify as verify_command
 from colibrictl.connection import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_SOCKET_PATH,
@@ -66,6 +67,10 @@ ask:
 top:
   A live view like htop (q quits); `colibrictl top --help` describes the
   screen. --once prints one snapshot, --json one JSON object per interval.
+
+verify:
+  The daemon checks its whole pack at idle I/O priority; `colibrictl verify
+  --help` says more. Exit 65 when damage is found.
 
 chat:
   A conversation: every turn sends the earlier ones. On a terminal, with line
@@ -177,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(run=run_status, parser=status)
     models = commands.add_parser("models", parents=[common], help="the models the daemon serves")
     models.set_defaults(run=run_models, parser=models)
+    verify_command.add_parser(commands, common, run_verify)
     from colibrictl.top import add_top_parser  # top imports this module's helpers too
 
     add_top_parser(commands, common, argparse.RawDescriptionHelpFormatter)
@@ -391,6 +397,26 @@ def run_models(args: argparse.Namespace) -> int:
         raise ProtocolViolation("the models event has no list of models")
     _emit(display.format_models([m for m in models if isinstance(m, dict)]) + "\n")
     return EXIT_OK
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    fields = verify_command.request_fields(args)
+    with connect(args) as connection:
+        request_id = connection.send("verify", **fields)
+        if args.background or args.stop:
+            event = next(connection.events(request_id))
+            if wants_json(args):
+                _emit_json(event)
+            elif args.stop:
+                _error("the running verify is stopping (if one ran)")
+            else:
+                _error("verify started in the background; `colibrictl status` shows its progress")
+            return EXIT_OK
+        try:
+            return verify_command.follow(connection, request_id, wants_json(args), _emit, _emit_json)
+        except (KeyboardInterrupt, BrokenPipeError):
+            connection.cancel(request_id)  # nobody watches it any more
+            raise
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,8 +41,9 @@ _LENGTH = struct.Struct(">I")  # the frame header: one unsigned 32-bit big-endia
 _MAX_INCOMING_FRAME_BYTES = 64 * 1024 * 1024
 _RECV_CHUNK_BYTES = 64 * 1024
 
-# Events that end a request; everything else (token, subscribed, routing) is a step along the way.
-_FINAL_EVENTS = frozenset({"done", "ok", "hello", "status", "models", "unsubscribed"})
+# Events that end a request; everything else (token, subscribed, routing, verify_progress,
+# verify_damage) is a step along the way.
+_FINAL_EVENTS = frozenset({"done", "ok", "hello", "status", "models", "verified", "unsubscribed"})
 
 
 # --------------------------------------------------------------------------------------------

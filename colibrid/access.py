@@ -95,3 +95,10 @@ def _resolve(name: str | int, lookup, kind: str) -> int | None:
     except KeyError:
         log.warning("allow_%ss names %s, which is not a %s on this machine; ignored", kind, name, kind)
         return None
+
+
+def may_administer(peer: PeerCredentials | None) -> bool:
+    """Whether a peer may run the daemon's administrative requests (`verify`): root and
+    colibrid's own user only. A verify reads the whole pack - disk time every client shares,
+    even at idle priority - and its findings describe the files on the server."""
+    return peer is not None and peer.uid in (0, os.getuid())

@@ -132,7 +132,20 @@ class Models:
     id: RequestId
 
 
-Request = Union[Hello, Ask, Cancel, Subscribe, Status, Models]
+@dataclass(frozen=True)
+class Verify:
+    """Check the whole pack (docs/protocol.md, `verify`): in the foreground (events until
+    `verified`), in the background (`ok` at once), or ``stop`` the one running."""
+
+    id: RequestId
+    background: bool = False
+    max_mb_per_s: float | None = None  # a bandwidth cap; None: the default (background) or none
+    stop: bool = False
+
+
+Request = Union[Hello, Ask, Cancel, Subscribe, Status, Models, Verify]
+
+MAX_VERIFY_MB_PER_S = 1e6  # a cap above any disk is no cap: refused as a likely mistake
 
 # The streams a client may subscribe to.
 STREAMS = ("routing",)
@@ -326,8 +339,21 @@ def _parse_models(message: dict[str, Any], request_id: RequestId) -> Models:
     return Models(request_id)
 
 
+def _parse_verify(message: dict[str, Any], request_id: RequestId) -> Verify:
+    background, stop, cap = message.get("background"), message.get("stop"), message.get("max_mb_per_s")
+    for name, value in (("background", background), ("stop", stop)):
+        if value is not None and not isinstance(value, bool):
+            raise ProtocolError("bad_request", f"verify `{name}` must be a boolean", request_id)
+    if cap is not None and not _is_number(cap):
+        raise ProtocolError("bad_request", "verify `max_mb_per_s` must be a number", request_id)
+    if cap is not None and not 0 < cap <= MAX_VERIFY_MB_PER_S:
+        raise ProtocolError("invalid_params", f"verify `max_mb_per_s` must be in (0, {MAX_VERIFY_MB_PER_S:g}]",
+                            request_id)
+    return Verify(request_id, bool(background), None if cap is None else float(cap), bool(stop))
+
+
 _PARSERS = {"hello": _parse_hello, "ask": _parse_ask, "cancel": _parse_cancel, "subscribe": _parse_subscribe,
-            "status": _parse_status, "models": _parse_models}
+            "status": _parse_status, "models": _parse_models, "verify": _parse_verify}
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,8 +361,13 @@ _PARSERS = {"hello": _parse_hello, "ask": _parse_ask, "cancel": _parse_cancel, "
 # --------------------------------------------------------------------------------------------
 
 
-def error_event(request_id: RequestId | None, code: str, message: str) -> dict[str, Any]:
-    return {"event": "error", "id": request_id, "code": code, "message": message}
+def error_event(request_id: RequestId | None, code: str, message: str,
+                damage: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An `error`; ``damage`` (code `pack_damaged`): the damaged expert record the request needed."""
+    event = {"event": "error", "id": request_id, "code": code, "message": message}
+    if damage is not None:
+        event["damage"] = damage
+    return event
 
 
 
@@ -428,6 +459,21 @@ def cancelled_before_start_event(request_id: RequestId) -> dict[str, Any]:
         "usage": {"prompt_tokens": 0, "generated_tokens": 0, "time_to_first_token_ms": 0.0,
                   "decode_tokens_per_s": 0.0, "expert_cache_hits": 0, "expert_cache_misses": 0},
     }
+
+
+def verify_progress_event(request_id: RequestId, progress: dict[str, Any]) -> dict[str, Any]:
+    """How far a verify is: bytes_done, bytes_total, elapsed_s, mb_per_s, eta_s, file, paused."""
+    return {"event": "verify_progress", "id": request_id, **progress}
+
+
+def verify_damage_event(request_id: RequestId, damage: dict[str, Any]) -> dict[str, Any]:
+    """One finding of a verify: file, message, and where (offset, length, layer, expert, tensor)."""
+    return {"event": "verify_damage", "id": request_id, **damage}
+
+
+def verified_event(request_id: RequestId, report: dict[str, Any]) -> dict[str, Any]:
+    """The end of a foreground verify: the whole report (clean, cancelled, damage, notes, files, ...)."""
+    return {"event": "verified", "id": request_id, **report}
 
 
 def shutdown_event(request_id: RequestId) -> dict[str, Any]:

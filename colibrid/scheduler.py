@@ -39,7 +39,7 @@ from typing import Any
 from colibrid.engine.batch import BatchSequence, SequenceFailed, StepFailed
 from colibrid.engine.chat_template import ChatTemplateError
 from colibrid.engine.expert_cache import ExpertLoadingPaused
-from colibrid.engine.experts import ExpertLoadError
+from colibrid.engine.experts import ExpertDamagedError, ExpertLoadError
 from colibrid.engine.generate import GenerationDone
 from colibrid.protocol import (
     Ask, cancelled_before_start_event, done_event, error_event, shutdown_event, token_event, token_routing,
@@ -283,8 +283,11 @@ class Scheduler:
     def _fail(self, sequences: list[BatchSequence], cause: BaseException | None) -> None:
         """A step failed: its sequences had their states partly advanced, so they all end with
         the error; the batch's other sequences (prompts waiting for their chunk) go on."""
+        damage = None
         if isinstance(cause, ExpertLoadingPaused):  # the drive is too hot or gone: these requests only, by design
             code, message, level = cause.code, str(cause), logging.WARNING
+        elif isinstance(cause, ExpertDamagedError):  # a damaged record of the pack, known or just found
+            code, message, level, damage = "pack_damaged", str(cause), logging.ERROR, cause.record.to_json()
         elif isinstance(cause, ExpertLoadError):
             code, message, level = "engine", str(cause), logging.ERROR
         else:  # the worker must survive any one step
@@ -294,13 +297,13 @@ class Scheduler:
             job = sequence.key
             if level is not None:
                 log.log(level, "request %r from %s: %s", job.ask.id, job.origin, message)
-            self._finish(job, error_event(job.ask.id, code, message))
+            self._finish(job, error_event(job.ask.id, code, message, damage))
 
     def _deliver(self, job: Job, sequence: BatchSequence, outcomes: list, routing: dict | None = None) -> None:
         for outcome in outcomes:
             if isinstance(outcome, SequenceFailed):
                 log.error("request %r from %s: %s", job.ask.id, job.origin, outcome.message)
-                self._finish(job, error_event(job.ask.id, "engine", outcome.message))
+                self._finish(job, error_event(job.ask.id, outcome.code, outcome.message, outcome.damage))
             elif isinstance(outcome, GenerationDone):
                 self._finish(job, done_event(job.ask.id, outcome, sequence.expert_hits, sequence.expert_misses))
             elif job.stop_reason is None:  # a stopped job gets nothing more; _retire_stopped ends it

@@ -41,14 +41,16 @@ from typing import Any
 import psutil
 
 from colibrid import __version__
-from colibrid.access import AccessPolicy, PeerCredentials, peer_credentials
+from colibrid.access import AccessPolicy, PeerCredentials, may_administer, peer_credentials
 from colibrid.listener import Listener
 from colibrid.protocol import (
-    LENGTH_PREFIX, Ask, Cancel, Hello, Models, ProtocolError, Request, RequestId, Status, Subscribe, body_length,
-    decode_body, encode_frame, error_event, hello_event, is_request_id, models_event, ok_event, parse_request,
-    status_event, subscribed_event, unsubscribed_event,
+    LENGTH_PREFIX, Ask, Cancel, Hello, Models, ProtocolError, Request, RequestId, Status, Subscribe, Verify,
+    body_length, decode_body, encode_frame, error_event, hello_event, is_request_id, models_event, ok_event,
+    parse_request, status_event, subscribed_event, unsubscribed_event, verified_event, verify_damage_event,
+    verify_progress_event,
 )
 from colibrid.routing_stream import Subscription, TooManySubscribers
+from colibrid.verification import DEFAULT_BACKGROUND_MB_PER_S, PackVerification, VerifyBusy, VerifyRun
 from colibrid.scheduler import (
     STOP_CANCELLED, STOP_DISCONNECTED, Event, Job, QueueFull, Scheduler, SchedulerStopped, cancelled_done,
     shutdown_error,
@@ -75,6 +77,8 @@ ACCEPT_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, e
 ACCEPT_RETRY_S = 1.0
 # Connections accepted per wake-up of a listening socket before the loop serves the others.
 ACCEPT_BATCH = 64
+# Findings a `verified` event lists (each was sent as a verify_damage event as it was found).
+MAX_DAMAGE_IN_VERIFIED = 1000
 
 
 @dataclass(frozen=True)
@@ -197,6 +201,9 @@ class Server:
         self._listening: list[dict[str, Any]] = []
         self._refused_busy = RepeatedWarning()
         self._accept_failures = RepeatedWarning()
+        self.verification = PackVerification(
+            engine.pack, busy=lambda: scheduler.requests_running + scheduler.queue_depth > 0,
+            io_queue_depth=lambda: max(1, int(engine.cache_status().get("io_queue_depth", 1))))
 
     def reconfigure(self, settings: ServerSettings, shown_settings: dict[str, Any]) -> None:
         """A reload: new settings from the next frame, connection and check on."""
@@ -298,6 +305,7 @@ class Server:
     async def stop(self) -> None:
         """Stop accepting, end every open request with `shutdown`, flush and close every connection."""
         self.stop_accepting()
+        await asyncio.to_thread(self.verification.shutdown, WORKER_STOP_TIMEOUT_S)
         for job in self.scheduler.stop():
             job.emit(shutdown_error(job))
         if not await asyncio.to_thread(self.scheduler.join, WORKER_STOP_TIMEOUT_S):
@@ -347,6 +355,8 @@ class Server:
             "memory": {"rss_bytes": psutil.Process().memory_info().rss,
                        "dense_bytes": self.engine.pack.manifest.dense_size},
             "pack_notes": list(self.engine.pack.notes),  # e.g. an old pack without dense checksums
+            "pack_damage": self.engine.pack.damage.status(),  # expert records found damaged
+            "verify": self.verification.status(),
             "cache": cache,
             "uptime_s": time.monotonic() - self.started_s,
             "requests_served": self.scheduler.requests_served,
@@ -412,6 +422,10 @@ def _drop_event(event: Event) -> None:
     """A Job's emit until its connection provides the real one."""
 
 
+def _ignore(*_: Any) -> None:
+    """What a background verify reports as it goes: nobody listens (status shows it)."""
+
+
 class Connection:
     """One client: its open asks, its outbox, and the tasks that read and write its socket."""
 
@@ -433,6 +447,7 @@ class Connection:
         self._outbox_has_room.set()
         self._frame_queued = asyncio.Event()  # wakes the writer: a frame, or _closed set
         self._open_asks: dict[RequestId, Job] = {}
+        self._verify: tuple[RequestId, VerifyRun] | None = None  # its foreground verify, while it runs
         self._subscriptions: dict[RequestId, Subscription] = {}  # its open `subscribe` requests
         self._greeted = False
         self._closed = False  # no more frames are queued once set
@@ -465,6 +480,8 @@ class Connection:
         for job in self._open_asks.values():
             self.server.scheduler.withdraw(job, STOP_DISCONNECTED)
         self._open_asks.clear()
+        if self._verify is not None:  # nobody is watching it any more
+            self.server.verification.stop(self._verify[1])
         self.end_subscriptions(None)
         self._closed = True
         self._frame_queued.set()  # the writer sends what is queued, then returns
@@ -548,7 +565,8 @@ class Connection:
             raise ProtocolError("bad_request", "the first request on a connection must be hello",
                                 request_id if is_request_id(request_id) else None)
         request = parse_request(message, self.server.settings.default_max_tokens, self.server.model["sampling_defaults"])
-        if request.id in self._open_asks or request.id in self._subscriptions:
+        if (request.id in self._open_asks or request.id in self._subscriptions
+                or (self._verify is not None and request.id == self._verify[0])):
             raise ProtocolError("bad_request", f"id {request.id!r} is already open on this connection", request.id)
         self._dispatch(request)
 
@@ -567,6 +585,56 @@ class Connection:
             self.send(self.server.status_event(request.id))
         elif isinstance(request, Models):
             self.send(models_event(request.id, [self.server.model]))
+        elif isinstance(request, Verify):
+            self._start_verify(request)
+
+    def _start_verify(self, request: Verify) -> None:
+        """A foreground verify streams its progress and findings to this connection until
+        `verified`; a background one (or a stop) is answered with `ok` at once."""
+        if not may_administer(self.peer):
+            log.warning("%s: verify refused: only root and colibrid's own user may verify", self.name)
+            self.send(error_event(request.id, "not_permitted", "verify is for root and colibrid's own user (it reads "
+                                                               "the whole pack); run colibrictl with sudo"))
+            return
+        verification = self.server.verification
+        if request.stop:
+            stopped = verification.stop()
+            log.info("%s: verify stop%s", self.name, "ped" if stopped else ": none was running")
+            self.send(ok_event(request.id))
+            return
+        rid, send = request.id, self._send_threadsafe
+        cap = request.max_mb_per_s or (DEFAULT_BACKGROUND_MB_PER_S if request.background else None)
+        if request.background:
+            run = VerifyRun(self.name, True, cap, on_progress=_ignore, on_damage=_ignore, on_done=_ignore)
+        else:
+            run = VerifyRun(self.name, False, cap,
+                            on_progress=lambda progress: send(verify_progress_event(rid, progress)),
+                            on_damage=lambda damage: send(verify_damage_event(rid, damage.to_json())),
+                            on_done=lambda report: self._call_threadsafe(
+                                self._verify_done, rid, verified_event(rid, report.to_json(MAX_DAMAGE_IN_VERIFIED))))
+        try:
+            verification.start(run)
+        except VerifyBusy as exc:
+            self.send(error_event(rid, "busy", str(exc)))
+            return
+        if request.background:
+            self.send(ok_event(rid))
+        else:
+            self._verify = (rid, run)
+
+    def _verify_done(self, request_id: RequestId, event: Event) -> None:
+        if self._verify is not None and self._verify[0] == request_id:
+            self._verify = None
+        self.send(event)
+
+    def _call_threadsafe(self, callback, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop is closed: the daemon is gone, and so is the client
+            pass
+
+    def _send_threadsafe(self, event: Event) -> None:
+        self._call_threadsafe(self.send, event)
 
     def _submit(self, ask: Ask) -> None:
         log.debug("%s: ask %r, max_tokens %d", self.name, ask.id, ask.params.max_tokens)
@@ -605,6 +673,10 @@ class Connection:
         self._subscriptions.clear()
 
     def _cancel(self, cancel: Cancel) -> None:
+        if self._verify is not None and self._verify[0] == cancel.target:
+            self.send(ok_event(cancel.id))
+            self.server.verification.stop(self._verify[1])  # it ends with `verified`, cancelled
+            return
         subscription = self._subscriptions.pop(cancel.target, None)
         if subscription is not None:
             self.server.scheduler.routing.unsubscribe(subscription)

@@ -633,3 +633,33 @@ def test_empty_shapes():
         y = native.matmul(t, native.quantize(t, np.ones((2, block), np.float32)), 2, block, np.zeros((0, block), np.float32))
         assert y.shape == (0, 2)
     assert native.matmul(TensorType.F32, b"", 4, 0, np.zeros((2, 0), np.float32)).tolist() == [[0.0] * 4] * 2
+
+
+def test_io_priority_is_per_thread_and_inherited_by_the_loaders_threads(tmp_path):
+    """The daemon's verify lowers its thread's I/O class, then starts a loader: the loader's I/O
+    threads must read at the lowered priority too, and the rest of the process keep its own."""
+    import os
+    import threading
+
+    from colibrid import native
+
+    path = tmp_path / "file"
+    path.write_bytes(b"\0" * 8192)
+    before = native.get_io_priority()
+    seen = {}
+
+    def lowered():
+        tasks = set(os.listdir("/proc/self/task"))
+        native.set_io_priority(native.IoClass.IDLE)
+        loader = native.Loader(path, queue_depth=2, max_queue_depth=2)
+        started = set(os.listdir("/proc/self/task")) - tasks
+        seen["self"] = native.get_io_priority()
+        seen["loader"] = [native.get_io_priority(int(tid)) for tid in started]
+        loader.close()
+
+    thread = threading.Thread(target=lowered)
+    thread.start()
+    thread.join()
+    assert seen["self"] == (native.IoClass.IDLE, 0)
+    assert len(seen["loader"]) == 2 and set(seen["loader"]) == {(native.IoClass.IDLE, 0)}
+    assert native.get_io_priority() == before  # this thread's is its own

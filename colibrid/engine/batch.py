@@ -24,6 +24,7 @@ import numpy as np
 
 from colibrid.engine.generate import Generation, GenerationDone, GenerationEvent
 from colibrid.engine.model import Model, StepInput
+from colibrid.engine.moe import StepDamaged
 
 Outcome = "GenerationEvent | GenerationDone | SequenceFailed"
 
@@ -50,10 +51,12 @@ class BatchSequence:
 
 @dataclass(frozen=True)
 class SequenceFailed:
-    """The outcome of a sequence that cannot go on (its logits were not finite): it has left
-    the batch; the others go on."""
+    """The outcome of a sequence that cannot go on (its logits were not finite, or it needed
+    an expert record of the pack that is damaged): it has left the batch; the others go on."""
 
     message: str
+    code: str = "engine"  # the protocol error code its request ends with
+    damage: dict | None = None  # the damaged record it needed (DamagedRecord.to_json)
 
 
 class StepFailed(Exception):
@@ -133,9 +136,16 @@ class Batch:
         if not plan:
             return []
         before = self._expert_counts() if self._expert_counts is not None else (0, 0)
+        damaged = {}  # index in the plan -> the damaged expert record that sequence needed
         try:
             logits = self.model.forward_batch([StepInput(seq.session.state, ids, "last" if last else None)
                                                for seq, ids, last in plan])
+        except StepDamaged as exc:
+            if exc.logits is None:  # no sequence of the step was spared
+                failed = [sequence for sequence, _, _ in plan]
+                self.sequences = [sequence for sequence in self.sequences if sequence not in failed]
+                raise StepFailed(failed) from exc
+            logits, damaged = exc.logits, exc.inputs
         except Exception as exc:
             failed = [sequence for sequence, _, _ in plan]
             self.sequences = [sequence for sequence in self.sequences if sequence not in failed]
@@ -143,8 +153,14 @@ class Batch:
         after = self._expert_counts() if self._expert_counts is not None else (0, 0)
         self.steps += 1
         self.last_step_size = len(plan)
-        return [(sequence, self._outcomes(sequence, rows if last else None, after[0] - before[0], after[1] - before[1]))
-                for (sequence, _, last), rows in zip(plan, logits)]
+        return [(sequence, self._damaged(sequence, damaged[i]) if i in damaged else
+                 self._outcomes(sequence, rows if last else None, after[0] - before[0], after[1] - before[1]))
+                for i, ((sequence, _, last), rows) in enumerate(zip(plan, logits))]
+
+    def _damaged(self, sequence: BatchSequence, record) -> list[Outcome]:
+        """A sequence that needed a damaged expert record: its numbers are wrong, it leaves."""
+        self.sequences.remove(sequence)
+        return [SequenceFailed(record.describe(self.model.pack), "pack_damaged", record.to_json())]
 
     def _outcomes(self, sequence: BatchSequence, logits: np.ndarray | None, hits: int, misses: int) -> list[Outcome]:
         """What one sequence's part of a step produced; it leaves the batch when it ends."""

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from colibrid import native
-from colibrid.engine.experts import (AcquiredExperts, ExpertChecksumError, ExpertLoadError, ExpertLoadingPaused,
-                                     ExpertSource, LoadingPause)
+from colibrid.engine.experts import (AcquiredExperts, ExpertChecksumError, ExpertDamagedError, ExpertLoadError,
+                                     ExpertLoadingPaused, ExpertSource, LoadingPause, damaged_record_of)
 from colibrid.memory import (DEFAULT_HUGEPAGE_RECORD, HugepageRecord, HugepageReservation, MemoryBudget, format_bytes,
                              measure_budget, memlock_fix_hint, parse_size, reserve_hugepages)
 from colibrid.pack.manifest import PackError
@@ -378,6 +378,7 @@ class CachedExpertSource(ExpertSource):
         (else the caller waits per slot: _wait_slot)."""
         if len(ids) > self.max_pinned:
             raise ValueError(f"acquire of {len(ids)} experts, the cache pins at most {self.max_pinned}: split into waves")
+        self._refuse_damaged(layer, ids)
         self._refuse_misses_while_paused(layer, ids)
         slots = self._cache.acquire(layer, ids)  # (N,) int32
         try:
@@ -389,6 +390,13 @@ class CachedExpertSource(ExpertSource):
             yield [int(s) for s in slots]
         finally:
             self._cache.release(slots)
+
+    def _refuse_damaged(self, layer: int, ids: list[int]) -> None:
+        """A record marked damaged is not read again: the step fails at once, naming it."""
+        damaged = self.pack.damage.in_layer(layer)
+        for expert in ids if damaged else ():
+            if expert in damaged:
+                raise ExpertDamagedError(self.pack.damage.get(layer, expert), self.pack)
 
     def _refuse_misses_while_paused(self, layer: int, ids: list[int]) -> None:
         """While loading is paused, a step that would read any expert fails before it pins
@@ -429,9 +437,11 @@ class CachedExpertSource(ExpertSource):
         where = f"expert {expert} of layer {layer} at {self.pack.experts.where(offset)}"
         if result["status"] == native.ChecksumError.status:
             record = self.pack.expert_record(layer, expert)
-            return ExpertChecksumError(
+            error = ExpertChecksumError(
                 f"checksum mismatch for {where}: crc32c {result['crc32c']:#010x}, manifest {record.crc32c:#010x}",
                 layer, expert, offset, self.path)
+            self.pack.damage.mark(damaged_record_of(error, record.length, result["crc32c"]))
+            return error
         e = result["sys_errno"]
         reason = f"I/O error ({os.strerror(e)})" if e else "short read (the file is shorter than the index says)"
         return ExpertLoadError(f"{reason} reading {where}", layer, expert, offset, self.path)
@@ -441,7 +451,8 @@ class CachedExpertSource(ExpertSource):
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Starts reads of the predicted ``experts`` of ``layer`` that are not cached, without
         pinning them; returns reads started (0 when prefetch is off). Never blocks on I/O."""
-        ids = [int(e) for e in dict.fromkeys(int(e) for e in experts)]
+        damaged = self.pack.damage.in_layer(layer)  # never read again: it would fail again
+        ids = [int(e) for e in dict.fromkeys(int(e) for e in experts) if e not in damaged]
         pred = self._predictions[layer]
         pred.last = set(ids)
         pred.predicted += len(ids)

@@ -43,6 +43,23 @@ class ExpertChecksumError(ExpertLoadError):
     """An expert record's bytes do not match the CRC-32C in the manifest."""
 
 
+class ExpertDamagedError(ExpertChecksumError):
+    """A request needed an expert record known to be damaged (colibrid/pack/damage.py): it
+    fails at once, without reading the record again. ``record`` is the mark, ``pack`` the
+    open Pack it belongs to."""
+
+    def __init__(self, record, pack: Pack) -> None:
+        super().__init__(record.describe(pack), record.layer, record.expert, record.offset, pack.experts_path)
+        self.record = record
+
+
+def damaged_record_of(error: ExpertChecksumError, length: int, crc32c: int | None = None):
+    """The damage mark of a record a load found damaged."""
+    from colibrid.pack.damage import DamagedRecord
+
+    return DamagedRecord(error.layer, error.expert, error.offset, length, "load", crc32c)
+
+
 class ExpertLoadingPaused(ExpertLoadError):
     """A request needed an expert that is not in memory while loading is paused; ``code``
     is the protocol error code for it."""
@@ -232,6 +249,9 @@ class PreadExpertSource(PlainExpertSource):
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         record = self.pack.expert_record(layer, expert)
+        damaged = self.pack.damage.get(layer, expert)
+        if damaged is not None:
+            raise ExpertDamagedError(damaged, self.pack)
         where = f"expert {expert} of layer {layer} at {self.pack.experts.where(record.offset)}"
         pause = self.loading_pause
         if pause is not None:
@@ -246,10 +266,12 @@ class PreadExpertSource(PlainExpertSource):
         raw = np.frombuffer(data, dtype=np.uint8)
         crc = native.crc32c(raw)
         if crc != record.crc32c:
-            raise ExpertChecksumError(
+            error = ExpertChecksumError(
                 f"checksum mismatch for {where}: crc32c {crc:#010x}, manifest {record.crc32c:#010x}",
                 layer, expert, record.offset, self.path,
             )
+            self.pack.damage.mark(damaged_record_of(error, record.length, crc))
+            raise error
         self.stats.loads += 1
         self.stats.bytes_read += record.length
         return self.pack.expert_weights(raw)

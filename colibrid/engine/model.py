@@ -18,7 +18,7 @@ from colibrid.engine.deltanet import DeltaNet
 from colibrid.engine.experts import ExpertSource
 from colibrid.engine.layers import linear, rms_norm
 from colibrid.engine.mla import LatentAttention
-from colibrid.engine.moe import DenseAndExperts, DenseMlp, MoeBlock, RoutingStats
+from colibrid.engine.moe import DamageWatch, DenseAndExperts, DenseMlp, MoeBlock, RoutingStats
 from colibrid.engine.per_layer_inputs import LayerInput, PerLayerInputs
 from colibrid.engine.rope import Rotary
 from colibrid.engine.routing_capture import RoutingCapture
@@ -110,10 +110,12 @@ class Model:
         self.max_step_tokens = MAX_STEP_TOKENS  # states made by new_state() rely on it: set it before
         moe_blocks = [layer.moe for layer in self.layers if layer.moe is not None]
         self.routing_stats = RoutingStats()  # how much a batch's sequences share their experts
+        self.damage_watch = DamageWatch(pack)  # damaged records a step met
         # What each MoE layer chose, recorded only while enabled (the routing stream, debug_routing)
         self.routing_capture = RoutingCapture([block.layer for block in moe_blocks], c.num_experts)
         for block in moe_blocks:
             block.stats = self.routing_stats
+            block.damage = self.damage_watch
             block.capture = self.routing_capture
         for block, next_block in zip(moe_blocks, moe_blocks[1:]):
             block.next_block = next_block  # lookahead prefetch: layer l predicts layer l+1's experts
@@ -166,6 +168,8 @@ class Model:
         once per layer for the whole step). Returns each input's logits as it asks: (T, V)
         for "all", (1, V) for "last", None for None. Every row's numbers are the same as in a
         step of that sequence alone: the kernels compute each row on its own.
+        StepDamaged if inputs were routed to expert records known to be damaged (it names
+        them, and carries the others' logits).
 
         A sequence may appear at most once; each input has at most max_step_tokens tokens."""
         if len({id(item.state) for item in inputs}) != len(inputs):
@@ -186,6 +190,7 @@ class Model:
         per_layer = self.per_layer_inputs(token_ids, x) if self.per_layer_inputs is not None else None  # (T, L, P)
         tables = {}  # id(rotary) -> (cos, sin) of every row's position, each computed once
         self.routing_stats.begin_step(bounds)
+        self.damage_watch.begin_step(bounds)
         self.routing_capture.begin_step(bounds)
         for layer in self.layers:
             rotary = layer.rotary
@@ -198,7 +203,7 @@ class Model:
             x = layer.feed_forward(x, None if per_layer is None else per_layer[:, layer.layer])
         for item, n in zip(inputs, counts):
             item.state.advance(n)
-        return self._logits(x, bounds, [item.logits for item in inputs])
+        return self.damage_watch.end_step(self._logits(x, bounds, [item.logits for item in inputs]))
 
     def _logits(self, x: np.ndarray, bounds: np.ndarray, wanted: list[str | None]) -> list[np.ndarray | None]:
         """The output head over the rows each sequence wants ("all" its rows, its "last", or

@@ -16,7 +16,7 @@ from functools import partial
 import numpy as np
 
 from colibrid import native
-from colibrid.engine.experts import ExpertSource
+from colibrid.engine.experts import ExpertChecksumError, ExpertDamagedError, ExpertSource
 from colibrid.engine.layers import linear, rms_norm, silu, swiglu_mlp
 from colibrid.engine.routing_capture import RoutingCapture
 from colibrid.models.config import ModelConfig
@@ -99,6 +99,49 @@ class RoutingStats:
                 "sequence_experts_per_layer_step": self.sequence_experts / steps}
 
 
+class StepDamaged(ExpertDamagedError):
+    """Some sequences of a step were routed to expert records known to be damaged: their
+    rows' numbers are wrong, so they must fail; ``inputs`` maps each one's index in the step
+    to the damaged record it needed. ``logits`` are the step's results (Model.forward_batch's),
+    right for every other input - or None when no input was spared and the step stopped."""
+
+    def __init__(self, inputs: dict, logits: list | None, pack) -> None:
+        super().__init__(next(iter(inputs.values())), pack)
+        self.inputs = inputs
+        self.logits = logits
+
+
+class DamageWatch:
+    """What a step met of the pack's damage (colibrid/pack/damage.py). A MoE block leaves the
+    experts marked damaged out of its sum and tells the watch which rows needed them; the
+    sequences those rows belong to fail at the end of the step (StepDamaged), and the step's
+    other sequences, which never touched a damaged record, go on as if there were none."""
+
+    def __init__(self, pack) -> None:
+        self.pack = pack  # the open Pack: its errors name where its records live
+        self.marks = pack.damage  # the pack's DamageMarks
+        self._bounds = np.zeros(2, np.int64)  # (N + 1,) the step's row offsets per sequence
+        self._inputs: dict[int, object] = {}  # damaged input -> the first record it needed
+
+    def begin_step(self, bounds: np.ndarray) -> None:
+        self._bounds, self._inputs = bounds, {}
+
+    def record(self, layer: int, experts: np.ndarray, damaged: list[int]) -> None:
+        """``experts`` (T, A) were chosen in ``layer``; ``damaged`` of them were left out."""
+        for expert in damaged:
+            rows = np.nonzero((experts == expert).any(axis=1))[0]
+            for i in np.unique(np.searchsorted(self._bounds, rows, side="right") - 1).tolist():
+                self._inputs.setdefault(i, self.marks.get(layer, expert))
+        if len(self._inputs) == self._bounds.shape[0] - 1:  # nothing left worth computing
+            raise StepDamaged(dict(self._inputs), None, self.pack)
+
+    def end_step(self, logits: list) -> list:
+        """The step's logits, or StepDamaged if some of its inputs met damage."""
+        if self._inputs:
+            raise StepDamaged(dict(self._inputs), logits, self.pack)
+        return logits
+
+
 # Lookahead prefetch reads, per token, only the next layer's LOOKAHEAD_TOP likeliest experts:
 # on the OLMoE-shaped bench packs (top-8) 4 keeps the disk 74-85 % busy at a 25 % cache with
 # prediction precision 0.80; 1 or 2 guess better (0.90 / 0.87) but leave the disk idler.
@@ -114,18 +157,49 @@ class MoeBlock:
         self.router = Router(config, weights)
         self.next_block: "MoeBlock | None" = None  # the next MoE layer, for lookahead prefetch (Model sets it)
         self.stats: RoutingStats | None = None  # the model's, where it keeps them (Model sets it)
+        self.damage: DamageWatch | None = None  # the model's (Model sets it)
         self.capture: RoutingCapture | None = None  # the model's routing recorder (Model sets it)
 
     def __call__(self, x: np.ndarray, router_input: np.ndarray | None = None) -> np.ndarray:
         """The experts' sum for x (T, D), routed on ``router_input`` (T, D) (default: x)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         routing = self.router(x if router_input is None else router_input)
-        out = np.zeros_like(x)  # (T, D)
         selected = _distinct(routing.experts)  # batch-union: each expert once per step
         if self.stats is not None:
             self.stats.record(routing.experts, len(selected))
         if self.capture is not None and self.capture.enabled:  # someone watches the routing
+            # Once per layer step, here and not in _routed: a layer started over (a load found a
+            # damaged record) keeps the router's choice, which is what the watcher is shown.
             self.capture.record(self.layer, routing.experts, routing.weights)
+        out = self._routed(x, routing, selected)
+        if self.c.shared_expert_ffn:
+            shared = swiglu_mlp(x, self.w["shared.gate"], self.w["shared.up"], self.w["shared.down"])
+            if self.c.shared_expert_gated:
+                gate = linear(x, self.w["shared_gate"])  # (T, 1)
+                with np.errstate(over="ignore"):  # sigmoid(gate); exp overflow -> weight 0
+                    shared = shared / (np.float32(1.0) + np.exp(-gate))
+            out += shared
+        return out
+
+    def _routed(self, x: np.ndarray, routing: Routing, selected: list[int]) -> np.ndarray:
+        """The routed experts' sum (T, D). Experts marked damaged are left out, and the rows
+        that needed them reported to the damage watch; a load that finds one damaged (the
+        source marks it) starts the layer's sum over without it (it holds no state)."""
+        while True:
+            damaged = self.damage.marks.in_layer(self.layer) if self.damage is not None else ()
+            usable = [e for e in selected if e not in damaged] if damaged else selected
+            try:
+                out = self._run_waves(x, routing, usable)
+            except ExpertChecksumError as exc:
+                if self.damage is None or exc.expert in damaged or exc.expert not in self.damage.marks.in_layer(self.layer):
+                    raise
+                continue  # marked now: the next round leaves it out
+            if len(usable) < len(selected):
+                self.damage.record(self.layer, routing.experts, [e for e in selected if e in damaged])
+            return out
+
+    def _run_waves(self, x: np.ndarray, routing: Routing, selected: list[int]) -> np.ndarray:
+        out = np.zeros_like(x)  # (T, D)
         # A long prompt may touch more experts than the cache can pin at once: run them in waves.
         wave_size = max(1, self.experts.max_pinned)
         lookahead = self._lookahead_enabled()
@@ -135,13 +209,6 @@ class MoeBlock:
             prefetch = partial(self._lookahead, x, wave_size) if lookahead and is_last_wave else None
             with self.experts.acquire(self.layer, wave) as weights:
                 self._run_ready_runs(x, routing, wave, weights, out, when_all_loaded=prefetch)
-        if self.c.shared_expert_ffn:
-            shared = swiglu_mlp(x, self.w["shared.gate"], self.w["shared.up"], self.w["shared.down"])
-            if self.c.shared_expert_gated:
-                gate = linear(x, self.w["shared_gate"])  # (T, 1)
-                with np.errstate(over="ignore"):  # sigmoid(gate); exp overflow -> weight 0
-                    shared = shared / (np.float32(1.0) + np.exp(-gate))
-            out += shared
         return out
 
     def _lookahead_enabled(self) -> bool:

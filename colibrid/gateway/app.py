@@ -34,7 +34,10 @@ from colibrid.gateway.openai_api import GenerationRequest, OpenAIError
 log = logging.getLogger(__name__)
 
 # colibrid's error codes as HTTP statuses. Retryable ones carry Retry-After.
-DAEMON_ERROR_STATUS = {"busy": 429, "invalid_params": 400, "thermal": 503, "device_missing": 503, "shutdown": 503}
+# pack_damaged: the request needs an expert record of the pack found damaged - the model cannot
+# serve it now (others are served), which is not the client's fault: 503, as for a hot drive.
+DAEMON_ERROR_STATUS = {"busy": 429, "invalid_params": 400, "thermal": 503, "device_missing": 503, "shutdown": 503,
+                       "pack_damaged": 503}
 RETRYABLE_STATUSES = frozenset({429, 503})
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",

@@ -16,6 +16,7 @@ raises instead of crashing the process. Callers use it as one namespace
   layers        the fused layer steps (attention, latent attention, Gated DeltaNet)
   checksum      CRC-32C
   expert_cache  the AEPC: slab pool, loader, expert cache
+  io_priority   a thread's I/O priority (ioprio)
 """
 
 # Every public name of every module is re-exported (no __all__ lists to keep in step: a
@@ -29,5 +30,6 @@ from colibrid.native.compute import *  # noqa: F401,F403
 from colibrid.native.layers import *  # noqa: F401,F403
 from colibrid.native.checksum import *  # noqa: F401,F403
 from colibrid.native.expert_cache import *  # noqa: F401,F403
+from colibrid.native.io_priority import *  # noqa: F401,F403
 from colibrid.native.library import _lib  # noqa: F401
 from colibrid.native.pool import _PoolParams  # noqa: F401

@@ -11,8 +11,10 @@ in ``colibrid.pack.validate``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import stat
 import uuid
 from dataclasses import dataclass, field
@@ -45,7 +47,15 @@ MAX_DIM = 1 << 31  # one tensor dimension
 MAX_CRC32C = 0xFFFFFFFF
 TYPE_NAMES = tuple(t.name_in_pack for t in TensorType)
 TENSOR_KEYS = {"type", "shape", "offset", "nbytes", "crc32c"}
-DEVICE_KEYS = {"pack_id", "region_offset", "logical_block_size", "identity"}
+# The SHA-256 of each file (key "sha256": file name -> hex digest) and of the manifest's own
+# content ("manifest_sha256"), recorded by the converter so a pack copied between machines can
+# be proven identical (colibri-verify); on a device pack, experts.device.sha256 is the experts
+# region's. Optional, and no new format version: packs written before have none, and a reader
+# that loads a pack need not check them.
+SHA256_KEY = "sha256"
+MANIFEST_SHA256_KEY = "manifest_sha256"
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+DEVICE_KEYS = {"pack_id", "region_offset", "logical_block_size", "identity", SHA256_KEY}
 MAX_IDENTITY_KEYS = 16
 MAX_IDENTITY_TEXT = 4096
 
@@ -126,10 +136,14 @@ class ExpertsDevice:
     region_offset: int  # bytes from the device's start to record offset 0; a multiple of the alignment
     logical_block_size: int  # the device's, when the pack was written
     identity: dict[str, str | int] = field(default_factory=dict)  # name, size_bytes, partition, wwid, serial, model, loop_backing_file
+    # SHA-256 (hex) of the region's experts.size bytes, the records in index order: what
+    # experts.bin's entry in "sha256" is for a file pack. None: not recorded.
+    sha256: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"pack_id": self.pack_id, "region_offset": self.region_offset,
-                "logical_block_size": self.logical_block_size, "identity": dict(self.identity)}
+                "logical_block_size": self.logical_block_size, "identity": dict(self.identity),
+                **({SHA256_KEY: self.sha256} if self.sha256 is not None else {})}
 
     @classmethod
     def from_json(cls, data: Any) -> "ExpertsDevice":
@@ -150,9 +164,10 @@ class ExpertsDevice:
                 isinstance(k, str) and len(k) <= 64 and (type(v) is int or (isinstance(v, str) and len(v) <= MAX_IDENTITY_TEXT))
                 for k, v in identity.items()):
             raise ValueError(f"{where}.identity must map at most {MAX_IDENTITY_KEYS} names to short strings or integers")
+        digest = data.get(SHA256_KEY)
         return cls(pack_id, _integer(_require(data, "region_offset", where), f"{where}.region_offset"),
                    _integer(_require(data, "logical_block_size", where), f"{where}.logical_block_size", 1, 1 << 30),
-                   dict(identity))
+                   dict(identity), None if digest is None else _sha256_hex(digest, f"{where}.{SHA256_KEY}"))
 
 
 @dataclass
@@ -170,6 +185,8 @@ class Manifest:
     producer: str = ""
     format_version: int = FORMAT_VERSION  # the version read; a manifest is written as 2, or 3 with experts_device
     experts_device: ExpertsDevice | None = None  # None: the records are in experts.bin
+    file_sha256: dict[str, str] = field(default_factory=dict)  # pack file name -> SHA-256 (hex); {}: not recorded
+    manifest_sha256: str | None = None  # as recorded in the file read (None: not recorded); write() computes it
 
     @property
     def record_bytes(self) -> int:
@@ -203,21 +220,24 @@ class Manifest:
                 "index_columns": list(INDEX_COLUMNS),
                 "index": [[r.layer, r.expert, r.offset, r.length, r.crc32c] for r in self.expert_records],
             },
+            **({SHA256_KEY: dict(self.file_sha256)} if self.file_sha256 else {}),
         }
 
     def write(self, directory: Path) -> None:
-        """Write (or replace) manifest.json durably: it appears whole or not at all."""
-        text = json.dumps(self.to_json(), indent=1) + "\n"
+        """Write (or replace) manifest.json durably: it appears whole or not at all. The last key
+        is the SHA-256 of everything before it (manifest_content_sha256)."""
+        data = self.to_json()
+        data[MANIFEST_SHA256_KEY] = manifest_content_sha256(data)
+        text = json.dumps(data, indent=1) + "\n"
         write_file_atomically(directory / MANIFEST_FILE, text.encode())
 
     @classmethod
     def read(cls, directory: Path) -> "Manifest":
-        path = directory / MANIFEST_FILE
-        text = _read_manifest_text(path, directory)
-        try:
-            data = json.loads(text, object_pairs_hook=_object_without_duplicates, parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting recurses
-            raise PackError(f"{path}: unreadable manifest: {exc}") from None
+        return cls.from_data(read_manifest_data(directory), directory / MANIFEST_FILE)
+
+    @classmethod
+    def from_data(cls, data: Any, path: Path) -> "Manifest":
+        """The manifest held by ``data`` (manifest.json parsed by read_manifest_data)."""
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise PackError(f"{path}: not a Colibri manifest (format={found!r:.40})")
@@ -264,7 +284,30 @@ class Manifest:
             producer=str(data.get("producer", "")),
             format_version=version,
             experts_device=_experts_device(experts, version),
+            file_sha256=_sha256_map(data.get(SHA256_KEY, {})),
+            manifest_sha256=None if data.get(MANIFEST_SHA256_KEY) is None else
+            _sha256_hex(data[MANIFEST_SHA256_KEY], MANIFEST_SHA256_KEY),
         )
+
+
+def manifest_content_sha256(data: dict[str, Any]) -> str:
+    """SHA-256 of a manifest's content: of its canonical JSON (keys sorted, no spaces, ASCII)
+    without the manifest_sha256 key. Canonical, so the digest survives re-indenting but not a
+    changed value: a flipped byte either breaks the JSON or changes the digest."""
+    content = {key: value for key, value in data.items() if key != MANIFEST_SHA256_KEY}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def read_manifest_data(directory: Path) -> Any:
+    """manifest.json of the pack at ``directory`` parsed strictly (bounded, UTF-8, no duplicate
+    keys, no NaN): PackError otherwise. Manifest.from_data checks what it holds."""
+    path = directory / MANIFEST_FILE
+    text = _read_manifest_text(path, directory)
+    try:
+        return json.loads(text, object_pairs_hook=_object_without_duplicates, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting recurses
+        raise PackError(f"{path}: unreadable manifest: {exc}") from None
 
 
 def _read_manifest_text(path: Path, directory: Path) -> str:
@@ -353,11 +396,24 @@ def _quantization(value: Any) -> dict[str, str]:
     return dict(value)
 
 
-def _file_names(value: Any) -> list[str]:
+def _sha256_hex(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not _SHA256_HEX.fullmatch(value):
+        raise ValueError(f"{what} must be a SHA-256 digest (64 lowercase hex digits), got {value!r:.80}")
+    return value
+
+
+def _sha256_map(value: Any) -> dict[str, str]:
+    """sha256: plain file names of the pack (never a path that leads out of it) -> digest."""
+    _require_object(value, SHA256_KEY)
+    _file_names(list(value))
+    return {name: _sha256_hex(digest, f"{SHA256_KEY} of {name}") for name, digest in value.items()}
+
+
+def _file_names(value: Any, what: str = "tokenizer_files") -> list[str]:
     """tokenizer_files: plain names inside the pack, never a path that leads out of it."""
     if not isinstance(value, list):
-        raise ValueError("tokenizer_files must be a list of file names")
+        raise ValueError(f"{what} must be a list of file names")
     for name in value:
         if not isinstance(name, str) or not name or "/" in name or "\0" in name or name.startswith("."):
-            raise ValueError(f"tokenizer_files: {name!r:.80} is not a plain file name")
+            raise ValueError(f"{what}: {name!r:.80} is not a plain file name")
     return list(value)

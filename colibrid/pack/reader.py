@@ -15,6 +15,7 @@ import numpy as np
 
 from colibrid import native
 from colibrid.native import TensorType
+from colibrid.pack.damage import DamageMarks
 from colibrid.pack.experts_region import ExpertsRegion, experts_region
 from colibrid.pack.manifest import DENSE_FILE, ExpertRecord, Manifest, PackError
 from colibrid.pack.recovery import recover_interrupted_swap
@@ -63,6 +64,7 @@ class Pack:
         self.experts = experts or experts_region(path, manifest)  # where the expert records are read from
         self._dense = dense  # uint8 (dense_size,), read-only, in anonymous memory
         self.notes: list[str] = []  # what is weaker than it should be about this pack (status shows it)
+        self.damage = DamageMarks()  # expert records found damaged while it is open
         config = manifest.model
         self._records = np.full((config.num_layers, max(config.num_experts, 1)), -1, dtype=np.int64)
         for i, record in enumerate(manifest.expert_records):

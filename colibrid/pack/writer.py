@@ -7,6 +7,8 @@ the pack renamed into place, and each rename is followed by an fsync of the pare
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import os
 import shutil
@@ -31,8 +33,32 @@ from colibrid.pack.recovery import old_dir, partial_dir, recover_interrupted_swa
 log = logging.getLogger(__name__)
 
 
+COPY_CHUNK_BYTES = 4 << 20  # a tokenizer file is copied (and hashed) in pieces of this size
+
+
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
+
+
+class _HashedFile:
+    """A pack file written front to back whose SHA-256 is computed from the bytes as they are
+    written, so recording it costs no second read. A seek forward leaves a hole, which reads
+    as zeros: it is hashed as zeros."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "wb")
+        self.sha256 = hashlib.sha256()
+
+    def write_at(self, offset: int, data) -> None:
+        gap = offset - self.file.tell()
+        if gap < 0:
+            raise ValueError(f"write at {offset}, before the end of what is written ({self.file.tell()})")
+        if gap:
+            self.file.seek(offset)
+            self.sha256.update(bytes(gap))
+        view = memoryview(data).cast("B")
+        self.file.write(view)
+        self.sha256.update(view)  # hashlib releases the GIL for large buffers
 
 
 class FileExpertsSink:
@@ -76,15 +102,19 @@ class PackWriter:
         self.dense_entries: dict[str, TensorEntry] = {}
         self.expert_parts: dict[str, TensorEntry] | None = None
         self.expert_records: list[ExpertRecord] = []
-        self._dense = None
-        self._experts = None
+        self.file_sha256: dict[str, str] = {}  # every file but the manifest -> its SHA-256
+        self._dense: _HashedFile | None = None
+        self._experts: FileExpertsSink | DeviceExpertsSink | None = None
+        # The records in index order, as they are written: experts.bin's whole content, or the
+        # experts region of a device (experts.device.sha256), hashed without a second read.
+        self._experts_sha256 = hashlib.sha256()
 
     def __enter__(self) -> "PackWriter":
         recover_interrupted_swap(self.out)  # a pack a killed --force run left beside OUT goes back first
         remove_stale_leftovers(self.out)
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
-        self._dense = open(self.tmp / DENSE_FILE, "wb")
+        self._dense = _HashedFile(self.tmp / DENSE_FILE)
         if self.experts_device is None:
             self._experts = FileExpertsSink(self.tmp / EXPERTS_FILE)
         else:
@@ -92,8 +122,8 @@ class PackWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if self._dense is not None and not self._dense.closed:
-            self._dense.close()
+        if self._dense is not None and not self._dense.file.closed:
+            self._dense.file.close()
         if self._experts is not None:
             self._experts.close()
         if self.tmp.exists():
@@ -101,9 +131,8 @@ class PackWriter:
 
     def add_dense(self, name: str, type_: native.TensorType, shape: tuple[int, ...], data: np.ndarray) -> None:
         """Append one tensor's encoded bytes, starting on an alignment boundary."""
-        offset = _round_up(self._dense.tell(), self.alignment)
-        self._dense.seek(offset)
-        self._dense.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+        offset = _round_up(self._dense.file.tell(), self.alignment)
+        self._dense.write_at(offset, np.ascontiguousarray(data))
         crc = native.crc32c(np.ascontiguousarray(data))
         self.dense_entries[name] = TensorEntry(type_.name_in_pack, tuple(shape), offset, int(data.nbytes), crc)
 
@@ -117,6 +146,7 @@ class PackWriter:
             entry, data = layout[name], parts[name][2]
             record[entry.offset : entry.offset + entry.nbytes] = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
         offset = self._experts.write(record)
+        self._experts_sha256.update(record)  # records follow each other without gaps: in offset order
         crc = native.crc32c(record)
         self.expert_records.append(ExpertRecord(layer, expert, offset, length, crc))
 
@@ -133,21 +163,34 @@ class PackWriter:
         return layout
 
     def add_file(self, src: Path, name: str) -> None:
-        shutil.copyfile(src, self.tmp / name)
+        """Copy ``src`` into the pack as ``name``, hashing the bytes on the way."""
+        sha256 = hashlib.sha256()
+        with open(src, "rb") as source, open(self.tmp / name, "wb") as copy:
+            while chunk := source.read(COPY_CHUNK_BYTES):
+                copy.write(chunk)
+                sha256.update(chunk)
         fsync_path(self.tmp / name)
+        self.file_sha256[name] = sha256.hexdigest()
 
     def add_file_bytes(self, data: bytes, name: str) -> None:
         """A file made by the converter (a tokenizer.json converted from tiktoken.model)."""
         (self.tmp / name).write_bytes(data)
         fsync_path(self.tmp / name)
+        self.file_sha256[name] = hashlib.sha256(data).hexdigest()
 
     def commit(self, manifest_fields: dict) -> Manifest:
         """Flush everything, write the manifest last and rename the pack into place."""
-        self._dense.flush()
-        os.fsync(self._dense.fileno())
-        dense_size = self._dense.tell()
-        self._dense.close()
+        self._dense.file.flush()
+        os.fsync(self._dense.file.fileno())
+        dense_size = self._dense.file.tell()
+        self._dense.file.close()
+        self.file_sha256[DENSE_FILE] = self._dense.sha256.hexdigest()
         device_record = self._experts.finish()  # on a device: the superblock, last
+        experts_sha256 = self._experts_sha256.hexdigest()
+        if device_record is None:
+            self.file_sha256[EXPERTS_FILE] = experts_sha256
+        else:
+            device_record = dataclasses.replace(device_record, sha256=experts_sha256)
         manifest = Manifest(
             alignment=self.alignment,
             dense_tensors=self.dense_entries,
@@ -156,6 +199,7 @@ class PackWriter:
             expert_records=self.expert_records,
             experts_size=self._experts.size,
             experts_device=device_record,
+            file_sha256=dict(sorted(self.file_sha256.items())),
             **manifest_fields,
         )
         manifest.write(self.tmp)  # last, and durably: its presence marks the pack complete

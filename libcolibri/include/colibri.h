@@ -1041,6 +1041,29 @@ COL_API int col_expert_cache_contains(col_expert_cache *cache, int32_t layer, in
 /* Changes the eviction policy (COL_EINVAL for an unknown one; unchanged). */
 COL_API int col_expert_cache_set_policy(col_expert_cache *cache, int32_t policy);
 
+/* ---------------------------------------------------------------------------------------
+ * I/O priority of a thread (Linux ioprio): a verify of the whole pack reads at IDLE, so the
+ * disk serves the expert loads first. Threads inherit it from the thread that creates them.
+ * ------------------------------------------------------------------------------------ */
+
+enum col_io_class {
+    COL_IO_CLASS_NONE        = 0, /* not set: derived from the CPU niceness */
+    COL_IO_CLASS_REALTIME    = 1,
+    COL_IO_CLASS_BEST_EFFORT = 2,
+    COL_IO_CLASS_IDLE        = 3, /* served only when no one else uses the disk */
+};
+
+/* Sets the calling thread's I/O class (col_io_class) and level (0 highest .. 7).
+ * COL_OK. COL_EINVAL: class or level out of range. COL_ESYSTEM: the kernel refused (*err is
+ * the errno, e.g. EPERM for REALTIME without CAP_SYS_ADMIN). COL_ENOTSUP: not Linux (*err
+ * ENOSYS). err may be NULL. */
+COL_API int col_io_priority_set(int io_class, int level, int32_t *err);
+
+/* The I/O class and level of thread `thread_id` (0: the calling thread), as ioprio_get says.
+ * COL_OK. COL_EINVAL: NULL outputs or a negative id. COL_ESYSTEM: the kernel refused (*err:
+ * ESRCH, no such thread). COL_ENOTSUP: not Linux. */
+COL_API int col_io_priority_get(int32_t thread_id, int *io_class, int *level, int32_t *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -36,6 +36,15 @@ def test_a_device_record_round_trips(device_manifest, tmp_path):
     manifest = _read(tmp_path, device_manifest)
     assert manifest.experts_device.to_json() == DEVICE
     assert manifest.to_json()["experts"]["device"] == DEVICE and manifest.to_json()["format_version"] == 3
+    assert manifest.experts_device.sha256 is None  # optional: a device pack converted before it was recorded
+
+
+def test_the_experts_regions_sha256_round_trips_in_the_device_record(device_manifest, tmp_path):
+    digest = "0123456789abcdef" * 4
+    device_manifest["experts"]["device"]["sha256"] = digest
+    manifest = _read(tmp_path, device_manifest)
+    assert manifest.experts_device.sha256 == digest
+    assert manifest.to_json()["experts"]["device"] == {**DEVICE, "sha256": digest}
 
 
 @pytest.mark.parametrize("what, change, message", [
@@ -48,6 +57,9 @@ def test_a_device_record_round_trips(device_manifest, tmp_path):
     ("a block size above the alignment", lambda d: d["experts"]["device"].update(logical_block_size=8192),
      "logical_block_size 8192"),
     ("a float", lambda d: d["experts"]["device"].update(region_offset=4096.0), "must be an integer"),
+    ("a region digest that is no SHA-256", lambda d: d["experts"]["device"].update(sha256="ABCDEF" * 10 + "abcd"),
+     "experts.device.sha256 must be a SHA-256 digest"),
+    ("a region digest that is no string", lambda d: d["experts"]["device"].update(sha256=12), "SHA-256 digest"),
     ("a huge identity", lambda d: d["experts"]["device"]["identity"].update(serial="x" * 5000), "short strings"),
     ("version 2", lambda d: d.update(format_version=2), "needs format version 3"),
     ("a file beside the device", lambda d: d["experts"].update(file="experts.bin"), "must be null"),

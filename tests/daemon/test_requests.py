@@ -253,8 +253,9 @@ def test_an_expert_that_fails_its_checksum_costs_only_the_request(start_daemon, 
         client.hello()
         client.ask("hurt", max_tokens=2)
         error = client.recv()
-        assert (error["event"], error["id"], error["code"]) == ("error", "hurt", "engine")
-        assert "layer" in error["message"]
+        assert (error["event"], error["id"], error["code"]) == ("error", "hurt", "pack_damaged")
+        assert "layer" in error["message"] and "colibri-verify" in error["message"]
+        assert {"layer", "expert", "offset"} <= set(error["damage"]) and error["damage"]["found_by"] == "load"
         client.send({"op": "status", "id": "s"})  # the connection and the daemon carry on
         assert client.recv()["event"] == "status"
 

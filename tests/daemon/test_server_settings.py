@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+from colibrid.pack.damage import DamageMarks
 from colibrid.server import ClientLimits, Server, ServerSettings
 
 
@@ -14,7 +15,7 @@ class FakeEngine:
         self.config = SimpleNamespace(architecture="olmoe")
         self.parameters_total, self.parameters_active = 7_000, 1_000
         self.pack = SimpleNamespace(manifest=SimpleNamespace(quantization={"experts": "q8_0"}, dense_size=123),
-                                    notes=[])
+                                    notes=[], damage=DamageMarks(), path="/packs/olmoe.pack")
         self.sampling_defaults = {}
         self.cache = {"kind": "aepc", "hits": 3, "misses": 1, "bytes_read": 4096, "slots": 8, "resident_slots": 4}
         self.budget = {"available_bytes": 1 << 30, "cache_size": "50%", "cache_bytes": 1 << 29}

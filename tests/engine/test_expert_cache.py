@@ -328,9 +328,9 @@ def _asking_recorder(source):
     return Recorder()
 
 
-def test_a_flipped_byte_fails_that_request_and_the_next_one_succeeds(pack_path, reference, tmp_path):
+def test_a_flipped_byte_fails_that_request_and_the_record_stays_marked_until_it_reads_intact(pack_path, reference, tmp_path):
     from colibrid.engine.engine import Engine
-    from colibrid.engine.experts import ExpertChecksumError, PreadExpertSource
+    from colibrid.engine.experts import ExpertChecksumError, ExpertDamagedError, PreadExpertSource
     from colibrid.pack.reader import Pack
 
     path = shutil.copytree(pack_path, tmp_path / "pack")
@@ -355,7 +355,13 @@ def test_a_flipped_byte_fails_that_request_and_the_next_one_succeeds(pack_path, 
         for expert in unused[:2] + used[1:2]:
             source.get(layer, expert)  # requests that do not need the damaged expert succeed
         _flip(path / "experts.bin", record.offset + 1000)  # the file is fixed
-        assert np.array_equal(engine.forward(PROMPT), reference[0])  # re-read, not a stale slot
+        # The record stays marked damaged: a request needing it fails at once, without reading it
+        # (a read would now succeed) ...
+        with pytest.raises(ExpertDamagedError, match=f"pack damaged: expert {damaged} of layer {layer}"):
+            engine.forward(PROMPT)
+        # ... until a verify reads it intact and clears the mark; then it is read again, not a stale slot.
+        engine.pack.damage.clear(layer, damaged)
+        assert np.array_equal(engine.forward(PROMPT), reference[0])
     finally:
         source.close()
 

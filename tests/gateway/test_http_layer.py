@@ -42,7 +42,7 @@ CHAT = {"model": "fake-moe", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.mark.parametrize("code, status", [("busy", 429), ("invalid_params", 400), ("thermal", 503),
-                                          ("device_missing", 503), ("engine", 500)])
+                                          ("device_missing", 503), ("pack_damaged", 503), ("engine", 500)])
 def test_daemon_errors_become_openai_shaped_statuses(fake_daemon, start_gateway, code, status):
     gateway = start_gateway(fake_daemon(fail(code, f"the daemon says {code}")).socket_path)
     for stream in (False, True):  # a streamed request learns it from the status too: no byte was sent before

@@ -88,10 +88,11 @@ def cancelled_done(job: Job) -> Event:
 
 class Scheduler:
     def __init__(self, engine, max_queue: int, max_batch: int = 8, prefill_chunk: int = 512,
-                 kv_budget_bytes: int = 1 << 30) -> None:
+                 kv_budget_bytes: int = 1 << 30, prefix_cache_bytes: int = 0) -> None:
         self.engine = engine
         self.max_queue = max_queue
-        self.batch = engine.new_batch(max_batch, prefill_chunk, kv_budget_bytes)  # touched by the worker only
+        # touched by the worker only (status reads its counters)
+        self.batch = engine.new_batch(max_batch, prefill_chunk, kv_budget_bytes, prefix_cache_bytes)
         self.requests_served = 0  # asks that ended with `done`, whatever the finish reason
         self.tokens_generated = 0  # tokens streamed since start, for the recent tokens/s in STATUS=
         self._cond = threading.Condition()
@@ -128,6 +129,9 @@ class Scheduler:
 
     def kv_status(self) -> dict:
         return self.batch.kv_status()
+
+    def prefix_cache_status(self) -> dict:
+        return self.batch.prefix_cache_status()
 
     def seconds_without_progress(self) -> float:
         """How long the running batch has gone without a step (0 when nothing runs)."""
@@ -249,7 +253,8 @@ class Scheduler:
         try:
             prompt_ids = self.engine.prompt_ids(prompt=ask.prompt, messages=ask.messages, system=ask.system,
                                                 raw=ask.raw, tools=ask.tools)
-            generation, session = self.engine.start_generation(prompt_ids, ask.params)
+            generation, session = self.engine.start_generation(prompt_ids, ask.params,
+                                                               resumable=self.batch.keeps_prefixes)
             self.batch.check_fits_alone(session.state.nbytes)
         except ChatTemplateError as exc:  # the pack's template went over its budget: the model's fault
             log.warning("request %r from %s: %s", ask.id, job.origin, exc)

@@ -351,6 +351,7 @@ class Server:
             "running": self.scheduler.running_status(),
             "batch": self.scheduler.batch_status(),
             "kv_cache": self.scheduler.kv_status(),
+            "prefix_cache": self.scheduler.prefix_cache_status(),
             "queue_depth": self.scheduler.queue_depth,
             "queue_limit": self.scheduler.max_queue,
             "version": __version__,

@@ -157,3 +157,186 @@ def test_a_window_layer_resumes_across_a_ring_and_a_flat_cache(entry_context, ne
     assert isinstance(resumed.layers[0], kinds[new_context])
     prefix.restore(resumed, 30)
     np.testing.assert_array_equal(model.forward(tokens[30:], resumed), model.forward(tokens, fresh)[30:])
+
+
+# -- the cache itself, on states of one small full-attention layer ---------------------------
+
+def _state(token_ids, seed=0, max_tokens=64):
+    """A state of one full-attention layer that has processed ``token_ids``: each position's
+    keys and values are a function of the ids so far, as a model's are."""
+    from colibrid.engine.kv_cache import KVCache
+    from colibrid.engine.sequence_state import SequenceState
+
+    state = SequenceState([KVCache(1, 4, max_tokens)], max_tokens)
+    n = len(token_ids)
+    if n:
+        keys = np.cumsum(np.asarray(token_ids, np.float32))[:, None, None] * np.arange(1, 5, dtype=np.float32)
+        state.layers[0].write(0, keys, -keys)
+    state.advance(n)
+    return state
+
+
+def _kept_rows(state, n):
+    return state.layers[0].keep(n).buffers
+
+
+def _size(n_tokens):
+    from colibrid.engine.prefix_cache import ENTRY_OVERHEAD_BYTES
+
+    return 2 * n_tokens * 16 + 4 * n_tokens + ENTRY_OVERHEAD_BYTES  # keys + values, ids, bookkeeping
+
+
+def _ids(seed, n):
+    return np.random.default_rng(seed).integers(0, 1000, n).tolist()
+
+
+def test_a_lookup_resumes_from_the_longest_kept_prefix_with_its_rows():
+    from colibrid.engine.prefix_cache import PrefixCache
+
+    cache = PrefixCache(1 << 20)
+    a = _ids(1, 40)
+    b = a[:20] + _ids(2, 28)
+    assert cache.keep(a, _state(a)) and cache.keep(b, _state(b))
+    prompt = b[:37] + [7, 7, 7]
+    resumed = _state([])
+    assert cache.resume(resumed, prompt) == 37 and resumed.length == 37
+    for got, want in zip(_kept_rows(resumed, 37), _kept_rows(_state(prompt), 37)):
+        np.testing.assert_array_equal(got, want)
+    assert cache.resume(_state([]), a) == 39  # the whole prompt kept: its last token is still fed
+    assert cache.resume(_state([]), a[:15] + [1] * 30) == 0  # less than one block in common
+    status = cache.status()
+    assert (status["lookups"], status["hits"], status["tokens_reused"], status["entries"]) == (3, 2, 76, 2)
+
+
+def test_the_least_recently_used_entry_leaves_for_a_new_one_and_the_budget_holds():
+    from colibrid.engine.prefix_cache import PrefixCache
+
+    a, b, c = _ids(1, 32), _ids(2, 32), _ids(3, 32)
+    cache = PrefixCache(2 * _size(32) + 100)  # room for two
+    cache.keep(a, _state(a))
+    cache.keep(b, _state(b))
+    assert cache.status()["used_bytes"] == 2 * _size(32)
+    assert cache.resume(_state([]), a + [1]) == 32  # a is now the more recently used
+    cache.keep(c, _state(c))
+    assert cache.resume(_state([]), b + [1]) == 0  # b left for c
+    assert cache.resume(_state([]), a + [1]) == 32 and cache.resume(_state([]), c + [1]) == 32
+    status = cache.status()
+    assert (status["entries"], status["evicted"], status["used_bytes"]) == (2, 1, 2 * _size(32))
+    assert status["used_bytes"] <= status["budget_bytes"]
+
+
+def test_what_cannot_fit_or_is_too_short_is_not_kept():
+    from colibrid.engine.prefix_cache import PrefixCache
+
+    a = _ids(1, 32)
+    cache = PrefixCache(_size(32) - 1)
+    assert not cache.keep(a, _state(a))
+    assert not PrefixCache(1 << 20).keep(a[:15], _state(a[:15]))  # shorter than a block: never found
+    assert cache.status()["used_bytes"] == 0 and cache.status()["not_kept"] == 1
+    with pytest.raises(ValueError, match="token ids"):
+        cache.keep(a, _state(a[:31]))
+
+
+def test_an_entry_that_a_longer_one_extends_is_replaced_by_it():
+    from colibrid.engine.prefix_cache import PrefixCache
+
+    a = _ids(1, 32)
+    longer = a + _ids(2, 20)
+    cache = PrefixCache(1 << 20)
+    cache.keep(a, _state(a))
+    cache.keep(longer, _state(longer))
+    status = cache.status()
+    assert (status["entries"], status["evicted"], status["used_bytes"]) == (1, 0, _size(52))
+    assert cache.resume(_state([]), a + [5]) == 32
+
+
+def test_a_hash_collision_never_reuses_other_tokens(monkeypatch):
+    """The block keys only find candidates: the ids themselves decide."""
+    from colibrid.engine import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "block_keys", lambda ids: [b"same"] * (len(ids) // prefix_cache.BLOCK_TOKENS))
+    cache = prefix_cache.PrefixCache(1 << 20)
+    a = _ids(1, 40)
+    cache.keep(a, _state(a))
+    assert cache.resume(_state([]), _ids(2, 40)) == 0
+    assert cache.resume(_state([]), a[:25] + [1, 2]) == 25
+
+
+def test_kept_nbytes_is_the_size_of_what_is_kept_for_every_state_kind(packs):
+    for spec in KINDS:
+        engine = _engine(packs, spec, "q8_0")
+        prompt = _turns(engine.config.vocab_size)[0]
+        batch = engine.new_batch(1, CHUNK, BIG_BUDGET, BIG_BUDGET)
+        generation, session = engine.start_generation(prompt, GREEDY, resumable=True)
+        batch.admit("a", generation, session)
+        while len(batch):
+            batch.step()
+        assert session.state.kept_nbytes() == session.state.keep().nbytes > 0, spec.name
+
+
+# -- the batch: what is kept, when it is looked up -------------------------------------------
+
+def _until_done(batch, outcomes=None):
+    outcomes = {} if outcomes is None else outcomes
+    while len(batch):
+        for sequence, produced in batch.step():
+            outcomes.setdefault(sequence.key, []).extend(produced)
+    return outcomes
+
+
+def test_a_prepared_request_whose_entry_is_evicted_before_it_joins_prefills_it_all(packs):
+    engine = _engine(packs, STATE_KINDS[0], "q8_0")
+    a = _turns(engine.config.vocab_size)[0] + [9] * 20
+    b = _turns(engine.config.vocab_size, seed=8)[0] + [9] * 20
+    batch = engine.new_batch(2, CHUNK, BIG_BUDGET, BIG_BUDGET)
+    _run_one(engine, batch, a, GREEDY)
+    batch.prefix_cache.budget_bytes = batch.prefix_cache.used_bytes  # room for one entry of this shape
+    follow_up = a + [4, 5, 6]
+    waiting = engine.start_generation(follow_up, GREEDY, resumable=True)  # prepared, not yet admitted
+    _run_one(engine, batch, b, GREEDY)  # b's entry takes a's place
+    assert batch.prefix_cache.status()["evicted"] == 1
+    batch.admit("follow-up", *waiting)
+    outcomes = _until_done(batch)["follow-up"]
+    fresh = _run_one(engine, engine.new_batch(1, CHUNK, BIG_BUDGET), follow_up, GREEDY)
+    assert _summary(outcomes) == _summary(fresh) and outcomes[-1].cached_prompt_tokens == 0
+
+
+def test_an_entry_evicted_while_its_copy_runs_changes_nothing(packs):
+    engine = _engine(packs, STATE_KINDS[0], "q8_0")
+    a = _turns(engine.config.vocab_size)[0] + [9] * 20
+    batch = engine.new_batch(2, CHUNK, BIG_BUDGET, BIG_BUDGET)
+    _run_one(engine, batch, a, GREEDY)
+    follow_up = a + [4, 5, 6]
+    batch.admit("follow-up", *engine.start_generation(follow_up, GREEDY, resumable=True))
+    outcomes = {sequence.key: produced for sequence, produced in batch.step()}  # its last prompt token, a sample
+    assert outcomes["follow-up"]
+    batch.prefix_cache.clear()  # as eviction would, while the follow-up decodes from its copy
+    outcomes = _until_done(batch, outcomes)["follow-up"]
+    fresh = _run_one(engine, engine.new_batch(1, CHUNK, BIG_BUDGET), follow_up, GREEDY)
+    assert _summary(outcomes) == _summary(fresh)
+    assert outcomes[-1].cached_prompt_tokens == len(a)
+
+
+def test_cancelled_and_failed_sequences_are_never_kept(packs):
+    from colibrid.engine.batch import StepFailed
+
+    engine = _engine(packs, STATE_KINDS[0], "q8_0")
+    prompt = _turns(engine.config.vocab_size)[0]
+    batch = engine.new_batch(2, CHUNK, BIG_BUDGET, BIG_BUDGET)
+    batch.admit("cancelled", *engine.start_generation(prompt, GREEDY, resumable=True))
+    for _ in range(5):
+        batch.step()
+    batch.remove("cancelled")
+    batch.admit("failed", *engine.start_generation(prompt, GREEDY, resumable=True))
+    batch.step()
+
+    def broken(inputs):
+        raise RuntimeError("an expert could not be read")
+
+    engine.model.forward_batch, working = broken, engine.model.forward_batch
+    with pytest.raises(StepFailed):
+        batch.step()
+    engine.model.forward_batch = working
+    assert len(batch) == 0 and batch.prefix_cache_status()["entries"] == 0
+    _run_one(engine, batch, prompt, GREEDY)  # one that ends is
+    assert batch.prefix_cache_status()["entries"] == 1

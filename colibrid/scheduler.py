@@ -72,6 +72,7 @@ class Job:
     stop_reason: str | None = None
     submitted_s: float = field(default_factory=time.monotonic)
     origin: str = "a client"  # who asked, for the log: "connection 3 (uid 1000 (alice) gid 1000 pid 42)"
+    prefix_scope: bytes = b""  # who asked, for prefix reuse: asks reuse only what asks of the same scope left
     # Set by the worker when it first looks at the job at the head of the queue:
     prepared: "tuple | None" = None  # (Generation, Session) ready to join the batch
     sequence: BatchSequence | None = None  # while it runs
@@ -232,7 +233,7 @@ class Scheduler:
                 return  # it waits for a sequence to end and free its KV; the order is kept
             if not self._take_from_queue(job):
                 continue  # withdrawn meanwhile: the loop has ended it
-            job.sequence = self.batch.admit(job, generation, session)
+            job.sequence = self.batch.admit(job, generation, session, job.prefix_scope)
             with self._cond:
                 self._running = self._running + [job]
             self._last_progress_s = time.monotonic()

@@ -418,6 +418,9 @@ class Connection:
         self.number = number  # for the log only
         self.peer: PeerCredentials | None = peer_credentials(writer.get_extra_info("socket"))
         self.name = f"connection {number} ({self.peer.describe() if self.peer else 'peer unknown'})"
+        # Prefix reuse stays within one user: what another asked is neither reused nor revealed
+        # (by cached_prompt_tokens or a fast first token). A peer of unknown uid shares with nobody.
+        self.prefix_scope = f"uid {self.peer.uid}".encode() if self.peer else f"connection {number}".encode()
         self._reader = reader
         self._writer = writer
         self._loop = asyncio.get_running_loop()
@@ -563,7 +566,7 @@ class Connection:
 
     def _submit(self, ask: Ask) -> None:
         log.debug("%s: ask %r, max_tokens %d", self.name, ask.id, ask.params.max_tokens)
-        job = Job(ask, emit=_drop_event, origin=self.name)
+        job = Job(ask, emit=_drop_event, origin=self.name, prefix_scope=self.prefix_scope)
         job.emit = self._emitter(job)
         self._open_asks[ask.id] = job
         try:

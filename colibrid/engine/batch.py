@@ -42,6 +42,7 @@ class BatchSequence:
     generation: Generation
     session: "object"  # colibrid.engine.engine.Session: its state is what the steps advance
     kv_bytes: int  # its state's size, reserved in the KV budget while it runs
+    prefix_scope: bytes = b""  # whose kept prefixes it may reuse, and who may reuse its own
     expert_hits: int = 0  # expert cache hits and misses of the steps it took part in
     expert_misses: int = 0
     started_s: float = field(default_factory=time.monotonic)
@@ -119,13 +120,16 @@ class Batch:
         """Whether a sequence of ``kv_bytes`` can join now (a slot free and its KV fits)."""
         return len(self.sequences) < self.max_batch and self.kv_used_bytes + kv_bytes <= self.kv_budget_bytes
 
-    def admit(self, key: Hashable, generation: Generation, session) -> BatchSequence:
+    def admit(self, key: Hashable, generation: Generation, session, prefix_scope: bytes = b"") -> BatchSequence:
+        """Adds a sequence (``has_room`` first). With a prefix cache, it resumes from the
+        longest prefix of its prompt kept in ``prefix_scope`` (the daemon's: its user), and
+        its own state is kept there when it ends."""
         kv_bytes = session.state.nbytes
         if not self.has_room(kv_bytes):
             raise RuntimeError("admit() without room: call has_room() first")
         if self.prefix_cache is not None:  # looked up now, not when it was prepared: entries come and go
-            generation.skip_cached(self.prefix_cache.resume(session.state, generation.prompt_ids))
-        sequence = BatchSequence(key, generation, session, kv_bytes)
+            generation.skip_cached(self.prefix_cache.resume(session.state, generation.prompt_ids, prefix_scope))
+        sequence = BatchSequence(key, generation, session, kv_bytes, prefix_scope)
         self.sequences.append(sequence)
         return sequence
 
@@ -179,7 +183,8 @@ class Batch:
         if sequence.generation.finished or isinstance(outcomes[-1], SequenceFailed):
             self.sequences.remove(sequence)
             if sequence.generation.finished and self.prefix_cache is not None:
-                self.prefix_cache.keep(sequence.generation.fed_token_ids(), sequence.session.state)
+                self.prefix_cache.keep(sequence.generation.fed_token_ids(), sequence.session.state,
+                                       sequence.prefix_scope)
         return outcomes
 
     def _plan(self) -> list[tuple[BatchSequence, np.ndarray, bool]]:

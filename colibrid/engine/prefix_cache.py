@@ -10,6 +10,10 @@ whole prefix up to it and a lookup walks the prompt's blocks once, O(prompt / bl
 hash only finds candidates: the token ids themselves are compared before anything is reused,
 so a collision (even a made one) costs a comparison, never a wrong token.
 
+Every entry belongs to a scope (the daemon's: the asking user), the first input of its key
+chain, and only requests of the same scope find it: whether a prefix is kept, and how fast a
+prompt starts, says nothing about what another user asked.
+
 The cache holds at most ``budget_bytes`` of entries (prefix_cache_size): the least recently
 used leave first, and an entry that another one extends and can stand in for (same tokens
 first, resumable wherever it was) leaves when that one comes. A new sequence gets a copy of an
@@ -38,10 +42,10 @@ ENTRY_OVERHEAD_BYTES = 512  # an entry's bookkeeping besides its state and ids (
 DIGEST_BYTES = 16
 
 
-def block_keys(token_ids: np.ndarray) -> list[bytes]:
-    """One key per whole block of ``token_ids``: key i hashes blocks 0 .. i (chained)."""
+def block_keys(token_ids: np.ndarray, scope: bytes = b"") -> list[bytes]:
+    """One key per whole block of ``token_ids``: key i hashes ``scope`` and blocks 0 .. i (chained)."""
     ids = np.ascontiguousarray(token_ids, dtype="<i4")
-    keys, key = [], b""
+    keys, key = [], hashlib.blake2b(scope, digest_size=DIGEST_BYTES).digest()
     for start in range(0, ids.shape[0] - BLOCK_TOKENS + 1, BLOCK_TOKENS):
         key = hashlib.blake2b(key + ids[start:start + BLOCK_TOKENS].tobytes(), digest_size=DIGEST_BYTES).digest()
         keys.append(key)
@@ -57,6 +61,7 @@ def common_prefix_length(a: np.ndarray, b: np.ndarray) -> int:
 @dataclass(eq=False)
 class _Entry:
     token_ids: np.ndarray  # (L,) int32: the tokens the kept state holds
+    scope: bytes  # only requests of this scope reuse it
     prefix: SequencePrefix
     keys: list[bytes]  # its block keys
     nbytes: int  # counted in the budget
@@ -82,14 +87,14 @@ class PrefixCache:
 
     # -- lookup -----------------------------------------------------------------------------
 
-    def resume(self, state: SequenceState, prompt_ids: np.ndarray) -> int:
-        """Restores into the fresh ``state`` the longest kept prefix of ``prompt_ids`` it can
-        resume from, leaving at least the last prompt token to prefill; returns the number of
-        tokens restored (0: none, ``state`` untouched)."""
+    def resume(self, state: SequenceState, prompt_ids: np.ndarray, scope: bytes = b"") -> int:
+        """Restores into the fresh ``state`` the longest prefix of ``prompt_ids`` kept in
+        ``scope`` that it can resume from, leaving at least the last prompt token to prefill;
+        returns the number of tokens restored (0: none, ``state`` untouched)."""
         self.lookups += 1
         prompt_ids = np.asarray(prompt_ids)
         most = min(prompt_ids.shape[0] - 1, state.max_tokens)
-        entry_id, length = self._find(prompt_ids, most)
+        entry_id, length = self._find(prompt_ids, most, scope)
         if length == 0:
             return 0
         entry = self._entries[entry_id]
@@ -99,10 +104,10 @@ class PrefixCache:
         self.tokens_reused += length
         return length
 
-    def _find(self, prompt_ids: np.ndarray, most: int) -> tuple[int, int]:
+    def _find(self, prompt_ids: np.ndarray, most: int, scope: bytes) -> tuple[int, int]:
         """(entry id, length) of the longest resumable prefix of at most ``most`` tokens; (-1, 0) if none."""
         levels = []  # entry ids sharing blocks 0 .. i with the prompt, for each i until none do
-        for key in block_keys(prompt_ids[:most]):
+        for key in block_keys(prompt_ids[:most], scope):
             sharing = self._by_key.get(key)
             if not sharing:
                 break
@@ -118,6 +123,8 @@ class PrefixCache:
                     return best_id, best_length
                 compared.add(entry_id)
                 entry = self._entries[entry_id]
+                if entry.scope != scope:
+                    continue
                 length = entry.prefix.resume_length(min(most, common_prefix_length(entry.token_ids, prompt_ids)))
                 if length > best_length:
                     best_id, best_length = entry_id, length
@@ -125,10 +132,10 @@ class PrefixCache:
 
     # -- keeping ------------------------------------------------------------------------------
 
-    def keep(self, token_ids: np.ndarray, state: SequenceState) -> bool:
-        """Keeps a copy of a finished sequence's ``state``, which holds ``token_ids``, if it fits
-        in the budget (evicting the least recently used entries) and can be resumed from.
-        The caller frees ``state`` (nothing here refers to it)."""
+    def keep(self, token_ids: np.ndarray, state: SequenceState, scope: bytes = b"") -> bool:
+        """Keeps a copy of a finished sequence's ``state``, which holds ``token_ids``, for the
+        requests of ``scope``, if it fits in the budget (evicting the least recently used
+        entries) and can be resumed from. The caller frees ``state`` (nothing here refers to it)."""
         token_ids = np.asarray(token_ids, dtype=np.int32)
         if token_ids.shape[0] != state.length:
             raise ValueError(f"{token_ids.shape[0]} token ids for a state of {state.length} tokens")
@@ -140,20 +147,20 @@ class PrefixCache:
         if prefix is None:
             self.not_kept += 1
             return False
-        keys = block_keys(token_ids)
-        for entry_id in self._replaced_by(token_ids, prefix, keys):
+        keys = block_keys(token_ids, scope)
+        for entry_id in self._replaced_by(token_ids, scope, prefix, keys):
             self._remove(entry_id)
         while self.used_bytes + nbytes > self.budget_bytes:
             self._remove(next(iter(self._entries)))
             self.evicted += 1
         entry_id, self._next_id = self._next_id, self._next_id + 1
-        self._entries[entry_id] = _Entry(token_ids, prefix, keys, nbytes)
+        self._entries[entry_id] = _Entry(token_ids, scope, prefix, keys, nbytes)
         for key in keys:
             self._by_key.setdefault(key, {})[entry_id] = None
         self.entries, self.used_bytes, self.kept = len(self._entries), self.used_bytes + nbytes, self.kept + 1
         return True
 
-    def _replaced_by(self, token_ids: np.ndarray, prefix: SequencePrefix, keys: list[bytes]) -> list[int]:
+    def _replaced_by(self, token_ids: np.ndarray, scope: bytes, prefix: SequencePrefix, keys: list[bytes]) -> list[int]:
         """The entries a new one makes useless: their tokens begin the new one's, and it
         resumes wherever they did."""
         candidates = {entry_id for key in keys for entry_id in self._by_key.get(key, ())}
@@ -161,7 +168,7 @@ class PrefixCache:
         for entry_id in candidates:
             entry = self._entries[entry_id]
             n = entry.token_ids.shape[0]
-            if (n <= token_ids.shape[0] and np.array_equal(entry.token_ids, token_ids[:n])
+            if (entry.scope == scope and n <= token_ids.shape[0] and np.array_equal(entry.token_ids, token_ids[:n])
                     and prefix.resume_from <= entry.prefix.resume_from and entry.prefix.resume_to <= prefix.resume_to):
                 replaced.append(entry_id)
         return replaced

@@ -250,11 +250,27 @@ def test_an_entry_that_a_longer_one_extends_is_replaced_by_it():
     assert cache.resume(_state([]), a + [5]) == 32
 
 
+def test_a_scope_reuses_only_its_own_prefixes():
+    """The daemon's scope is the asking user: what one user asked is neither reused by nor
+    revealed to another (by cached_prompt_tokens, or a fast first token)."""
+    from colibrid.engine.prefix_cache import PrefixCache
+
+    cache = PrefixCache(1 << 20)
+    a = _ids(1, 40)
+    cache.keep(a, _state(a), scope=b"uid 1000")
+    assert cache.resume(_state([]), a + [1], scope=b"uid 1001") == 0
+    assert cache.resume(_state([]), a + [1]) == 0
+    assert cache.resume(_state([]), a + [1], scope=b"uid 1000") == 40
+    cache.keep(a, _state(a), scope=b"uid 1001")  # the same tokens for another user: an entry of its own
+    assert cache.status()["entries"] == 2
+
+
 def test_a_hash_collision_never_reuses_other_tokens(monkeypatch):
     """The block keys only find candidates: the ids themselves decide."""
     from colibrid.engine import prefix_cache
 
-    monkeypatch.setattr(prefix_cache, "block_keys", lambda ids: [b"same"] * (len(ids) // prefix_cache.BLOCK_TOKENS))
+    monkeypatch.setattr(prefix_cache, "block_keys",
+                        lambda ids, scope=b"": [b"same"] * (len(ids) // prefix_cache.BLOCK_TOKENS))
     cache = prefix_cache.PrefixCache(1 << 20)
     a = _ids(1, 40)
     cache.keep(a, _state(a))

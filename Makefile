@@ -27,7 +27,7 @@ INSTALL ?= install
 # The documents installed next to the units (their Documentation= names two); install and
 # uninstall both read this one list, so they cannot drift apart.
 DOCS = systemd.md protocol.md thermal.md security.md gateway.md
-# The units name the colibrid executable and the docs by absolute path, known only at install.
+# The units (and the udev rule's probe) name executables and the docs by absolute path, known only at install.
 SUBSTITUTE = sed -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@DOCDIR@|$(DOCDIR)|g'
 
 .PHONY: all install uninstall activate
@@ -47,6 +47,8 @@ install:
 	$(INSTALL) -m 0644 systemd/sysusers.d/colibri.conf $(DESTDIR)$(SYSUSERSDIR)/colibri.conf
 	$(INSTALL) -m 0644 systemd/tmpfiles.d/colibri.conf $(DESTDIR)$(TMPFILESDIR)/colibri.conf
 	$(INSTALL) -m 0644 udev/60-colibri-nvme.rules $(DESTDIR)$(UDEVRULESDIR)/60-colibri-nvme.rules
+	$(SUBSTITUTE) udev/61-colibri-pack.rules > $(DESTDIR)$(UDEVRULESDIR)/61-colibri-pack.rules
+	chmod 0644 $(DESTDIR)$(UDEVRULESDIR)/61-colibri-pack.rules
 	$(INSTALL) -m 0644 etc/sysctl.d/60-colibri.conf $(DESTDIR)$(SYSCTLDIR)/60-colibri.conf
 	$(INSTALL) -m 0644 $(addprefix docs/,$(DOCS)) $(DESTDIR)$(DOCDIR)/
 	@# The config is the admin's once installed: never overwrite an edited one.
@@ -59,7 +61,8 @@ uninstall:
 	rm -f $(DESTDIR)$(UNITDIR)/colibrid.service $(DESTDIR)$(UNITDIR)/colibrid.socket \
 		$(DESTDIR)$(UNITDIR)/colibri-openai.service $(DESTDIR)$(UNITDIR)/colibri-openai.socket \
 		$(DESTDIR)$(SYSUSERSDIR)/colibri.conf $(DESTDIR)$(TMPFILESDIR)/colibri.conf \
-		$(DESTDIR)$(UDEVRULESDIR)/60-colibri-nvme.rules $(DESTDIR)$(SYSCTLDIR)/60-colibri.conf \
+		$(DESTDIR)$(UDEVRULESDIR)/60-colibri-nvme.rules $(DESTDIR)$(UDEVRULESDIR)/61-colibri-pack.rules \
+		$(DESTDIR)$(SYSCTLDIR)/60-colibri.conf \
 		$(addprefix $(DESTDIR)$(DOCDIR)/,$(DOCS))
 	-rmdir $(DESTDIR)$(DOCDIR) 2>/dev/null
 	@echo "left in place: $(SYSCONFDIR)/colibri/colibrid.toml, colibri-openai.toml, /var/lib/colibri and the colibri user"

@@ -19,6 +19,15 @@ re-runs the measurement inside a child memory cgroup (v1) with that memory.limit
 (models/colibri-olmoe-stdlib) decodes its held-out validation text token by token, and the
 cache's hit rate is reported per size and policy.
 
+`trace-record` subscribes to a running daemon's routing stream (docs/protocol.md) and writes
+what it gets to a JSON-lines trace; `trace-replay` reads the experts each MoE layer step
+needs from a trace, in order, through the expert cache at several sizes and policies, with
+no model to compute: the cache's hit rate and reads on real serving traffic. A trace is the
+recorder's file or the output of `colibrictl ask --json --debug-routing` (one step per token).
+
+    python bench/bench_aepc.py trace-record /tmp/trace.jsonl --socket /run/colibri/colibrid.sock --seconds 60
+    python bench/bench_aepc.py trace-replay /var/tmp/olmoe-q8.pack /tmp/trace.jsonl --fractions 0.25,0.5
+
 `versus` runs llama.cpp (llama-bench, its default mmap loading) on a GGUF of the same model
 and Colibri on the pack, one after the other inside the same memory cgroup limit (default
 40 % of the pack), each starting with its files evicted from the page cache, and prints
@@ -337,6 +346,115 @@ def cmd_policies(args) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# Routing traces: recorded from a running daemon, replayed through the cache
+# --------------------------------------------------------------------------------------------
+
+
+def record_trace(socket_path: str, out: Path, seconds: float | None, steps: int | None) -> int:
+    """Writes the `subscribed` event, then each `routing` event, one JSON object a line, until
+    ``seconds`` have passed or ``steps`` summaries came; returns the summaries written. A
+    summary the daemon dropped for us (we were slow) is counted in the next one's `dropped`."""
+    import threading
+
+    from colibrictl.connection import ClientError, Connection
+
+    written, deadline_s = 0, None if seconds is None else time.monotonic() + seconds
+    with Connection.open(socket_path, client_name="bench_aepc trace-record") as connection, open(out, "w") as f:
+        # An idle daemon sends nothing: at the deadline the connection is closed under the read.
+        timer = threading.Timer(seconds, connection.close) if seconds is not None else None
+        request_id = connection.send("subscribe", stream="routing")
+        if timer is not None:
+            timer.start()
+        try:
+            for event in connection.events(request_id):
+                f.write(json.dumps(event) + "\n")
+                written += event.get("event") == "routing"
+                if steps is not None and written >= steps:
+                    break
+        except ClientError:
+            if deadline_s is None or time.monotonic() < deadline_s:
+                raise  # the daemon went away, not our deadline
+        finally:
+            if timer is not None:
+                timer.cancel()
+    return written
+
+
+def read_trace(path: Path) -> list[list[tuple[int, list[int]]]]:
+    """The trace's steps, each the (layer, experts needed) of every MoE layer in order: from the
+    recorder's `routing` events, or from `ask --debug-routing --json` token lines (that
+    token's experts, one step each). Other lines are skipped."""
+    steps = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        event = json.loads(line)
+        if event.get("event") == "routing":
+            steps.append([(int(entry["layer"]), [int(e) for e in entry["experts"]]) for entry in event["layers"]])
+        elif event.get("event") == "token" and isinstance(event.get("routing"), dict):
+            routing = event["routing"]
+            steps.append([(int(layer), sorted({int(e) for e in experts}))
+                          for layer, experts in zip(routing["layers"], routing["experts"])])
+    return steps
+
+
+def replay_trace(pack_path: Path, steps: list[list[tuple[int, list[int]]]], cache_bytes: int, policy: str) -> dict:
+    """Acquires each step's experts layer by layer (in waves of the cache's pinnable slots, as
+    the engine does) and returns the cache's hit rate and reads."""
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(pack_path)
+    config = pack.manifest.model
+    moe_layers = set(config.moe_layer_ids)
+    for step in steps:
+        for layer, experts in step:
+            if layer not in moe_layers or any(not 0 <= e < config.num_experts for e in experts):
+                raise SystemExit(f"the trace names layer {layer} experts {experts}, which {pack_path} does not have "
+                                 f"(MoE layers {sorted(moe_layers)}, {config.num_experts} experts): another model's trace?")
+    source = CachedExpertSource(pack, cache_bytes, policy=policy, io_queue_depth=16, hugepages="off",
+                                lock_memory="off", prefetch=False)
+    try:
+        start = time.perf_counter()
+        for step in steps:
+            for layer, experts in step:
+                for first in range(0, len(experts), source.max_pinned):
+                    wave = experts[first:first + source.max_pinned]
+                    with source.acquire(layer, wave) as acquired:
+                        for expert in wave:
+                            acquired[expert]  # waits for its read, as the engine's use of it would
+        elapsed = time.perf_counter() - start
+        total = source.stats()["total"]
+        return {"policy": policy, "slots": source.n_slots, "steps": len(steps), "hit_rate": total["hit_rate"],
+                "hits": total.get("hits", 0) + total.get("inflight_hits", 0), "misses": total.get("misses", 0),
+                "bytes_read": total.get("bytes_read", 0), "seconds": elapsed,
+                "read_gb_per_s": total.get("bytes_read", 0) / elapsed / 1e9 if elapsed > 0 else 0.0}
+    finally:
+        source.close()
+
+
+def cmd_trace_replay(args) -> int:
+    from colibrid.pack.reader import Pack
+
+    steps = read_trace(args.trace)
+    if not steps:
+        raise SystemExit(f"{args.trace} holds no routing steps")
+    expert_bytes = sum(r.length for r in Pack.open(args.pack).manifest.expert_records)
+    print(f"{args.trace}: {len(steps)} steps, replayed on {args.pack} (experts {format_bytes(expert_bytes)})", flush=True)
+    rows = []
+    for fraction in [float(f) for f in args.fractions.split(",")]:
+        for policy in args.policies.split(","):
+            row = {"fraction": fraction, **replay_trace(args.pack, steps, int(expert_bytes * fraction), policy)}
+            rows.append(row)
+            print(f"cache {fraction:4.0%} ({row['slots']} slots) {policy:4s}: hit {row['hit_rate'] or 0:.1%}, "
+                  f"{row['misses']} records read ({format_bytes(row['bytes_read'])}, "
+                  f"{row['read_gb_per_s']:.2f} GB/s)", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
 # Side by side with llama.cpp under one memory limit
 # --------------------------------------------------------------------------------------------
 
@@ -450,7 +568,32 @@ def main(argv: list[str] | None = None) -> int:
     pol.add_argument("--tokens", type=int, default=4096)
     pol.add_argument("--document", type=int, default=512, help="tokens per sequence")
     pol.add_argument("--json", help="also write the results here")
+    tr = sub.add_parser("trace-record", help="record a running daemon's routing stream to a trace file")
+    tr.add_argument("out", type=Path)
+    tr.add_argument("--socket", default=None, help="the daemon's socket (default: $COLIBRI_SOCKET or colibrictl's)")
+    tr.add_argument("--seconds", type=float, help="stop after this long (default: at --steps, or Ctrl-C)")
+    tr.add_argument("--steps", type=int, help="stop after this many step summaries")
+    tp = sub.add_parser("trace-replay", help="replay a routing trace through the expert cache")
+    tp.add_argument("pack", type=Path, help="the pack of the model the trace was recorded on")
+    tp.add_argument("trace", type=Path, help="from trace-record, or `colibrictl ask --json --debug-routing` output")
+    tp.add_argument("--fractions", default="0.25,0.5,1.0", help="cache sizes as fractions of the expert bytes")
+    tp.add_argument("--policies", default="lru,lfru")
+    tp.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
+    if args.cmd == "trace-record":
+        import os
+
+        from colibrictl.connection import DEFAULT_SOCKET_PATH
+
+        socket_path = args.socket or os.environ.get("COLIBRI_SOCKET") or DEFAULT_SOCKET_PATH
+        try:
+            count = record_trace(socket_path, args.out, args.seconds, args.steps)
+        except KeyboardInterrupt:
+            count = None
+        print(f"wrote {args.out}" + ("" if count is None else f": {count} step summaries"), file=sys.stderr)
+        return 0
+    if args.cmd == "trace-replay":
+        return cmd_trace_replay(args)
     if args.cmd == "policies":
         return cmd_policies(args)
     if args.cmd == "build":

@@ -2,6 +2,11 @@
 rest is Python (wrappers, routing, numpy glue). Uses the packs bench_kernels.py builds.
 
     python bench/decode_breakdown.py ~/.cache/colibri-bench/olmoe-q4_g64.pack --threads 2
+    python bench/decode_breakdown.py ~/.cache/colibri-bench/olmoe-4l-q8_0.pack --batch 8
+
+With --batch N, N sequences decode together through Model.forward_batch (one step = one
+token of each), as the daemon's batch runs them, and each step's sampling (seeded,
+temperature 1, as bench_serving asks) is timed on its own line.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import ResidentExpertSource  # noqa: E402
 
-CALLS = ("col_matmul", "col_moe_experts", "col_moe_experts_ffn", "col_attention_block", "col_mla_block", "col_moe_route",
+CALLS = ("col_matmul", "col_moe_experts", "col_moe_experts_ffn", "col_attention_block", "col_attention_block_batch", "col_mla_block", "col_moe_route",
          "col_moe_router_route", "col_attention", "col_rms_norm", "col_rope", "col_rope_partial", "col_silu_mul",
          "col_get_rows")
 
@@ -26,6 +31,7 @@ def main() -> int:
     parser.add_argument("pack", type=Path)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=0, help="decode N sequences together (0: one, unbatched)")
     args = parser.parse_args()
 
     from colibrid import native
@@ -56,12 +62,33 @@ def main() -> int:
             token = int(np.argmax(session.forward([token], all_logits=False)[0]))
         return time.perf_counter() - t0
 
-    decode()
+    def decode_batch() -> float:
+        from colibrid.engine.model import StepInput
+        from colibrid.engine.sampling import Sampler
+        from colibrid.sampling_params import SamplingParams
+
+        sessions = [engine.new_session(args.tokens + 8) for _ in range(args.batch)]
+        samplers = [Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=i))
+                    for i in range(args.batch)]
+        tokens = list(range(1, args.batch + 1))
+        history = np.zeros(args.tokens + 8, np.int64)
+        t0 = time.perf_counter()
+        for _ in range(args.tokens):
+            logits = engine.model.forward_batch([StepInput(s.state, np.array([t], np.int32), "last")
+                                                 for s, t in zip(sessions, tokens)])
+            t_sample = time.perf_counter()
+            tokens = [sampler.sample(rows[-1], history).token_id for sampler, rows in zip(samplers, logits)]
+            spent["sampling"] = spent.get("sampling", 0.0) + time.perf_counter() - t_sample
+        return time.perf_counter() - t0
+
+    run = decode_batch if args.batch else decode
+    run()
     spent.clear()
-    total = decode()
+    total = run()
     per = lambda s: 1e3 * s / args.tokens  # noqa: E731
-    print(f"{args.pack.name}, {args.threads} thread(s), kernels {native.kernels()}: {per(total):.2f} ms/token "
-          f"({args.tokens / total:.1f} tok/s)")
+    what = f"ms/step of {args.batch} tokens" if args.batch else "ms/token"
+    print(f"{args.pack.name}, {args.threads} thread(s), kernels {native.kernels()}: {per(total):.2f} {what} "
+          f"({max(args.batch, 1) * args.tokens / total:.1f} tok/s)")
     for name, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {name:18s} {per(seconds):6.2f} ms")
     print(f"  {'python / other':18s} {per(total - sum(spent.values())):6.2f} ms")

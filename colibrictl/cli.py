@@ -58,6 +58,14 @@ ask:
   {{"event": "cancelled", "id", "text", "generated_tokens"}}: what was received
   before the interrupt. So the last line tells a complete answer (done) from a
   failed (error) or a cut-off (cancelled) one.
+  --debug-routing (with --json) adds `routing` to each token event: the step,
+  the MoE layers, and per layer the experts (best first) and their weights
+  chosen for the position the token was sampled from (the last prompt token
+  for the first one). Prompt positions before the last are not reported.
+
+top:
+  A live view like htop (q quits); `colibrictl top --help` describes the
+  screen. --once prints one snapshot, --json one JSON object per interval.
 
 chat:
   A conversation: every turn sends the earlier ones. On a terminal, with line
@@ -116,6 +124,9 @@ def _add_ask_options(ask: argparse.ArgumentParser) -> None:
     sampling = add_sampling_options(ask)
     sampling.add_argument("--logprobs", type=int, metavar="N",
                           help="report the top N alternatives per token (shown with --json)")
+    ask.add_argument("--debug-routing", action="store_true",
+                     help="with --json: each token event carries `routing`, the experts (and their weights) "
+                          "each MoE layer chose for the position the token was sampled from")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -166,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(run=run_status, parser=status)
     models = commands.add_parser("models", parents=[common], help="the models the daemon serves")
     models.set_defaults(run=run_models, parser=models)
+    from colibrictl.top import add_top_parser  # top imports this module's helpers too
+
+    add_top_parser(commands, common, argparse.RawDescriptionHelpFormatter)
     return parser
 
 
@@ -264,10 +278,15 @@ def ask_fields(args: argparse.Namespace, prompt: str) -> dict:
             fields[option] = getattr(args, option)
     if args.raw:
         fields["raw"] = True
+    if getattr(args, "debug_routing", False):
+        fields["debug_routing"] = True
     return fields
 
 
 def run_ask(args: argparse.Namespace) -> int:
+    if args.debug_routing and not (wants_json(args) and args.stream):
+        args.parser.error("--debug-routing shows the routing in the token events: use it with --json "
+                          "(and without --no-stream)")
     # The prompt is read before connecting: a usage error needs no daemon, and the daemon
     # does not hold a connection open while someone types.
     fields = ask_fields(args, read_prompt(args))

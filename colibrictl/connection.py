@@ -41,8 +41,8 @@ _LENGTH = struct.Struct(">I")  # the frame header: one unsigned 32-bit big-endia
 _MAX_INCOMING_FRAME_BYTES = 64 * 1024 * 1024
 _RECV_CHUNK_BYTES = 64 * 1024
 
-# Events that end a request; everything else (token) is a step along the way.
-_FINAL_EVENTS = frozenset({"done", "ok", "hello", "status", "models"})
+# Events that end a request; everything else (token, subscribed, routing) is a step along the way.
+_FINAL_EVENTS = frozenset({"done", "ok", "hello", "status", "models", "unsubscribed"})
 
 
 # --------------------------------------------------------------------------------------------

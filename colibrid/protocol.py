@@ -107,12 +107,19 @@ class Ask:
     raw: bool
     params: SamplingParams
     tools: list[dict[str, Any]] | None = None  # function descriptions for the chat template
+    debug_routing: bool = False  # each token event carries the experts that produced it
 
 
 @dataclass(frozen=True)
 class Cancel:
     id: RequestId
     target: RequestId
+
+
+@dataclass(frozen=True)
+class Subscribe:
+    id: RequestId
+    stream: str
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,10 @@ class Models:
     id: RequestId
 
 
-Request = Union[Hello, Ask, Cancel, Status, Models]
+Request = Union[Hello, Ask, Cancel, Subscribe, Status, Models]
+
+# The streams a client may subscribe to.
+STREAMS = ("routing",)
 
 _MISSING = object()
 
@@ -229,6 +239,7 @@ _ASK_FIELD_TYPES = {
     "stop": (_is_string_list, "a list of strings"),
     "logprobs": (_is_int, "an integer"),
     "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
+    "debug_routing": (lambda v: isinstance(v, bool), "a boolean"),
 }
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "min_p", "repetition_penalty", "top_k", "seed", "stop",
                     "logprobs", "ignore_eos")
@@ -285,7 +296,7 @@ def _parse_ask(message: dict[str, Any], request_id: RequestId, default_max_token
         raise ProtocolError("invalid_params", "`tools` go through the chat template; a `raw` ask has none",
                             request_id)
     return Ask(request_id, fields["prompt"], fields["messages"], fields["system"], bool(fields["raw"]), params,
-               fields["tools"] or None)
+               fields["tools"] or None, bool(fields["debug_routing"]))
 
 
 def _parse_cancel(message: dict[str, Any], request_id: RequestId) -> Cancel:
@@ -297,6 +308,16 @@ def _parse_cancel(message: dict[str, Any], request_id: RequestId) -> Cancel:
     return Cancel(request_id, target)
 
 
+def _parse_subscribe(message: dict[str, Any], request_id: RequestId) -> Subscribe:
+    stream = message.get("stream")
+    if not isinstance(stream, str):
+        raise ProtocolError("bad_request", "subscribe needs `stream`: a string", request_id)
+    if stream not in STREAMS:
+        raise ProtocolError("invalid_params", f"no stream {stream[:64]!r}; streams are {', '.join(STREAMS)}",
+                            request_id)
+    return Subscribe(request_id, stream)
+
+
 def _parse_status(message: dict[str, Any], request_id: RequestId) -> Status:
     return Status(request_id)
 
@@ -305,8 +326,8 @@ def _parse_models(message: dict[str, Any], request_id: RequestId) -> Models:
     return Models(request_id)
 
 
-_PARSERS = {"hello": _parse_hello, "ask": _parse_ask, "cancel": _parse_cancel, "status": _parse_status,
-            "models": _parse_models}
+_PARSERS = {"hello": _parse_hello, "ask": _parse_ask, "cancel": _parse_cancel, "subscribe": _parse_subscribe,
+            "status": _parse_status, "models": _parse_models}
 
 
 # --------------------------------------------------------------------------------------------
@@ -338,16 +359,52 @@ def status_event(request_id: RequestId, daemon_status: dict[str, Any]) -> dict[s
     return {"event": "status", "id": request_id, **daemon_status}
 
 
-def token_event(request_id: RequestId, token: Any, token_text: Callable[[int], str] | None = None) -> dict[str, Any]:
+def token_event(request_id: RequestId, token: Any, token_text: Callable[[int], str] | None = None,
+                routing: dict[str, Any] | None = None) -> dict[str, Any]:
     """A `token` event for one sampled token: the engine's GenerationEvent (token_id, text,
     logprob, top_logprobs). With ``token_text`` (the request asked for logprobs), the event
-    carries the token's logprob and its alternatives as [id, text, logprob]."""
+    carries the token's logprob and its alternatives as [id, text, logprob]; with ``routing``
+    (debug_routing, see token_routing) the experts that produced it."""
     event: dict[str, Any] = {"event": "token", "id": request_id, "token_ids": [token.token_id], "text": token.text}
     if token_text is not None:
         event["logprob"] = token.logprob
         event["top_logprobs"] = [[token_id, token_text(token_id), logprob]
                                  for token_id, logprob in (token.top_logprobs or [])]
+    if routing is not None:
+        event["routing"] = routing
     return event
+
+
+def token_routing(step: int, layers: list[int], experts: list[list[int]], weights: list[list[float]]) -> dict[str, Any]:
+    """A token event's `routing`: in step ``step``, the experts (best first) and their mixing
+    weights that each MoE layer chose for the position whose logits the token was sampled from."""
+    return {"step": step, "layers": layers, "experts": experts, "weights": weights}
+
+
+def subscribed_event(request_id: RequestId, stream: str, moe_layers: list[int], num_experts: int,
+                     experts_per_token: int) -> dict[str, Any]:
+    """The first event of a subscription: the model's routing shape, for drawing what follows."""
+    return {"event": "subscribed", "id": request_id, "stream": stream, "moe_layers": moe_layers,
+            "num_experts": num_experts, "experts_per_token": experts_per_token}
+
+
+def routing_layer_summary(layer: int, experts: list[int], counts: list[int], hits: int | None,
+                          misses: int | None) -> dict[str, Any]:
+    """One MoE layer in a `routing` event: the experts the step's rows chose (increasing), how
+    many rows chose each, and the expert cache's hits and misses in the step (nil: no cache)."""
+    return {"layer": layer, "experts": experts, "counts": counts, "hits": hits, "misses": misses}
+
+
+def routing_event(request_id: RequestId, step: int, step_ms: float, rows: int, sequences: int,
+                  layers: list[dict[str, Any]], dropped: int) -> dict[str, Any]:
+    """One step's routing summary for a subscriber; ``dropped``: summaries it missed before this one."""
+    return {"event": "routing", "id": request_id, "step": step, "step_ms": step_ms, "rows": rows,
+            "sequences": sequences, "layers": layers, "dropped": dropped}
+
+
+def unsubscribed_event(request_id: RequestId, reason: str) -> dict[str, Any]:
+    """The last event of a subscription: "cancelled" or "shutdown"."""
+    return {"event": "unsubscribed", "id": request_id, "reason": reason}
 
 
 def done_event(request_id: RequestId, done: Any, expert_hits: int = 0, expert_misses: int = 0) -> dict[str, Any]:

@@ -42,8 +42,9 @@ from colibrid.engine.expert_cache import ExpertLoadingPaused
 from colibrid.engine.experts import ExpertLoadError
 from colibrid.engine.generate import GenerationDone
 from colibrid.protocol import (
-    Ask, cancelled_before_start_event, done_event, error_event, shutdown_event, token_event,
+    Ask, cancelled_before_start_event, done_event, error_event, shutdown_event, token_event, token_routing,
 )
+from colibrid.routing_stream import RoutingStream, token_rows
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class Scheduler:
         self.max_queue = max_queue
         # touched by the worker only (status reads its counters)
         self.batch = engine.new_batch(max_batch, prefill_chunk, kv_budget_bytes, prefix_cache_bytes)
+        # The routing stream's subscribers (the server's) and debug_routing asks: what each step's router chose
+        self.routing = RoutingStream(engine.model.routing_capture, lambda: engine.experts.layer_counters())
         self.requests_served = 0  # asks that ended with `done`, whatever the finish reason
         self.tokens_generated = 0  # tokens streamed since start, for the recent tokens/s in STATUS=
         self._cond = threading.Condition()
@@ -269,15 +272,19 @@ class Scheduler:
         return None
 
     def _step(self) -> None:
+        self.routing.before_step(debug_asks=any(job.ask.debug_routing for job in self._running))
         try:
             results = self.batch.step()
         except StepFailed as failure:
             self._fail(failure.sequences, failure.__cause__)
             return
+        routing = self.routing.after_step(self.batch.steps)  # None unless someone watches
         if any(outcomes for _, outcomes in results):  # a token (a prompt chunk alone is not one: stall_timeout_s)
             self._last_progress_s = time.monotonic()
-        for sequence, outcomes in results:
-            self._deliver(sequence.key, sequence, outcomes)
+        for index, (sequence, outcomes) in enumerate(results):  # in the step's order: sequence `index` of it
+            debug = routing is not None and sequence.key.ask.debug_routing and token_rows(routing, index)
+            self._deliver(sequence.key, sequence, outcomes,
+                          token_routing(self.batch.steps, routing.layers, *debug) if debug else None)
 
     def _fail(self, sequences: list[BatchSequence], cause: BaseException | None) -> None:
         """A step failed: its sequences had their states partly advanced, so they all end with
@@ -295,7 +302,7 @@ class Scheduler:
                 log.log(level, "request %r from %s: %s", job.ask.id, job.origin, message)
             self._finish(job, error_event(job.ask.id, code, message))
 
-    def _deliver(self, job: Job, sequence: BatchSequence, outcomes: list) -> None:
+    def _deliver(self, job: Job, sequence: BatchSequence, outcomes: list, routing: dict | None = None) -> None:
         for outcome in outcomes:
             if isinstance(outcome, SequenceFailed):
                 log.error("request %r from %s: %s", job.ask.id, job.origin, outcome.message)
@@ -306,7 +313,7 @@ class Scheduler:
                 self.tokens_generated += 1
                 token_text = self.engine.tokenizer.decode if job.ask.params.logprobs is not None else None
                 job.emit(token_event(job.ask.id, outcome, None if token_text is None else
-                                     (lambda token_id: token_text([token_id]))))
+                                     (lambda token_id: token_text([token_id])), routing))
 
     def _retire_stopped(self) -> None:
         """Takes the cancelled, disconnected and shut-down sequences out of the batch."""

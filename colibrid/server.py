@@ -44,9 +44,11 @@ from colibrid import __version__
 from colibrid.access import AccessPolicy, PeerCredentials, peer_credentials
 from colibrid.listener import Listener
 from colibrid.protocol import (
-    LENGTH_PREFIX, Ask, Cancel, Hello, Models, ProtocolError, Request, RequestId, Status, body_length, decode_body,
-    encode_frame, error_event, hello_event, is_request_id, models_event, ok_event, parse_request, status_event,
+    LENGTH_PREFIX, Ask, Cancel, Hello, Models, ProtocolError, Request, RequestId, Status, Subscribe, body_length,
+    decode_body, encode_frame, error_event, hello_event, is_request_id, models_event, ok_event, parse_request,
+    status_event, subscribed_event, unsubscribed_event,
 )
+from colibrid.routing_stream import Subscription, TooManySubscribers
 from colibrid.scheduler import (
     STOP_CANCELLED, STOP_DISCONNECTED, Event, Job, QueueFull, Scheduler, SchedulerStopped, cancelled_done,
     shutdown_error,
@@ -301,6 +303,8 @@ class Server:
         if not await asyncio.to_thread(self.scheduler.join, WORKER_STOP_TIMEOUT_S):
             log.warning("the engine thread did not stop within %.0f s; exiting without it", WORKER_STOP_TIMEOUT_S)
         await asyncio.sleep(0)  # the worker's last events are queued on the loop; let them reach the outboxes
+        for connection in list(self._connections):
+            connection.end_subscriptions("shutdown")
         await asyncio.gather(*(connection.close() for connection in list(self._connections)))
         leftover = [task for task in self._connection_tasks if not task.done()]  # accepted as we stopped
         for task in leftover:
@@ -433,6 +437,7 @@ class Connection:
         self._outbox_has_room.set()
         self._frame_queued = asyncio.Event()  # wakes the writer: a frame, or _closed set
         self._open_asks: dict[RequestId, Job] = {}
+        self._subscriptions: dict[RequestId, Subscription] = {}  # its open `subscribe` requests
         self._greeted = False
         self._closed = False  # no more frames are queued once set
         self._serve_task: asyncio.Task | None = None
@@ -464,6 +469,7 @@ class Connection:
         for job in self._open_asks.values():
             self.server.scheduler.withdraw(job, STOP_DISCONNECTED)
         self._open_asks.clear()
+        self.end_subscriptions(None)
         self._closed = True
         self._frame_queued.set()  # the writer sends what is queued, then returns
         try:
@@ -546,7 +552,7 @@ class Connection:
             raise ProtocolError("bad_request", "the first request on a connection must be hello",
                                 request_id if is_request_id(request_id) else None)
         request = parse_request(message, self.server.settings.default_max_tokens, self.server.model["sampling_defaults"])
-        if request.id in self._open_asks:
+        if request.id in self._open_asks or request.id in self._subscriptions:
             raise ProtocolError("bad_request", f"id {request.id!r} is already open on this connection", request.id)
         self._dispatch(request)
 
@@ -559,6 +565,8 @@ class Connection:
             self._submit(request)
         elif isinstance(request, Cancel):
             self._cancel(request)
+        elif isinstance(request, Subscribe):
+            self._subscribe(request)
         elif isinstance(request, Status):
             self.send(self.server.status_event(request.id))
         elif isinstance(request, Models):
@@ -577,11 +585,40 @@ class Connection:
         except SchedulerStopped:
             self._deliver(job, shutdown_error(job))
 
+    def _subscribe(self, request: Subscribe) -> None:
+        """A routing subscription: `subscribed` (the model's routing shape), then a `routing`
+        event per step until the client cancels it or goes away."""
+        stream = self.server.scheduler.routing
+        try:
+            subscription = stream.subscribe(request.id, self.send, lambda: self._outbox_bytes,
+                                            self.server.settings.limits.max_outbox_bytes)
+        except TooManySubscribers as exc:
+            self.send(error_event(request.id, "busy", f"{exc}; try again later"))
+            return
+        self._subscriptions[request.id] = subscription
+        log.debug("%s: subscribed to %s (%d subscribers)", self.name, request.stream, stream.subscribers)
+        self.send(subscribed_event(request.id, request.stream, stream.capture.moe_layers, stream.capture.num_experts,
+                                   self.server.engine.config.num_experts_per_tok))
+
+    def end_subscriptions(self, reason: str | None) -> None:
+        """Ends every subscription of this connection, telling the client why (None: it is gone)."""
+        for request_id, subscription in list(self._subscriptions.items()):
+            self.server.scheduler.routing.unsubscribe(subscription)
+            if reason is not None:
+                self.send(unsubscribed_event(request_id, reason))
+        self._subscriptions.clear()
+
     def _cancel(self, cancel: Cancel) -> None:
+        subscription = self._subscriptions.pop(cancel.target, None)
+        if subscription is not None:
+            self.server.scheduler.routing.unsubscribe(subscription)
+            self.send(ok_event(cancel.id))
+            self.send(unsubscribed_event(cancel.target, "cancelled"))
+            return
         job = self._open_asks.get(cancel.target)
         if job is None:
-            raise ProtocolError("unknown_request", f"no open ask with id {cancel.target!r} on this connection",
-                                cancel.id)
+            raise ProtocolError("unknown_request", f"no open ask or subscription with id {cancel.target!r} on this "
+                                "connection", cancel.id)
         self.send(ok_event(cancel.id))
         if self.server.scheduler.withdraw(job, STOP_CANCELLED):
             self._deliver(job, cancelled_done(job))  # it never started; otherwise the worker ends it

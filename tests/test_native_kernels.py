@@ -76,14 +76,17 @@ def test_simd_matmul_equals_portable_within_the_activation_bound(type_, shape, k
 @pytest.mark.parametrize("type_", QUANT_TYPES, ids=lambda t: t.name_in_pack)
 @pytest.mark.parametrize("n_in_64", [1, 3, 4, 9, 32])  # whole steps of the 4-block loops and tails
 def test_a_token_gets_the_same_bits_alone_or_in_a_batch(type_, n_in_64, kernel_level):
-    """The one-token kernels (decode) and the four-token kernels (prefill) do the same
-    arithmetic: a row of a 6-token product equals that token's product on its own."""
-    packed, _, x, n_out, n_in = _inputs(type_, (21, n_in_64, 6), 300 + n_in_64)
+    """The one-token kernels (decode) and the kernels that share a weight block among two to
+    four tokens (a decode batch, a prompt) do the same arithmetic: a row of a 2-, 3-, 6- or
+    7-token product (groups of 2, 3, 4 + 2 and 4 + 3) equals that token's product alone."""
+    packed, _, x, n_out, n_in = _inputs(type_, (21, n_in_64, 7), 300 + n_in_64)
     for level in native.supported_kernels():
         kernel_level(level)
-        batch = native.matmul(type_, packed, n_out, n_in, x)
-        for t in range(x.shape[0]):
-            np.testing.assert_array_equal(native.matmul(type_, packed, n_out, n_in, x[t:t + 1]), batch[t:t + 1], err_msg=level)
+        alone = [native.matmul(type_, packed, n_out, n_in, x[t:t + 1]) for t in range(x.shape[0])]
+        for n_tok in (2, 3, 6, 7):
+            batch = native.matmul(type_, packed, n_out, n_in, x[:n_tok])
+            for t in range(n_tok):
+                np.testing.assert_array_equal(alone[t], batch[t:t + 1], err_msg=f"{level} {n_tok} tokens")
 
 
 @pytest.mark.parametrize("type_", QUANT_TYPES, ids=lambda t: t.name_in_pack)

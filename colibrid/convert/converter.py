@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,11 @@ from colibrid.convert.tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenError, co
 from colibrid.convert.wrapped import TEXT_MODEL_PREFIXES, text_model_config
 from colibrid.models import ARCHITECTURES, Architecture, UnsupportedArchitecture, UnsupportedConfig, architecture_for
 from colibrid.models.config import ModelConfig
-from colibrid.pack.layout import expected_dense_shape, expected_expert_shapes, expert_part_names, requested_type
+from colibrid.blockdev.safety import DeviceRefused, WritableDevice, WriteOptions, open_for_writing
+from colibrid.blockdev.superblock import SUPERBLOCK_BLOCK_BYTES
+from colibrid.pack.layout import (expected_dense_shape, expected_expert_shapes, expert_part_names, expert_part_type,
+                                  requested_type, tensor_nbytes)
+from colibrid.pack.manifest import EXPERT_PART_ALIGN_BYTES
 from colibrid.pack.writer import PackWriter
 
 log = logging.getLogger(__name__)
@@ -60,6 +65,7 @@ class ConversionReport:
     params: int = 0  # values read from the checkpoint
     peak_read_bytes: int = 0  # most source bytes the reader held at once (read ahead + being encoded)
     seconds: float = 0.0
+    device: str | None = None  # "/dev/X (pack id ...)" when the experts went to a raw block device
 
 
 class WriteBehind:
@@ -94,8 +100,11 @@ class WriteBehind:
 
 class Converter:
     def __init__(self, src: Path, out: Path, quant: QuantSpec, align: int, force: bool, progress: bool | None = None,
-                 tokenizer_pattern: str | None = None, pool: native.ThreadPool | None = None) -> None:
+                 tokenizer_pattern: str | None = None, pool: native.ThreadPool | None = None,
+                 device: str | None = None, device_options: WriteOptions | None = None) -> None:
         self.src, self.out, self.quant, self.align, self.force = src, out, quant, align, force
+        self.device = device  # --device: the experts region goes to this raw block device
+        self.device_options = device_options or WriteOptions(replace_pack=force)
         self.pool = pool  # quantizes on; None: native.default_pool(), one thread per CPU
         self.progress_enabled = progress
         self.tokenizer_pattern = tokenizer_pattern  # --tokenizer-pattern, for a tiktoken tokenizer
@@ -233,16 +242,18 @@ class Converter:
         for note in self.arch.conversion_notes(self.hf_config):
             log.warning("%s", note)
         total = self.report.params = sum(self._source_params(name) for name in self._source_names())
-        progress = Progress(total, f"converting {self.src.name}", enabled=self.progress_enabled)
+        target = self._open_device()  # every rule checked before a byte is written anywhere
+        label = f"converting {self.src.name}" + (f" (experts to {target.path})" if target else "")
+        progress = Progress(total, label, enabled=self.progress_enabled)
         try:
-            with PackWriter(self.out, self.align, self.force) as writer:
+            with PackWriter(self.out, self.align, self.force, target) as writer:
                 with TensorReader(self.checkpoint, self._read_requests()) as reader, WriteBehind() as writes:
                     tensors = iter(reader)
                     self._write_dense(writer, writes, tensors, progress)
                     self._write_experts(writer, writes, tensors, progress)
                 self.report.peak_read_bytes = reader.peak_bytes
                 tokenizer_files = self._copy_tokenizer(writer)
-                writer.commit(
+                manifest = writer.commit(
                     dict(
                         model=self.config,
                         quantization=self.quant.to_json(),
@@ -251,6 +262,8 @@ class Converter:
                         producer=f"colibri-convert {__version__}",
                     )
                 )
+                if manifest.experts_device is not None:
+                    self.report.device = f"{target.path} (pack id {manifest.experts_device.pack_id})"
                 self.report.dense_bytes = sum(e.nbytes for e in writer.dense_entries.values())
                 self.report.experts_bytes = sum(r.length for r in writer.expert_records)
                 self.report.num_expert_records = len(writer.expert_records)
@@ -262,10 +275,45 @@ class Converter:
             raise ConversionError(f"writing {self.out}: {exc.strerror or exc}") from None
         finally:
             progress.close()
+            if target is not None:
+                target.close()
         self.report.seconds = progress.elapsed_s()
         for line in self.report.fallbacks:
             log.warning("%s", line)
         return self.report
+
+    # --- a raw block device for the experts ---
+
+    def planned_experts_bytes(self) -> int:
+        """The experts region's size, known before a tensor is read: every record has the same
+        parts, in the types the converter stores them in, padded to the alignment."""
+        shapes = expected_expert_shapes(self.config)
+        end = 0
+        for part in expert_part_names(self.config):
+            nbytes = tensor_nbytes(expert_part_type(self.quant.experts, shapes[part]), shapes[part])
+            end = _round_up(end, EXPERT_PART_ALIGN_BYTES) + nbytes
+        records = len(self.config.moe_layer_ids) * self.config.num_experts
+        return records * _round_up(end, self.align)
+
+    def _open_device(self) -> WritableDevice | None:
+        """The --device, opened exclusively and checked against every safety rule; None without one."""
+        if self.device is None:
+            return None
+        if os.path.lexists(self.out) and not self.force:
+            raise ConversionError(f"{self.out} exists; pass --force to replace it")  # before the device is touched
+        needed = max(self.align, SUPERBLOCK_BLOCK_BYTES) + self.planned_experts_bytes()
+        try:
+            target = open_for_writing(self.device, needed, self.device_options)
+        except DeviceRefused as exc:
+            raise ConversionError(f"--device {exc}") from None
+        block = target.device.logical_block_bytes
+        if block > self.align or self.align % block:
+            target.close()
+            raise ConversionError(f"--device {target.path} has {block}-byte logical blocks, more than --align "
+                                  f"{self.align}: pass --align {block}")
+        for signature in target.overwritten:
+            log.warning("%s: overwriting %s", target.path, signature.describe())
+        return target
 
     def _source_params(self, name: str | TensorRef) -> int:
         return int(np.prod(self.checkpoint.shape_of(name), dtype=np.int64))
@@ -335,8 +383,16 @@ class Converter:
 
 def convert(src: str | Path, out: str | Path, quant: QuantSpec, align: int = 4096, force: bool = False,
             progress: bool | None = None, tokenizer_pattern: str | None = None,
-            pool: native.ThreadPool | None = None) -> ConversionReport:
+            pool: native.ThreadPool | None = None, device: str | None = None,
+            device_options: WriteOptions | None = None) -> ConversionReport:
     """Convert ``src`` (a Hugging Face checkpoint directory) into a pack at ``out``, quantizing
     on ``pool`` (default: one thread per CPU). ``tokenizer_pattern``: the pre-tokenizer regex of
-    a tiktoken tokenizer (or "kimi-k2"), when its class file does not give it as a plain string."""
-    return Converter(Path(src), Path(out), quant, align, force, progress, tokenizer_pattern, pool).run()
+    a tiktoken tokenizer (or "kimi-k2"), when its class file does not give it as a plain string.
+    ``device``: write the experts region to this raw block device instead of experts.bin, if
+    it passes the safety rules (colibrid/blockdev/safety.py) as ``device_options`` relax them."""
+    return Converter(Path(src), Path(out), quant, align, force, progress, tokenizer_pattern, pool,
+                     device, device_options).run()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

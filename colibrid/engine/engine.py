@@ -225,7 +225,7 @@ class Engine:
         """An empty batch of generations on this engine's model (see engine/batch.py), keeping
         finished sequences' states for prefix reuse in up to ``prefix_cache_bytes``."""
         return Batch(self.model, max_batch, prefill_chunk, kv_budget_bytes,
-                     expert_counts=lambda: _hits_and_misses(self.experts), prefix_cache_bytes=prefix_cache_bytes)
+                     expert_counts=lambda: self.experts.hits_and_misses(), prefix_cache_bytes=prefix_cache_bytes)
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """Token ids of a greedy continuation (ignores EOS), for tests and tools."""
@@ -246,11 +246,6 @@ def _strings_in(value) -> Iterator[str]:
             pending.extend(item.values())
         elif isinstance(item, (list, tuple)):
             pending.extend(item)
-
-
-def _hits_and_misses(experts: ExpertSource) -> tuple[int, int]:
-    summary = experts.summary()
-    return summary["hits"], summary["misses"]
 
 
 def _sampling_defaults(pack_dir: Path) -> dict:

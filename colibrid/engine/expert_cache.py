@@ -35,6 +35,7 @@ from colibrid.engine.experts import (AcquiredExperts, ExpertChecksumError, Exper
                                      ExpertSource, LoadingPause)
 from colibrid.memory import (DEFAULT_HUGEPAGE_RECORD, HugepageRecord, HugepageReservation, MemoryBudget, format_bytes,
                              measure_budget, memlock_fix_hint, parse_size, reserve_hugepages)
+from colibrid.pack.manifest import PackError
 from colibrid.pack.reader import ExpertWeights, Pack
 
 log = logging.getLogger(__name__)
@@ -192,7 +193,9 @@ class CachedExpertSource(ExpertSource):
         for r in records:
             table[r.layer, r.expert] = (r.offset, r.length, r.crc32c, 0)
         self._lengths = table["length"].copy()  # (L, E)
-        self._offsets = table["offset"].copy()  # (L, E)
+        self._offsets = table["offset"].copy()  # (L, E) bytes into the experts region, as the manifest has them
+        # Where the loader reads: a region on a raw device starts after its superblock.
+        table["offset"] += pack.experts.base_offset
 
         self._hugepage_record = HugepageRecord(hugepage_record) if hugepage_record is not None else None
         self._hugepages = self._plan_hugepages(hugepages)
@@ -315,9 +318,12 @@ class CachedExpertSource(ExpertSource):
         if not 1 <= depth <= max_depth:
             raise ExpertCacheError(f"io_queue_depth must be in 1..{max_depth}, got {depth}")
         try:
-            loader = native.Loader(self.path, queue_depth=depth, max_queue_depth=max_depth, direct=LOCK_MODES[direct])
+            loader = self.pack.experts.loader(depth, max_depth, LOCK_MODES[direct])
         except (native.ReadError, native.SystemResourceError) as exc:
             raise ExpertCacheError(f"experts file {self.path}: {exc}") from None
+        except PackError as exc:  # the device carrying the experts region is gone
+            raise ExpertCacheError(str(exc)) from None
+        self.path = self.pack.experts_path  # a device may be back under another name
         info = loader.info()
         if direct != "off" and not info["direct"]:
             note = f"O_DIRECT refused by the file system of {self.path} (EINVAL): buffered reads"
@@ -420,7 +426,7 @@ class CachedExpertSource(ExpertSource):
 
     def _load_error(self, layer: int, expert: int, result: dict) -> ExpertLoadError:
         offset = int(self._offsets[layer, expert])
-        where = f"expert {expert} of layer {layer} at offset {offset} of {self.path}"
+        where = f"expert {expert} of layer {layer} at {self.pack.experts.where(offset)}"
         if result["status"] == native.ChecksumError.status:
             record = self.pack.expert_record(layer, expert)
             return ExpertChecksumError(
@@ -537,6 +543,10 @@ class CachedExpertSource(ExpertSource):
         return {"layers": layers, "total": total, "resident": resident, "pinned": pinned,
                 "loader": {k: loader[k] for k in ("reads", "bytes_read", "failures", "busy_ns", "queue_depth")}}
 
+    def hits_and_misses(self) -> tuple[int, int]:
+        counters = self.layer_counters().values()
+        return sum(hits for hits, _ in counters), sum(misses for _, misses in counters)
+
     def summary(self) -> dict:
         """The counters and settings status shows; an in-flight hit (the read another request
         started) counts as a hit: this request did not cause a read."""
@@ -545,10 +555,16 @@ class CachedExpertSource(ExpertSource):
         return {"kind": "aepc", "resident_slots": stats["resident"],
                 "hits": total.get("hits", 0) + total.get("inflight_hits", 0),
                 "misses": total.get("misses", 0), "bytes_read": total.get("bytes_read", 0),
+                "read_busy_s": stats["loader"]["busy_ns"] / 1e9,  # time with a read in flight: the disk's busy time
                 "evictions": total.get("evictions", 0),
                 "read_ms_p50": total.get("read_ms_p50"), "read_ms_p99": total.get("read_ms_p99"),
                 "prediction_precision": total.get("prediction_precision"),
                 "prediction_recall": total.get("prediction_recall"), **self.backing_info()}
+
+    def layer_counters(self) -> dict[int, tuple[int, int]]:
+        """(hits, misses) since start of each layer with experts; an in-flight hit counts as a hit."""
+        return {layer: self._cache.layer_hits_and_misses(layer)
+                for layer in range(self._cache.n_layers) if self._lengths[layer].any()}
 
     @staticmethod
     def _derived(st: dict, hist: np.ndarray, predicted: int, requested: int, correct: int) -> dict:

@@ -106,6 +106,17 @@ class ExpertSource(ABC):
     @abstractmethod
     def summary(self) -> dict: ...
 
+    def hits_and_misses(self) -> tuple[int, int]:
+        """The hit and miss counters of ``summary``, which a batch reads around every step: a
+        source whose summary costs more than a few microseconds says so by overriding this."""
+        summary = self.summary()
+        return summary["hits"], summary["misses"]
+
+    def layer_counters(self) -> dict[int, tuple[int, int]] | None:
+        """Hits and misses since start per MoE layer, for the routing stream; None when the
+        source keeps no per-layer counters (a plain pread source)."""
+        return None
+
     @abstractmethod
     def set_io_queue_depth(self, depth: int) -> None: ...
 
@@ -215,19 +226,19 @@ class PreadExpertSource(PlainExpertSource):
 
     def __init__(self, pack: Pack) -> None:
         super().__init__(pack)
-        self.path = pack.experts_path
         self.stats = ExpertReadStats()
-        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._fd = pack.experts.open()  # experts.bin, or the device carrying the pack's superblock
+        self.path = pack.experts_path
 
     def get(self, layer: int, expert: int) -> ExpertWeights:
         record = self.pack.expert_record(layer, expert)
-        where = f"expert {expert} of layer {layer} at offset {record.offset} of {self.path}"
+        where = f"expert {expert} of layer {layer} at {self.pack.experts.where(record.offset)}"
         pause = self.loading_pause
         if pause is not None:
             raise ExpertLoadingPaused(f"{where} would be read while expert loading is paused: {pause.reason}",
                                       pause.code, layer, expert, record.offset, self.path)
         try:
-            data = os.pread(self._fd, record.length, record.offset)
+            data = os.pread(self._fd, record.length, self.pack.experts.device_offset(record))
         except OSError as exc:
             raise ExpertLoadError(f"I/O error reading {where}: {exc.strerror}", layer, expert, record.offset, self.path) from None
         if len(data) != record.length:

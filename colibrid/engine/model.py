@@ -21,6 +21,7 @@ from colibrid.engine.mla import LatentAttention
 from colibrid.engine.moe import DenseAndExperts, DenseMlp, MoeBlock, RoutingStats
 from colibrid.engine.per_layer_inputs import LayerInput, PerLayerInputs
 from colibrid.engine.rope import Rotary
+from colibrid.engine.routing_capture import RoutingCapture
 from colibrid.engine.sequence_state import SequenceState
 from colibrid.pack.reader import Pack
 from colibrid.pack.tensor import PackedTensor
@@ -109,8 +110,11 @@ class Model:
         self.max_step_tokens = MAX_STEP_TOKENS  # states made by new_state() rely on it: set it before
         moe_blocks = [layer.moe for layer in self.layers if layer.moe is not None]
         self.routing_stats = RoutingStats()  # how much a batch's sequences share their experts
+        # What each MoE layer chose, recorded only while enabled (the routing stream, debug_routing)
+        self.routing_capture = RoutingCapture([block.layer for block in moe_blocks], c.num_experts)
         for block in moe_blocks:
             block.stats = self.routing_stats
+            block.capture = self.routing_capture
         for block, next_block in zip(moe_blocks, moe_blocks[1:]):
             block.next_block = next_block  # lookahead prefetch: layer l predicts layer l+1's experts
 
@@ -183,6 +187,7 @@ class Model:
         per_layer = self.per_layer_inputs(token_ids, x) if self.per_layer_inputs is not None else None  # (T, L, P)
         tables = {}  # id(rotary) -> (cos, sin) of every row's position, each computed once
         self.routing_stats.begin_step(bounds)
+        self.routing_capture.begin_step(bounds)
         for layer in self.layers:
             rotary = layer.rotary
             if id(rotary) not in tables:

@@ -18,6 +18,7 @@ import numpy as np
 from colibrid import native
 from colibrid.engine.experts import ExpertSource
 from colibrid.engine.layers import linear, rms_norm, silu, swiglu_mlp
+from colibrid.engine.routing_capture import RoutingCapture
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
@@ -113,6 +114,7 @@ class MoeBlock:
         self.router = Router(config, weights)
         self.next_block: "MoeBlock | None" = None  # the next MoE layer, for lookahead prefetch (Model sets it)
         self.stats: RoutingStats | None = None  # the model's, where it keeps them (Model sets it)
+        self.capture: RoutingCapture | None = None  # the model's routing recorder (Model sets it)
 
     def __call__(self, x: np.ndarray, router_input: np.ndarray | None = None) -> np.ndarray:
         """The experts' sum for x (T, D), routed on ``router_input`` (T, D) (default: x)."""
@@ -122,6 +124,8 @@ class MoeBlock:
         selected = _distinct(routing.experts)  # batch-union: each expert once per step
         if self.stats is not None:
             self.stats.record(routing.experts, len(selected))
+        if self.capture is not None and self.capture.enabled:  # someone watches the routing
+            self.capture.record(self.layer, routing.experts, routing.weights)
         # A long prompt may touch more experts than the cache can pin at once: run them in waves.
         wave_size = max(1, self.experts.max_pinned)
         lookahead = self._lookahead_enabled()

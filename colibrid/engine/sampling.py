@@ -204,6 +204,9 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self._rng = np.random.default_rng(params.seed)
+        # Two (V,) float64 work buffers kept from step to step: a fresh 400 kB array is a fresh
+        # mapping whose page faults cost more than the arithmetic done in it.
+        self._work: tuple[np.ndarray, np.ndarray] | None = None
 
     def sample(self, logits: np.ndarray, previous_ids: Sequence[int] | np.ndarray) -> SampledToken:
         """Choose the next token from `logits` (V,) given every id so far (prompt and output).
@@ -216,28 +219,51 @@ class Sampler:
         logits = np.asarray(logits)
         if logits.ndim != 1:
             raise ValueError(f"logits must be one row (V,), got shape {logits.shape}")
-        if not np.isfinite(logits.max()):
+        raw, raw_exp = self._work_buffers(logits.shape[0])  # (V,) each
+        np.copyto(raw, logits)
+        top = raw.max()
+        if not np.isfinite(top):
             # The max is NaN if any logit is, +inf if any is, -inf if all are: the forward pass
             # is broken, and sampling from it would hide that.
             raise ValueError("logits contain NaN or +inf, or are all -inf")
-        logprobs = log_softmax(logits)
-        token_id = self._choose(logits, previous_ids)
-        alternatives = None if self.params.logprobs is None else top_logprobs(logprobs, self.params.logprobs)
-        return SampledToken(token_id=token_id, logprob=float(logprobs[token_id]), top_logprobs=alternatives)
+        # The softmax numerators of the raw logits give every logprob (log_softmax, with the
+        # same operations); when a request draws from the raw logits unchanged they are its
+        # distribution too, so a step exponentiates the vocabulary once, not twice.
+        np.exp(np.subtract(raw, top, out=raw_exp), out=raw_exp)
+        log_total = top + np.log(raw_exp.sum())
+        token_id = self._choose(raw, raw_exp, previous_ids)
+        alternatives = None if self.params.logprobs is None else top_logprobs(raw - log_total, self.params.logprobs)
+        return SampledToken(token_id=token_id, logprob=float(raw[token_id] - log_total), top_logprobs=alternatives)
 
-    def _choose(self, logits: np.ndarray, previous_ids: Sequence[int] | np.ndarray) -> int:
-        scores = penalized_scores(logits, previous_ids, self.params.repetition_penalty)
-        if self.params.is_greedy:
+    def _choose(self, raw: np.ndarray, raw_exp: np.ndarray, previous_ids: Sequence[int] | np.ndarray) -> int:
+        params = self.params
+        penalized = params.repetition_penalty != 1.0 and len(previous_ids) > 0
+        scores = penalized_scores(raw, previous_ids, params.repetition_penalty) if penalized else raw
+        if params.is_greedy:
             # np.argmax returns the first maximum, i.e. the lowest id on ties, like torch.argmax.
             return int(np.argmax(scores))
-        candidate_ids, candidate_scores = sampling_candidates(scores, self.params)
-        return int(candidate_ids[self._draw(candidate_scores)])
+        if not penalized and params.temperature == 1.0 and _keeps_every_token(params, raw.shape[0]):
+            return self._draw_from(raw_exp)  # the distribution is the raw softmax itself
+        candidate_ids, candidate_scores = sampling_candidates(scores, params)
+        return int(candidate_ids[self._draw_from(np.exp(candidate_scores - candidate_scores.max()))])
 
-    def _draw(self, scores: np.ndarray) -> int:
-        """One position drawn from softmax(scores) (K,), by inverting the cumulative distribution."""
-        cumulative = np.cumsum(_softmax(scores))
+    def _work_buffers(self, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._work is None or self._work[0].shape[0] != vocab_size:
+            self._work = (np.empty(vocab_size, np.float64), np.empty(vocab_size, np.float64))
+        return self._work
+
+    def _draw_from(self, numerators: np.ndarray) -> int:
+        """One position drawn from the distribution numerators / their sum (K,), by inverting
+        the cumulative distribution (normalised as _softmax does, so the same bits either way).
+        ``numerators`` is overwritten: it becomes the cumulative distribution."""
+        cumulative = np.cumsum(np.divide(numerators, numerators.sum(), out=numerators), out=numerators)
         position = int(np.searchsorted(cumulative, self._rng.random() * cumulative[-1], side="right"))
-        return min(position, scores.shape[0] - 1)
+        return min(position, numerators.shape[0] - 1)
+
+
+def _keeps_every_token(params: SamplingParams, vocab_size: int) -> bool:
+    """Whether top-k, top-p and min-p all leave the whole vocabulary in play."""
+    return (params.top_k <= 0 or params.top_k >= vocab_size) and params.top_p >= 1.0 and params.min_p <= 0.0
 
 
 # --------------------------------------------------------------------------------------------

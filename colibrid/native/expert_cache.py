@@ -121,6 +121,7 @@ _SIGNATURES.update({
     "col_slab_slot_free": (ctypes.c_int, [_vp, _i32]),
     "col_loader_default_params": (LoaderParams, []),
     "col_loader_create": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(LoaderParams), ctypes.POINTER(_vp), _i32_p]),
+    "col_loader_create_fd": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(LoaderParams), ctypes.POINTER(_vp), _i32_p]),
     "col_loader_destroy": (None, [_vp]),
     "col_loader_get_info": (ctypes.c_int, [_vp, ctypes.POINTER(LoaderInfo)]),
     "col_loader_set_queue_depth": (ctypes.c_int, [_vp, _i32]),
@@ -218,12 +219,17 @@ class Loader:
     _handle = None  # set once the C object exists (close() and __del__ check it)
 
     def __init__(self, path: str | os.PathLike, queue_depth: int = 16, max_queue_depth: int = 32,
-                 direct: AepcMode = AepcMode.TRY) -> None:
+                 direct: AepcMode = AepcMode.TRY, fd: int | None = None) -> None:
+        """Reads ``path``; or, given ``fd`` (an open file or block device, still the caller's to
+        close), reads that file and ``path`` only names it in messages."""
         lib = _lib()
         params = lib.col_loader_default_params()
         params.queue_depth, params.max_queue_depth, params.direct = int(queue_depth), int(max_queue_depth), int(direct)
         handle, err = _vp(), ctypes.c_int32(0)
-        status = lib.col_loader_create(os.fsencode(path), ctypes.byref(params), ctypes.byref(handle), ctypes.byref(err))
+        if fd is None:
+            status = lib.col_loader_create(os.fsencode(path), ctypes.byref(params), ctypes.byref(handle), ctypes.byref(err))
+        else:
+            status = lib.col_loader_create_fd(int(fd), ctypes.byref(params), ctypes.byref(handle), ctypes.byref(err))
         check(status, f"opening {path} for expert reads", err.value)
         self._handle = handle
         self.path = Path(path)
@@ -335,6 +341,13 @@ class ExpertCacheCore:
         out = _struct_dict(st)
         out["latency_us"] = list(st.latency_us)
         return out
+
+    def layer_hits_and_misses(self, layer: int) -> tuple[int, int]:
+        """Hits (in-flight ones included) and misses of one layer: the two counters alone,
+        without building layer_stats' dict and histogram (read around every batch step)."""
+        st = ExpertCacheLayerStats()
+        check(_lib().col_expert_cache_get_stats(self.handle, int(layer), ctypes.byref(st)), "stats")
+        return st.hits + st.inflight_hits, st.misses
 
     def reset_stats(self) -> None:
         _lib().col_expert_cache_reset_stats(self.handle)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,11 @@ from colibrid.pack.layout import EXPERT_BIAS_PARTS, EXPERT_PARTS, TENSOR_CLASSES
 
 FORMAT_NAME = "colibri-pack"
 FORMAT_VERSION = 2  # 2: every dense tensor entry carries its crc32c
-READABLE_VERSIONS = (1, 2)  # version 1 packs load without dense checksums, with a warning
+# 3: experts.device, the experts region on a raw block device. Written only for such packs (a
+# writer writes the lowest version that describes the pack), so file packs still open in
+# readers that know version 2.
+DEVICE_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # version 1 packs load without dense checksums, with a warning
 MANIFEST_FILE = "manifest.json"
 DENSE_FILE = "dense.bin"
 EXPERTS_FILE = "experts.bin"
@@ -40,6 +45,9 @@ MAX_DIM = 1 << 31  # one tensor dimension
 MAX_CRC32C = 0xFFFFFFFF
 TYPE_NAMES = tuple(t.name_in_pack for t in TensorType)
 TENSOR_KEYS = {"type", "shape", "offset", "nbytes", "crc32c"}
+DEVICE_KEYS = {"pack_id", "region_offset", "logical_block_size", "identity"}
+MAX_IDENTITY_KEYS = 16
+MAX_IDENTITY_TEXT = 4096
 
 
 class PackError(Exception):
@@ -108,6 +116,45 @@ class ExpertRecord:
         )
 
 
+@dataclass(frozen=True)
+class ExpertsDevice:
+    """experts.device: the experts region lives on a raw block device, after its superblock,
+    instead of in experts.bin. The device is found by its superblock's pack id at open time;
+    ``identity`` only says where to look first and what to tell the user to attach."""
+
+    pack_id: str  # the UUID in the device's superblock, canonical lowercase form
+    region_offset: int  # bytes from the device's start to record offset 0; a multiple of the alignment
+    logical_block_size: int  # the device's, when the pack was written
+    identity: dict[str, str | int] = field(default_factory=dict)  # name, size_bytes, partition, wwid, serial, model, loop_backing_file
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pack_id": self.pack_id, "region_offset": self.region_offset,
+                "logical_block_size": self.logical_block_size, "identity": dict(self.identity)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "ExpertsDevice":
+        where = "experts.device"
+        _require_object(data, where)
+        unknown = set(data) - DEVICE_KEYS
+        if unknown:
+            raise ValueError(f"{where} has unknown keys {sorted(unknown)}")
+        pack_id = _require(data, "pack_id", where)
+        try:
+            canonical = str(uuid.UUID(pack_id)) if isinstance(pack_id, str) else None
+        except ValueError:
+            canonical = None
+        if canonical != pack_id:
+            raise ValueError(f"{where}.pack_id must be a UUID in canonical form, got {pack_id!r:.60}")
+        identity = _require_object(data.get("identity", {}), f"{where}.identity")
+        if len(identity) > MAX_IDENTITY_KEYS or not all(
+                isinstance(k, str) and len(k) <= 64 and (type(v) is int or (isinstance(v, str) and len(v) <= MAX_IDENTITY_TEXT))
+                for k, v in identity.items()):
+            raise ValueError(f"{where}.identity must map at most {MAX_IDENTITY_KEYS} names to short strings or integers")
+        return cls(pack_id, _integer(_require(data, "region_offset", where), f"{where}.region_offset"),
+                   _integer(_require(data, "logical_block_size", where), f"{where}.logical_block_size", 1, 1 << 30),
+                   dict(identity))
+
+
 @dataclass
 class Manifest:
     model: ModelConfig
@@ -121,7 +168,8 @@ class Manifest:
     tokenizer_files: list[str] = field(default_factory=list)
     source: dict[str, Any] = field(default_factory=dict)
     producer: str = ""
-    format_version: int = FORMAT_VERSION  # the version read; a written manifest is always the current one
+    format_version: int = FORMAT_VERSION  # the version read; a manifest is written as 2, or 3 with experts_device
+    experts_device: ExpertsDevice | None = None  # None: the records are in experts.bin
 
     @property
     def record_bytes(self) -> int:
@@ -134,7 +182,7 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": DEVICE_FORMAT_VERSION if self.experts_device else FORMAT_VERSION,
             "producer": self.producer,
             "source": self.source,
             "model": self.model.to_json(),
@@ -147,7 +195,8 @@ class Manifest:
                 "tensors": {name: t.to_json() for name, t in self.dense_tensors.items()},
             },
             "experts": {
-                "file": EXPERTS_FILE,
+                "file": None if self.experts_device else EXPERTS_FILE,
+                **({"device": self.experts_device.to_json()} if self.experts_device else {}),
                 "size": self.experts_size,
                 "record_bytes": self.record_bytes,
                 "parts": {name: t.to_json() for name, t in self.expert_parts.items()},
@@ -214,6 +263,7 @@ class Manifest:
             source=_require_object(data.get("source", {}), "source"),
             producer=str(data.get("producer", "")),
             format_version=version,
+            experts_device=_experts_device(experts, version),
         )
 
 
@@ -240,6 +290,19 @@ def _read_manifest_text(path: Path, directory: Path) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PackError(f"{path}: unreadable manifest: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _experts_device(experts: dict[str, Any], version: int) -> ExpertsDevice | None:
+    device = experts.get("device")
+    if device is None:
+        if experts.get("file", EXPERTS_FILE) != EXPERTS_FILE:
+            raise ValueError(f"experts.file must be {EXPERTS_FILE!r} (or null, with experts.device)")
+        return None
+    if version < DEVICE_FORMAT_VERSION:
+        raise ValueError(f"experts.device needs format version {DEVICE_FORMAT_VERSION}, the manifest says {version}")
+    if experts.get("file") is not None:
+        raise ValueError("experts.file must be null when experts.device says the records are on a device")
+    return ExpertsDevice.from_json(device)
 
 
 # --- strict readers for JSON values ---

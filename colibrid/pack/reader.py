@@ -15,7 +15,8 @@ import numpy as np
 
 from colibrid import native
 from colibrid.native import TensorType
-from colibrid.pack.manifest import DENSE_FILE, EXPERTS_FILE, ExpertRecord, Manifest, PackError
+from colibrid.pack.experts_region import ExpertsRegion, experts_region
+from colibrid.pack.manifest import DENSE_FILE, ExpertRecord, Manifest, PackError
 from colibrid.pack.recovery import recover_interrupted_swap
 from colibrid.pack.tensor import PackedTensor
 from colibrid.pack.validate import check_manifest
@@ -56,9 +57,10 @@ class Pack:
     holding all of dense.bin: read at open, checked, and out of reach of any later change to
     the file (a mapped file truncated under a running daemon would kill it with SIGBUS)."""
 
-    def __init__(self, path: Path, manifest: Manifest, dense: np.ndarray) -> None:
+    def __init__(self, path: Path, manifest: Manifest, dense: np.ndarray, experts: ExpertsRegion | None = None) -> None:
         self.path = path
         self.manifest = manifest
+        self.experts = experts or experts_region(path, manifest)  # where the expert records are read from
         self._dense = dense  # uint8 (dense_size,), read-only, in anonymous memory
         self.notes: list[str] = []  # what is weaker than it should be about this pack (status shows it)
         config = manifest.model
@@ -77,22 +79,24 @@ class Pack:
             check_manifest(manifest)
         except ValueError as exc:
             raise PackError(f"pack {path} is damaged: {exc}") from None
-        for name, expected in ((DENSE_FILE, manifest.dense_size), (EXPERTS_FILE, manifest.experts_size)):
-            file = path / name
-            if not file.is_file():
-                raise PackError(f"pack {path} is incomplete: {name} is missing")
-            actual = file.stat().st_size
-            if actual != expected:
-                raise PackError(f"pack {path} is damaged: {name} has {actual} bytes, manifest says {expected}")
+        dense = path / DENSE_FILE
+        if not dense.is_file():
+            raise PackError(f"pack {path} is incomplete: {DENSE_FILE} is missing")
+        if dense.stat().st_size != manifest.dense_size:
+            raise PackError(f"pack {path} is damaged: {DENSE_FILE} has {dense.stat().st_size} bytes, "
+                            f"manifest says {manifest.dense_size}")
+        experts = experts_region(path, manifest)
+        experts.check()  # experts.bin, or the device carrying the pack id, found by its superblock
         if manifest.dense_size == 0:
             raise PackError(f"pack {path} has an empty dense file")
-        pack = cls(path, manifest, read_dense(path / DENSE_FILE, manifest.dense_size))
+        pack = cls(path, manifest, read_dense(dense, manifest.dense_size), experts)
         pack._check_dense_checksums()
         return pack
 
     @property
     def experts_path(self) -> Path:
-        return self.path / EXPERTS_FILE
+        """The experts file, or the device node the experts region was last found at."""
+        return self.experts.path
 
     def has_dense(self, name: str) -> bool:
         return name in self.manifest.dense_tensors

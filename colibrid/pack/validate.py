@@ -56,6 +56,7 @@ def check_manifest(m: Manifest) -> None:
     _check_dense_tensors(m)
     _check_expert_parts(m)
     _check_expert_index(m)
+    _check_experts_device(m)
 
 
 # --- the model configuration ---
@@ -332,3 +333,19 @@ def _check_expert_index(m: Manifest) -> None:
         cursor += record.length
     if cursor != m.experts_size:
         raise ValueError(f"the records of {EXPERTS_FILE} end at byte {cursor}, experts.size says {m.experts_size}")
+
+
+def _check_experts_device(m: Manifest) -> None:
+    """A device's region starts after the superblock, on the alignment, so every record stays
+    aligned on the device; its logical block size divides the alignment, so O_DIRECT reads
+    of whole records are possible."""
+    device = m.experts_device
+    if device is None:
+        return
+    block = device.logical_block_size
+    if block < 512 or block & (block - 1) or block > m.alignment:
+        raise ValueError(f"experts.device.logical_block_size {block} is not a power of two in [512, alignment "
+                         f"{m.alignment}]")
+    if device.region_offset < m.alignment or device.region_offset % m.alignment:
+        raise ValueError(f"experts.device.region_offset {device.region_offset} is not a positive multiple of the "
+                         f"alignment {m.alignment}")

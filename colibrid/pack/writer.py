@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from colibrid import native
+from colibrid.blockdev.safety import WritableDevice
+from colibrid.pack.device_writer import DeviceExpertsSink
 from colibrid.pack.durable import fsync_path, rename_durably
 from colibrid.pack.manifest import (
     DENSE_FILE,
@@ -33,6 +35,29 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+class FileExpertsSink:
+    """Appends padded expert records to experts.bin; ``finish`` makes them durable."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = open(path, "wb")
+        self.size = 0
+
+    def write(self, record: np.ndarray) -> int:
+        offset = self.size  # always aligned: every record is padded
+        self._file.write(memoryview(record))
+        self.size += record.nbytes
+        return offset
+
+    def finish(self) -> None:
+        """The records are in the file, durably; there is no device record to give."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class PackWriter:
     """Append dense tensors and expert records; ``commit`` publishes the pack.
 
@@ -40,12 +65,13 @@ class PackWriter:
     temporary directory; ``commit`` must be called explicitly on success.
     """
 
-    def __init__(self, out: Path, alignment: int, force: bool) -> None:
+    def __init__(self, out: Path, alignment: int, force: bool, experts_device: WritableDevice | None = None) -> None:
         if alignment < 4096 or alignment & (alignment - 1):
             raise ValueError(f"--align must be a power of two >= 4096, got {alignment}")
         self.out = out
         self.alignment = alignment
         self.force = force
+        self.experts_device = experts_device  # None: the records go to experts.bin in the pack
         self.tmp = partial_dir(out, os.getpid())
         self.dense_entries: dict[str, TensorEntry] = {}
         self.expert_parts: dict[str, TensorEntry] | None = None
@@ -59,13 +85,17 @@ class PackWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         self._dense = open(self.tmp / DENSE_FILE, "wb")
-        self._experts = open(self.tmp / EXPERTS_FILE, "wb")
+        if self.experts_device is None:
+            self._experts = FileExpertsSink(self.tmp / EXPERTS_FILE)
+        else:
+            self._experts = DeviceExpertsSink(self.experts_device, self.alignment)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        for f in (self._dense, self._experts):
-            if f is not None and not f.closed:
-                f.close()
+        if self._dense is not None and not self._dense.closed:
+            self._dense.close()
+        if self._experts is not None:
+            self._experts.close()
         if self.tmp.exists():
             shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -86,8 +116,7 @@ class PackWriter:
         for name in parts:
             entry, data = layout[name], parts[name][2]
             record[entry.offset : entry.offset + entry.nbytes] = np.ascontiguousarray(data).view(np.uint8).reshape(-1)
-        offset = self._experts.tell()  # always aligned: every record is padded
-        self._experts.write(memoryview(record))
+        offset = self._experts.write(record)
         crc = native.crc32c(record)
         self.expert_records.append(ExpertRecord(layer, expert, offset, length, crc))
 
@@ -114,20 +143,19 @@ class PackWriter:
 
     def commit(self, manifest_fields: dict) -> Manifest:
         """Flush everything, write the manifest last and rename the pack into place."""
-        for f in (self._dense, self._experts):
-            f.flush()
-            os.fsync(f.fileno())
+        self._dense.flush()
+        os.fsync(self._dense.fileno())
         dense_size = self._dense.tell()
-        experts_size = self._experts.tell()
         self._dense.close()
-        self._experts.close()
+        device_record = self._experts.finish()  # on a device: the superblock, last
         manifest = Manifest(
             alignment=self.alignment,
             dense_tensors=self.dense_entries,
             dense_size=dense_size,
             expert_parts=self.expert_parts or {},
             expert_records=self.expert_records,
-            experts_size=experts_size,
+            experts_size=self._experts.size,
+            experts_device=device_record,
             **manifest_fields,
         )
         manifest.write(self.tmp)  # last, and durably: its presence marks the pack complete

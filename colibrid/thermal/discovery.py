@@ -1,7 +1,9 @@
 """Which NVMe drive(s) a file lives on, found by walking sysfs.
 
     file --stat--> st_dev (MAJ:MIN) --<sysfs>/dev/block/MAJ:MIN--> block device directory
+    (a device node, for experts on a raw device: its st_rdev)
          partition? -> its parent, the disk       device mapper / md? -> each of its slaves
+         loop device? -> its loop/backing_file -> that file's device, and on from there
          disk nvme0n1 -> the controller nvme0 above it (or, with native multipath, the
                          controllers of its nvme-subsystem) -> model, serial, firmware_rev,
                          the namespace's queue/logical_block_size, the controller's hwmon
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,9 +144,17 @@ def _kind_of(disk_dir: Path) -> str:
     return "unknown driver"
 
 
-def _nvme_behind(block_dir: Path, sysfs_root: Path, dev_root: Path, depth: int = 0) -> tuple[list[NvmeDrive], list[str]]:
+def _nvme_behind(block_dir: Path, sysfs_root: Path, dev_root: Path, depth: int = 0,
+                 mountinfo: Path = MOUNTINFO) -> tuple[list[NvmeDrive], list[str]]:
     """(NVMe drives under a block device, descriptions of the non-NVMe devices found instead)."""
     disk_dir = _disk_of(block_dir)
+    backing = _read_attribute(disk_dir / "loop", "backing_file")
+    if backing is not None and depth < _MAX_STACK_DEPTH:
+        # A loop device reads a file: the drive is the one under that file's file system.
+        below, why = _block_dir_of_file(Path(backing), sysfs_root, mountinfo)
+        if below is None:
+            return [], [f"{block_dir.name} (a loop device on {backing}: {why})"]
+        return _nvme_behind(below, sysfs_root, dev_root, depth + 1, mountinfo)
     if _NAMESPACE_NAME.match(disk_dir.name):
         controllers = _controllers_of_namespace(disk_dir, sysfs_root)
         if controllers:
@@ -154,7 +165,7 @@ def _nvme_behind(block_dir: Path, sysfs_root: Path, dev_root: Path, depth: int =
     if slaves and depth < _MAX_STACK_DEPTH:  # dm-crypt, LVM, md: follow what it is built on
         drives, others = [], []
         for slave in slaves:
-            d, o = _nvme_behind(slave.resolve(), sysfs_root, dev_root, depth + 1)
+            d, o = _nvme_behind(slave.resolve(), sysfs_root, dev_root, depth + 1, mountinfo)
             drives += d
             others += o
         return drives, others
@@ -169,18 +180,20 @@ def _unique(drives: list[NvmeDrive]) -> tuple[NvmeDrive, ...]:
     return tuple(seen.values())
 
 
-def find_drives(path: Path, sysfs_root: Path = SYSFS_ROOT, dev_root: Path = DEV_ROOT,
-                mountinfo: Path = MOUNTINFO) -> Placement:
-    """The NVMe drives ``path`` lives on, or the reason there are none."""
-    path = Path(path)
+def _block_dir_of_file(path: Path, sysfs_root: Path, mountinfo: Path) -> tuple[Path | None, str]:
+    """(the sysfs directory of the block device ``path`` is on - or is, for a device node -,
+    None and why not)."""
     try:
-        st_dev = os.stat(path).st_dev
+        info = os.stat(path)
     except OSError as exc:
-        return Placement(path, (), f"no NVMe device: cannot stat {path} ({exc.strerror})")
-    dev = f"{os.major(st_dev)}:{os.minor(st_dev)}"
+        return None, f"cannot stat {path} ({exc.strerror})"
+    number = info.st_rdev if stat.S_ISBLK(info.st_mode) else info.st_dev
+    dev = f"{os.major(number)}:{os.minor(number)}"
     block_dir = _block_dir_of(dev, sysfs_root)
+    if block_dir is not None or stat.S_ISBLK(info.st_mode):
+        return block_dir, f"{path} is block device {dev}, which sysfs does not list"
     mount = _mount_of(dev, mountinfo)
-    if block_dir is None and mount is not None and mount[1].startswith("/dev/"):
+    if mount is not None and mount[1].startswith("/dev/"):
         # btrfs and friends give files an anonymous device number; the mount names the real one.
         try:
             rdev = os.stat(mount[1]).st_rdev
@@ -189,8 +202,20 @@ def find_drives(path: Path, sysfs_root: Path = SYSFS_ROOT, dev_root: Path = DEV_
             pass
     if block_dir is None:
         what = f"{mount[0]} ({mount[1]})" if mount else f"device {dev}"
-        return Placement(path, (), f"no NVMe device: {path} is on {what}, not a block device")
-    drives, others = _nvme_behind(block_dir, sysfs_root, dev_root)
+        return None, f"{path} is on {what}, not a block device"
+    return block_dir, ""
+
+
+def find_drives(path: Path, sysfs_root: Path = SYSFS_ROOT, dev_root: Path = DEV_ROOT,
+                mountinfo: Path = MOUNTINFO) -> Placement:
+    """The NVMe drives ``path`` lives on, or the reason there are none. ``path`` is a file (the
+    experts file) or a block device node (a pack's experts on a raw device): then the device
+    itself, through partitions, loop devices, dm and md, down to the drive."""
+    path = Path(path)
+    block_dir, why = _block_dir_of_file(path, sysfs_root, mountinfo)
+    if block_dir is None:
+        return Placement(path, (), f"no NVMe device: {why}")
+    drives, others = _nvme_behind(block_dir, sysfs_root, dev_root, mountinfo=mountinfo)
     if not drives:
         return Placement(path, (), f"no NVMe device: {path} is on {', '.join(others)}")
     return Placement(path, _unique(drives))

@@ -855,7 +855,7 @@ typedef struct {
     int64_t bytes_read;      /* bytes of successful reads */
     int64_t failures;        /* reads that failed (I/O error, short read or crc mismatch) */
     int64_t busy_ns;         /* time with at least one read in flight */
-    int64_t file_bytes;      /* size of the file */
+    int64_t file_bytes;      /* size of the file (of a block device: its capacity) */
 } col_loader_info;
 
 COL_API size_t col_loader_info_size(void);
@@ -891,6 +891,14 @@ COL_API size_t col_read_result_size(void);
  * err (may be NULL) receives the errno of the failure, 0 on success. */
 COL_API int col_loader_create(const char *path, const col_loader_params *params, col_loader **out,
                               int32_t *err);
+
+/* As col_loader_create, on a file or block device the caller has open as `fd` (read by the
+ * loader through a file description of its own, opened again via /proc/self/fd so that it has
+ * its own O_DIRECT flag; `fd` stays the caller's, to close when it likes). A block device's
+ * file_bytes is its capacity.
+ * COL_EINVAL: bad params, fd < 0 or out NULL. COL_EIO: fd cannot be opened again, or the new
+ *   open is not the same file (*err = ESTALE). COL_ESYSTEM: as col_loader_create. */
+COL_API int col_loader_create_fd(int fd, const col_loader_params *params, col_loader **out, int32_t *err);
 
 /* Completes the queued reads, stops the threads, closes the file. NULL is a no-op. While an
  * expert cache built on the loader exists, all this is deferred to that cache's destroy. */

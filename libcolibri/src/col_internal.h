@@ -253,8 +253,9 @@ typedef float (*col_dot_xq_fn)(const uint8_t *w, const col_xq_row *x, int64_t nb
 typedef float (*col_dot_f32_fn)(const float *a, const float *b, int64_t n);
 typedef void (*col_axpy_f32_fn)(float *y, float a, const float *x, int64_t n);
 
-/* One weight row times four activation rows x[0..3]: out[t] = dot(w, x[t]). */
-typedef void (*col_dot4_xq_fn)(const uint8_t *w, const col_xq_row *x, int64_t nb, float *out);
+/* One weight row times n (2..4) activation rows x[0..n): out[t] = dot(w, x[t]), with the
+ * bits dot_xq gives each token alone; the weight blocks are decoded once for the n tokens. */
+typedef void (*col_dotn_xq_fn)(const uint8_t *w, const col_xq_row *x, int64_t nb, int n, float *out);
 
 /* Rows 0..n_rows of w (rows of row_bytes bytes) times activation rows x[0..n_tok):
  * y[t * y_stride + r] = dot(w_r, x[t]). A level's version computes each (row, token) with
@@ -288,7 +289,7 @@ typedef struct {
     col_dot_xq_fn dot_xq[COL_TYPE_COUNT];
     col_dot_f32_fn dot_f32;
     col_axpy_f32_fn axpy_f32;
-    col_dot4_xq_fn dot4_xq[COL_TYPE_COUNT]; /* NULL: four dot_xq calls */
+    col_dotn_xq_fn dotn_xq[COL_TYPE_COUNT]; /* NULL: a dot_xq call per token */
     col_silu_mul_fn silu_mul;               /* NULL: col_silu_mul_portable */
     col_quantize_block_fn quantize_block;   /* NULL: col_quantize_block_portable */
     col_rms_norm_row_fn rms_norm_row;       /* NULL: col_rms_norm_row_portable */
@@ -298,7 +299,7 @@ typedef struct {
     col_gelu_tanh_mul_fn gelu_tanh_mul;     /* NULL: col_gelu_tanh_mul_portable */
     col_dequantize_row_fn dequantize_row[COL_TYPE_COUNT]; /* NULL: the type's reference
                                                              dequantizer; else the same bits */
-    col_rows_xq_fn rows_xq[COL_TYPE_COUNT]; /* NULL: dot4_xq / dot_xq per row */
+    col_rows_xq_fn rows_xq[COL_TYPE_COUNT]; /* NULL: dotn_xq / dot_xq per row */
 } col_kernel_set;
 
 /* The portable float helpers (kernels.c), also used by levels without their own. */
@@ -327,8 +328,8 @@ const col_kernel_set *col_kernels_avx512_vnni(void);
 const col_kernel_set *col_kernels_neon(void);
 
 /* y[i * y_stride + (r - r0)] = w_r . x[i] for rows r0 <= r < r1 of w and activation rows
- * x[0..n): by the level's rows_xq kernel if it has one, else four activation rows at a time
- * where the level has a dot4 kernel (matmul.c). */
+ * x[0..n): by the level's rows_xq kernel if it has one, else up to four activation rows at a
+ * time where the level has a dotn kernel (matmul.c). */
 void col_rows_times_xq(const col_kernel_set *k, int type, const uint8_t *w, int64_t row_bytes, int64_t r0,
                        int64_t r1, const col_xq_row *x, int64_t n, int64_t nb, float *y, int64_t y_stride);
 

@@ -21,6 +21,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -197,19 +199,21 @@ static void *loader_thread(void *arg) {
     return NULL;
 }
 
-int col_loader_create(const char *path, const col_loader_params *params, col_loader **out, int32_t *err) {
-    if (err) *err = 0;
-    if (out) *out = NULL;
-    if (!path || !params || !out || params->max_queue_depth < 1 || params->max_queue_depth > 1024 ||
-        params->queue_depth < 1 || params->queue_depth > params->max_queue_depth ||
-        !(params->direct == COL_MODE_OFF || params->direct == COL_MODE_TRY || params->direct == COL_MODE_REQUIRED))
-        return COL_EINVAL;
+static int loader_params_ok(const col_loader_params *params) {
+    return params && params->max_queue_depth >= 1 && params->max_queue_depth <= 1024 && params->queue_depth >= 1 &&
+           params->queue_depth <= params->max_queue_depth &&
+           (params->direct == COL_MODE_OFF || params->direct == COL_MODE_TRY || params->direct == COL_MODE_REQUIRED);
+}
 
-    int direct = params->direct != COL_MODE_OFF, direct_errno = 0;
+/* Opens `path` read-only, with O_DIRECT as `mode` says (TRY: buffered when refused with
+ * EINVAL). Returns 0 or a col_status; *err is the errno of a failure. */
+static int loader_open(const char *path, int mode, int *fd_out, int *direct_out, int *direct_errno_out, int32_t *err) {
+    int direct = mode != COL_MODE_OFF;
+    *direct_errno_out = 0;
     int fd = open(path, O_RDONLY | O_CLOEXEC | (direct ? O_DIRECT : 0));
     if (fd < 0 && direct && errno == EINVAL) {
-        direct_errno = EINVAL;
-        if (params->direct == COL_MODE_REQUIRED) {
+        *direct_errno_out = EINVAL;
+        if (mode == COL_MODE_REQUIRED) {
             if (err) *err = EINVAL;
             return COL_ESYSTEM;
         }
@@ -220,13 +224,21 @@ int col_loader_create(const char *path, const col_loader_params *params, col_loa
         if (err) *err = errno;
         return COL_EIO;
     }
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        if (err) *err = errno;
-        close(fd);
-        return COL_EIO;
-    }
+    *fd_out = fd;
+    *direct_out = direct;
+    return COL_OK;
+}
 
+/* Bytes of what fd reads: a regular file's size, a block device's capacity. */
+static int64_t loader_file_bytes(int fd, const struct stat *st) {
+    uint64_t device_bytes = 0;
+    if (S_ISBLK(st->st_mode) && ioctl(fd, BLKGETSIZE64, &device_bytes) == 0) return (int64_t)device_bytes;
+    return (int64_t)st->st_size;
+}
+
+/* Builds the loader around an open fd (which it then owns) and starts its threads. */
+static int loader_start(int fd, int direct, int direct_errno, const col_loader_params *params, int64_t file_bytes,
+                        col_loader **out, int32_t *err) {
     col_loader *l = calloc(1, sizeof *l);
     pthread_t *threads = calloc((size_t)params->max_queue_depth, sizeof *threads);
     if (!l || !threads) {
@@ -244,7 +256,7 @@ int col_loader_create(const char *path, const col_loader_params *params, col_loa
     l->queue_depth = params->queue_depth;
     l->max_queue_depth = params->max_queue_depth;
     l->threads = threads;
-    l->file_bytes = (int64_t)st.st_size;
+    l->file_bytes = file_bytes;
 
     pthread_attr_t attr;
     pthread_attr_init(&attr);
@@ -262,6 +274,49 @@ int col_loader_create(const char *path, const col_loader_params *params, col_loa
     pthread_attr_destroy(&attr);
     *out = l;
     return COL_OK;
+}
+
+int col_loader_create(const char *path, const col_loader_params *params, col_loader **out, int32_t *err) {
+    if (err) *err = 0;
+    if (out) *out = NULL;
+    if (!path || !out || !loader_params_ok(params)) return COL_EINVAL;
+    int fd = -1, direct = 0, direct_errno = 0;
+    int status = loader_open(path, params->direct, &fd, &direct, &direct_errno, err);
+    if (status != COL_OK) return status;
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        if (err) *err = errno;
+        close(fd);
+        return COL_EIO;
+    }
+    return loader_start(fd, direct, direct_errno, params, loader_file_bytes(fd, &st), out, err);
+}
+
+int col_loader_create_fd(int fd, const col_loader_params *params, col_loader **out, int32_t *err) {
+    if (err) *err = 0;
+    if (out) *out = NULL;
+    if (fd < 0 || !out || !loader_params_ok(params)) return COL_EINVAL;
+    struct stat given, opened;
+    if (fstat(fd, &given) != 0) {
+        if (err) *err = errno;
+        return COL_EIO;
+    }
+    /* A file description of its own (its own O_DIRECT flag), on exactly the caller's file:
+     * /proc/self/fd/N names the open file, not a path anyone could change. */
+    char proc[64];
+    snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+    int own = -1, direct = 0, direct_errno = 0;
+    int status = loader_open(proc, params->direct, &own, &direct, &direct_errno, err);
+    if (status != COL_OK) return status;
+    int same = fstat(own, &opened) == 0 && opened.st_mode == given.st_mode &&
+               (S_ISBLK(given.st_mode) ? opened.st_rdev == given.st_rdev
+                                       : opened.st_dev == given.st_dev && opened.st_ino == given.st_ino);
+    if (!same) {
+        close(own);
+        if (err) *err = ESTALE;
+        return COL_EIO;
+    }
+    return loader_start(own, direct, direct_errno, params, loader_file_bytes(own, &opened), out, err);
 }
 
 static void loader_free(col_loader *l) {

@@ -3,8 +3,8 @@
  *
  * Two inner paths, picked per call from the active kernel set:
  *   - integer: the activations are quantized once per call (col_quantize_x, tokens split
- *     across the pool), then a tile of weight rows meets groups of four tokens (dot4
- *     kernels decode each weight block once for four tokens);
+ *     across the pool), then a tile of weight rows meets groups of up to four tokens (dotn
+ *     kernels decode each weight block once for the group);
  *   - float: the reference vec_dot of the type, float32 activations (portable level, and
  *     f32/f16/bf16 weights everywhere).
  * Rows are processed in tiles: a tile of weight rows stays hot in cache while every token
@@ -24,16 +24,18 @@ void col_rows_times_xq(const col_kernel_set *k, int type, const uint8_t *w, int6
         k->rows_xq[type](w + r0 * row_bytes, row_bytes, r1 - r0, x, n, nb, y, y_stride);
         return;
     }
-    const col_dot4_xq_fn dot4 = k->dot4_xq[type];
+    const col_dotn_xq_fn dotn = k->dotn_xq[type];
     const col_dot_xq_fn dot = k->dot_xq[type];
     int64_t i = 0;
-    if (dot4) {
-        for (; i + 4 <= n; i += 4) {
+    if (dotn) { /* groups of four, then the two or three left as one group */
+        while (n - i >= 2) {
+            const int g = n - i >= 4 ? 4 : (int)(n - i);
             for (int64_t r = r0; r < r1; r++) {
                 float v[4];
-                dot4(w + r * row_bytes, x + i, nb, v);
-                for (int j = 0; j < 4; j++) y[(i + j) * y_stride + (r - r0)] = v[j];
+                dotn(w + r * row_bytes, x + i, nb, g, v);
+                for (int j = 0; j < g; j++) y[(i + j) * y_stride + (r - r0)] = v[j];
             }
+            i += g;
         }
     }
     for (; i < n; i++)

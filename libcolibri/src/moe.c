@@ -26,7 +26,7 @@
 
 #define MOE_ROW_TILE 16
 
-/* Assignments per group that meet a tile of weight rows (the dot4 kernels' width). */
+/* Assignments per group that meet a tile of weight rows (the dotn kernels' widest). */
 #define MOE_TOKEN_GROUP 4
 
 typedef struct {

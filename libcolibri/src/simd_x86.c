@@ -344,7 +344,7 @@ TARGET_VNNI static inline float q8_finish(__m512 acc, const uint8_t *w, const co
 }
 
 /* One accumulator, two blocks per step: the same arithmetic, in the same order, as one
- * token of dot4_q8_0_vnni, so a token's result does not depend on how many tokens share the
+ * token of dotn_q8_0_vnni, so a token's result does not depend on how many tokens share the
  * call (decode with a KV cache equals a full forward bit for bit). */
 /* Blocks b, b + 1 (weight scales sw = SCALE_PAIR of theirs) into acc. */
 #define Q8_PAIR(b, sw)                                                                                   \
@@ -406,7 +406,7 @@ TARGET_AVX512 static float dot_q4_g64_avx512(const uint8_t *w, const col_xq_row 
 /* One q4_g64 block against its 64 activations (one scale: q4_g64 activations come in
  * blocks of 64): two 256-bit vpdpbusd into one int32 vector, one conversion, one fma.
  * dot_q4_g64_vnni runs four chains (block k into chain k % 4) and sums them at the end: the
- * same arithmetic, in the same order, as one token of dot4_q4_g64_vnni. */
+ * same arithmetic, in the same order, as one token of dotn_q4_g64_vnni. */
 #define Q4_ONE(kk, acc, off)                                                                             \
     do {                                                                                                 \
         const uint8_t *blk_ = w + (kk) * 36;                                                             \
@@ -481,23 +481,36 @@ TARGET_VNNI static float dot_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, 
         sw, acc)
 
 
-TARGET_VNNI static void dot4_q8_0_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb, float *out) {
+/* n (2..4) tokens; each caller below passes n as a constant, so the accumulators of the
+ * tokens not there vanish at compile time. The stream prefetch of dot_q8_0_vnni (a few
+ * tokens per expert in a decode batch are still a read of the weights from memory). */
+TARGET_VNNI static inline __attribute__((always_inline)) void dotn_q8_0_vnni_body(const uint8_t *w, const col_xq_row *x,
+                                                                                 int64_t nb, const int n, float *out) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *blk = w + b * 34;
+        prefetch_stream(blk, 2);
         const __m512i u = _mm512_xor_si512(LOAD_Q8_PAIR(blk), flip); /* w + 128 */
         const __m512 sw = SCALE_PAIR(f16_vnni(blk), f16_vnni(blk + 34));
         Q8_STEP4(0, a0);
-        Q8_STEP4(1, a1);
-        Q8_STEP4(2, a2);
-        Q8_STEP4(3, a3);
+        if (n > 1) Q8_STEP4(1, a1);
+        if (n > 2) Q8_STEP4(2, a2);
+        if (n > 3) Q8_STEP4(3, a3);
     }
     out[0] = q8_finish(a0, w, &x[0], b, nb);
-    out[1] = q8_finish(a1, w, &x[1], b, nb);
-    out[2] = q8_finish(a2, w, &x[2], b, nb);
-    out[3] = q8_finish(a3, w, &x[3], b, nb);
+    if (n > 1) out[1] = q8_finish(a1, w, &x[1], b, nb);
+    if (n > 2) out[2] = q8_finish(a2, w, &x[2], b, nb);
+    if (n > 3) out[3] = q8_finish(a3, w, &x[3], b, nb);
+}
+
+TARGET_VNNI static void dotn_q8_0_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb, int n, float *out) {
+    switch (n) {
+    case 2: dotn_q8_0_vnni_body(w, x, nb, 2, out); break;
+    case 3: dotn_q8_0_vnni_body(w, x, nb, 3, out); break;
+    default: dotn_q8_0_vnni_body(w, x, nb, 4, out); break;
+    }
 }
 
 #define Q4_STEP4(t, acc)                                                                                  \
@@ -533,9 +546,9 @@ TARGET_VNNI static inline float hsum256_vnni(__m256 v) {
         const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
         const float d = f16_vnni(blk), m = f16_vnni(blk + 2);                                             \
         Q4_T(0, a[0][c], o[0][c]);                                                                        \
-        Q4_T(1, a[1][c], o[1][c]);                                                                        \
-        Q4_T(2, a[2][c], o[2][c]);                                                                        \
-        Q4_T(3, a[3][c], o[3][c]);                                                                        \
+        if (n > 1) Q4_T(1, a[1][c], o[1][c]);                                                             \
+        if (n > 2) Q4_T(2, a[2][c], o[2][c]);                                                             \
+        if (n > 3) Q4_T(3, a[3][c], o[3][c]);                                                             \
     } while (0)
 
 /* Block kk (its lo / hi already split) against token t, scale already broadcast. */
@@ -557,14 +570,15 @@ TARGET_VNNI static inline float hsum256_vnni(__m256 v) {
         const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
         const __m256i lane_ = _mm256_set1_epi32(2 * (c));                                                 \
         Q4_T_SCALED(0, c, _mm256_permutexvar_ps(lane_, sc0));                                             \
-        Q4_T_SCALED(1, c, _mm256_permutexvar_ps(lane_, sc1));                                             \
-        Q4_T_SCALED(2, c, _mm256_permutexvar_ps(lane_, sc2));                                             \
-        Q4_T_SCALED(3, c, _mm256_permutexvar_ps(lane_, sc3));                                             \
+        if (n > 1) Q4_T_SCALED(1, c, _mm256_permutexvar_ps(lane_, sc1));                                  \
+        if (n > 2) Q4_T_SCALED(2, c, _mm256_permutexvar_ps(lane_, sc2));                                  \
+        if (n > 3) Q4_T_SCALED(3, c, _mm256_permutexvar_ps(lane_, sc3));                                  \
     } while (0)
 
 /* Four blocks per step as dot_q4_g64_vnni: the (d, m) pairs converted once for the four
  * tokens, each token's [d dx, m ds2] in one multiply; chains and sums as there. */
-TARGET_VNNI static void dot4_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb, float *out) {
+TARGET_VNNI static inline __attribute__((always_inline)) void dotn_q4_g64_vnni_body(const uint8_t *w, const col_xq_row *x,
+                                                                                   int64_t nb, const int n, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0f);
     __m256 a[4][4]; /* (token, chain) */
     for (int t = 0; t < 4; t++)
@@ -574,16 +588,17 @@ TARGET_VNNI static void dot4_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, 
     int64_t k = 0, kk;
     for (; k + 4 <= n64; k += 4) {
         const uint8_t *blk = w + k * 36;
+        prefetch_stream(blk, 3);
         const __m256 dm = _mm256_cvtph_ps(_mm_set_epi32((int)load_u32(blk + 108), (int)load_u32(blk + 72),
                                                         (int)load_u32(blk + 36), (int)load_u32(blk)));
         const __m256 sc0 = _mm256_mul_ps(dm, _mm256_load_ps(x[0].dv + 2 * k));
-        const __m256 sc1 = _mm256_mul_ps(dm, _mm256_load_ps(x[1].dv + 2 * k));
-        const __m256 sc2 = _mm256_mul_ps(dm, _mm256_load_ps(x[2].dv + 2 * k));
-        const __m256 sc3 = _mm256_mul_ps(dm, _mm256_load_ps(x[3].dv + 2 * k));
+        const __m256 sc1 = n > 1 ? _mm256_mul_ps(dm, _mm256_load_ps(x[1].dv + 2 * k)) : dm;
+        const __m256 sc2 = n > 2 ? _mm256_mul_ps(dm, _mm256_load_ps(x[2].dv + 2 * k)) : dm;
+        const __m256 sc3 = n > 3 ? _mm256_mul_ps(dm, _mm256_load_ps(x[3].dv + 2 * k)) : dm;
         off0 = _mm256_add_ps(off0, sc0);
-        off1 = _mm256_add_ps(off1, sc1);
-        off2 = _mm256_add_ps(off2, sc2);
-        off3 = _mm256_add_ps(off3, sc3);
+        if (n > 1) off1 = _mm256_add_ps(off1, sc1);
+        if (n > 2) off2 = _mm256_add_ps(off2, sc2);
+        if (n > 3) off3 = _mm256_add_ps(off3, sc3);
         Q4_GROUP_BLOCK(0);
         Q4_GROUP_BLOCK(1);
         Q4_GROUP_BLOCK(2);
@@ -591,7 +606,7 @@ TARGET_VNNI static void dot4_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, 
     }
     float o[4][4]; /* (token, chain) */
     const __m256 offs[4] = {off0, off1, off2, off3};
-    for (int t = 0; t < 4; t++) {
+    for (int t = 0; t < n; t++) {
         float lanes[8] __attribute__((aligned(32)));
         _mm256_store_ps(lanes, offs[t]);
         o[t][0] = lanes[1], o[t][1] = lanes[3], o[t][2] = lanes[5], o[t][3] = lanes[7];
@@ -600,9 +615,17 @@ TARGET_VNNI static void dot4_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, 
         kk = k;
         Q4_BLOCK4(0);
     }
-    for (int t = 0; t < 4; t++) {
+    for (int t = 0; t < n; t++) {
         const __m256 s = _mm256_add_ps(_mm256_add_ps(a[t][0], a[t][1]), _mm256_add_ps(a[t][2], a[t][3]));
         out[t] = hsum256_vnni(s) + ((o[t][0] + o[t][1]) + (o[t][2] + o[t][3]));
+    }
+}
+
+TARGET_VNNI static void dotn_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb, int n, float *out) {
+    switch (n) {
+    case 2: dotn_q4_g64_vnni_body(w, x, nb, 2, out); break;
+    case 3: dotn_q4_g64_vnni_body(w, x, nb, 3, out); break;
+    default: dotn_q4_g64_vnni_body(w, x, nb, 4, out); break;
     }
 }
 
@@ -715,9 +738,9 @@ TARGET_VNNI static inline __m512i mxfp4_table_u8_vnni(void) {
                             _mm512_set1_epi8((char)0x80));
 }
 
-/* dot and dot4 below run the same arithmetic per token in the same order (pairs into one
+/* dot and dotn below run the same arithmetic per token in the same order (pairs into one
  * accumulator, reduce, then the odd block), so a token's result is the same alone or in a
- * group of four: decode equals prefill bit for bit. */
+ * group of two to four: decode equals prefill bit for bit. */
 TARGET_VNNI static float dot_mxfp4_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb) {
     const __m512i table = mxfp4_table_u8_vnni();
     __m512 a0 = _mm512_setzero_ps();
@@ -734,23 +757,33 @@ TARGET_VNNI static float dot_mxfp4_vnni(const uint8_t *w, const col_xq_row *x, i
     return total;
 }
 
-TARGET_VNNI static void dot4_mxfp4_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb, float *out) {
+TARGET_VNNI static inline __attribute__((always_inline)) void dotn_mxfp4_vnni_body(const uint8_t *w, const col_xq_row *x,
+                                                                                  int64_t nb, const int n, float *out) {
     const __m512i table = mxfp4_table_u8_vnni();
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *blk = w + b * 17;
+        prefetch_stream(blk, 1);
         const __m512i u = _mm512_shuffle_epi8(table, mxfp4_pair_indexes(blk));
         const __m512 sw = SCALE_PAIR(col_e8m0_half_to_f32(blk[0]), col_e8m0_half_to_f32(blk[17]));
         MX_PAIR(0, a0);
-        MX_PAIR(1, a1);
-        MX_PAIR(2, a2);
-        MX_PAIR(3, a3);
+        if (n > 1) MX_PAIR(1, a1);
+        if (n > 2) MX_PAIR(2, a2);
+        if (n > 3) MX_PAIR(3, a3);
     }
     const __m512 acc[4] = {a0, a1, a2, a3};
-    for (int t = 0; t < 4; t++) {
+    for (int t = 0; t < n; t++) {
         out[t] = _mm512_reduce_add_ps(acc[t]);
         if (b < nb) out[t] += mxfp4_tail_avx512(w + b * 17, x[t].qs + b * 32, x[t].d[b]);
+    }
+}
+
+TARGET_VNNI static void dotn_mxfp4_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb, int n, float *out) {
+    switch (n) {
+    case 2: dotn_mxfp4_vnni_body(w, x, nb, 2, out); break;
+    case 3: dotn_mxfp4_vnni_body(w, x, nb, 3, out); break;
+    default: dotn_mxfp4_vnni_body(w, x, nb, 4, out); break;
     }
 }
 
@@ -1207,7 +1240,7 @@ static const col_kernel_set vnni_kernels = {
     COL_KERNELS_AVX512_VNNI,
     {[COL_TYPE_Q8_0] = dot_q8_0_vnni, [COL_TYPE_Q4_G64] = dot_q4_g64_vnni, [COL_TYPE_MXFP4] = dot_mxfp4_vnni},
     dot_f32_avx512, axpy_f32_avx512,
-    {[COL_TYPE_Q8_0] = dot4_q8_0_vnni, [COL_TYPE_Q4_G64] = dot4_q4_g64_vnni, [COL_TYPE_MXFP4] = dot4_mxfp4_vnni},
+    {[COL_TYPE_Q8_0] = dotn_q8_0_vnni, [COL_TYPE_Q4_G64] = dotn_q4_g64_vnni, [COL_TYPE_MXFP4] = dotn_mxfp4_vnni},
     silu_mul_avx512,
     quantize_block_avx512, rms_norm_row_avx512, clamped_swiglu_avx512, {[COL_TYPE_Q4_G64] = col_quantize_row_q4_g64_avx512},
     gelu_tanh_mul_avx512, DEQUANTIZERS(avx512), {NULL}};

@@ -273,6 +273,9 @@ def test_stats_and_backing_info_say_what_happened(pack_path):
         assert second["hits"] > first["hits"] and second["hit_rate"] > first["hit_rate"]
         assert first["bytes_read"] == first["loads"] * _slot_bytes(pack_path) and first["loads"] >= first["misses"]
         assert first["read_ms_p50"] is not None and first["read_ms_p50"] <= first["read_ms_p99"]
+        summary = source.summary()
+        assert source.hits_and_misses() == (summary["hits"], summary["misses"]) \
+            == (second["hits"] + second["inflight_hits"], second["misses"])
         info = source.backing_info()
         assert info["backing"] == "pages" and info["direct"] is True and info["slots"] == 16
         assert info["locked"] == (info["lock_errno"] is None)

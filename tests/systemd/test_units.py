@@ -36,6 +36,7 @@ def test_make_install_puts_every_file_where_systemd_and_udev_look(staged):
         "usr/lib/sysusers.d/colibri.conf",
         "usr/lib/tmpfiles.d/colibri.conf",
         "usr/lib/udev/rules.d/60-colibri-nvme.rules",
+        "usr/lib/udev/rules.d/61-colibri-pack.rules",
         "usr/share/doc/colibri/gateway.md",
         "usr/share/doc/colibri/protocol.md",
         "usr/share/doc/colibri/security.md",
@@ -46,6 +47,8 @@ def test_make_install_puts_every_file_where_systemd_and_udev_look(staged):
     assert f"ExecStart={BINDIR}/colibrid --config /etc/colibri/colibrid.toml" in service
     gateway = (staged / "usr/lib/systemd/system/colibri-openai.service").read_text()
     assert f"ExecStart={BINDIR}/colibri-openai --config /etc/colibri/colibri-openai.toml" in gateway
+    pack_rule = (staged / "usr/lib/udev/rules.d/61-colibri-pack.rules").read_text()
+    assert f'IMPORT{{program}}="{BINDIR}/colibri-device-probe $devnode"' in pack_rule and "@" not in pack_rule
     assert "@" not in re.sub(r"@[a-z-]+", "", service), "an @PLACEHOLDER@ was left unsubstituted"
 
 
@@ -105,8 +108,9 @@ def test_sysusers_and_tmpfiles_create_the_user_and_the_state_directory(staged, t
     assert (root / "var/lib/colibri").stat().st_mode & 0o777 == 0o750
 
 
-def test_every_udev_rule_says_why():
-    lines = (REPO / "udev/60-colibri-nvme.rules").read_text().splitlines()
+@pytest.mark.parametrize("rules", ["60-colibri-nvme.rules", "61-colibri-pack.rules"])
+def test_every_udev_rule_says_why(rules):
+    lines = (REPO / "udev" / rules).read_text().splitlines()
     for number, line in enumerate(lines):
         if line and not line.startswith("#") and not line.startswith("LABEL="):
             assert lines[number - 1].startswith("#"), f"rule on line {number + 1} has no comment above it"

@@ -60,6 +60,7 @@ class DaemonConfig:
     max_batch: int = 8  # requests decoding together in one batch (each step advances them all)
     prefill_chunk: int = 512  # prompt tokens per step, in all: a long prompt runs in chunks beside the others' tokens
     kv_cache_size: str = "10%"  # the running requests' KV caches together: bytes, "2G", or "10%" of the memory budget
+    prefix_cache_size: str = "5%"  # finished requests' states kept for prefix reuse: bytes, "1G", "5%"; 0: off
     max_frame_bytes: int = 1024 * 1024  # largest frame accepted or sent, length prefix excluded
     max_connections: int = 128  # clients connected at once; one more gets `busy` and is closed
     max_outbox_bytes: int = 1024 * 1024  # replies queued for one client before its requests wait
@@ -144,15 +145,19 @@ def _positive_number(value: Any) -> bool:
     return _number_at_least(0)(value) and value > 0
 
 
-def _is_size(value: Any) -> bool:
+def _is_size(value: Any, minimum: int = 1) -> bool:
     from colibrid.memory import parse_size
 
     if not isinstance(value, (str, int)) or isinstance(value, bool):
         return False
     try:
-        return parse_size(value, "cache_size") > 0
+        return parse_size(value, "cache_size") >= minimum
     except (ValueError, OSError):
         return False
+
+
+def _is_size_or_zero(value: Any) -> bool:
+    return _is_size(value, minimum=0)
 
 
 def _parse_hugepages_flag(text: str) -> int | str:
@@ -221,6 +226,11 @@ KEYS: tuple[_Key, ...] = (
          'memory budget; a request is admitted when its prompt plus max_tokens fits',
          'must be a size above 0: bytes (123), K/M/G/T ("512M", "2G") or a percentage of the memory budget ("10%")',
          _parse_int_flag, _is_size, "SIZE"),
+    _Key("prefix_cache_size", 'memory for finished requests\' states kept so that a request beginning with the same '
+         'tokens (the next turn of a chat) prefills only the rest: bytes, "1G", "512M" or "5%" of the memory budget; '
+         '0 turns prefix reuse off',
+         'must be a size: bytes (123, or 0 for off), K/M/G/T ("512M", "1G") or a percentage of the memory budget ("5%")',
+         _parse_int_flag, _is_size_or_zero, "SIZE"),
     _Key("max_frame_bytes", "largest request frame accepted, in bytes", f"must be an integer in [{MIN_FRAME_BYTES}, {MAX_FRAME_BYTES}]",
          _parse_int_flag, _int_at_least(MIN_FRAME_BYTES, MAX_FRAME_BYTES), "BYTES", reloadable=True),
     _Key("max_connections", "clients connected at once; one more gets a busy error and is closed",

@@ -71,6 +71,7 @@ class Daemon:
         self._notifier = Notifier()
         self._cpus: affinity.CpuPlan | None = None  # planned at startup
         self._kv_budget_line = ""  # what kv_cache_size came to, logged once serving
+        self._prefix_cache_line = ""  # what prefix_cache_size came to, likewise
         interval_s = watchdog_interval_s()
         self._watchdog = Watchdog(self._notifier, interval_s, config.stall_timeout_s) if interval_s else None
         # Set by signal handlers, and only there.
@@ -131,6 +132,7 @@ class Daemon:
             raise StartupError(str(exc)) from None
         return_orphaned_hugepages(HugepageRecord(self.config.hugepage_record))
         kv_budget_bytes = self._kv_budget_bytes()  # of the memory budget before the model takes its share
+        prefix_cache_bytes = self._prefix_cache_bytes()
         self._notifier.status(f"loading {self.config.model}")
         nice = affinity.apply_nice(self.config.nice)  # before any thread exists: they all inherit it
         cpus = self._cpus = self._plan_cpus()
@@ -147,7 +149,7 @@ class Daemon:
         except ListenerError as exc:
             raise StartupError(str(exc)) from None
         self._scheduler = Scheduler(engine, self.config.max_queue, self.config.max_batch, self.config.prefill_chunk,
-                                    kv_budget_bytes)
+                                    kv_budget_bytes, prefix_cache_bytes)
         self._scheduler.start()
         affinity.pin_current_thread(cpus.io)  # the event loop and the threads it starts later
         await self._start_thermal_watch(engine)
@@ -166,6 +168,7 @@ class Daemon:
                  _count(engine.parameters_active), self.config.model, where)
         self._log_budget(engine)
         log.info("%s", self._kv_budget_line)
+        log.info("%s", self._prefix_cache_line)
         log.debug("compute threads on CPUs %s, I/O threads on CPUs %s", cpus.describe()["compute"],
                   cpus.describe()["io"])
         self._notifier.ready(self._server.service_status(0.0))
@@ -182,6 +185,22 @@ class Daemon:
                                 f"of the {budget.describe()}): a request joins the batch when its prompt plus "
                                 "max_tokens fits")
         return kv_bytes
+
+    def _prefix_cache_bytes(self) -> int:
+        """prefix_cache_size in bytes, a percentage of the memory budget as kv_cache_size's is."""
+        budget = measure_budget()
+        try:
+            prefix_bytes = parse_size(self.config.prefix_cache_size, "prefix_cache_size", budget.available_bytes)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        if prefix_bytes == 0:
+            self._prefix_cache_line = ("prefix reuse is off (prefix_cache_size = 0): every request prefills its "
+                                       "whole prompt")
+        else:
+            self._prefix_cache_line = (f"prefix cache {format_bytes(prefix_bytes)} (prefix_cache_size = "
+                                       f"{self.config.prefix_cache_size} of the {budget.describe()}): finished "
+                                       "requests are kept so that the next turn of a chat prefills only what is new")
+        return prefix_bytes
 
     async def _start_thermal_watch(self, engine) -> None:
         """Find the drive under the experts file and start watching it; from here on the watch

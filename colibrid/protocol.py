@@ -444,7 +444,8 @@ def done_event(request_id: RequestId, done: Any, expert_hits: int = 0, expert_mi
     return {
         "event": "done", "id": request_id, "finish_reason": done.finish_reason, "text": done.text,
         "usage": {
-            "prompt_tokens": done.prompt_tokens, "generated_tokens": done.generated_tokens,
+            "prompt_tokens": done.prompt_tokens, "cached_prompt_tokens": done.cached_prompt_tokens,
+            "generated_tokens": done.generated_tokens,
             "time_to_first_token_ms": done.time_to_first_token_s * 1000.0,
             "decode_tokens_per_s": done.decode_tokens_per_s,
             "expert_cache_hits": expert_hits, "expert_cache_misses": expert_misses,
@@ -456,7 +457,7 @@ def cancelled_before_start_event(request_id: RequestId) -> dict[str, Any]:
     """The `done` of an ask cancelled while it still waited in the queue: nothing was generated."""
     return {
         "event": "done", "id": request_id, "finish_reason": "cancelled", "text": "",
-        "usage": {"prompt_tokens": 0, "generated_tokens": 0, "time_to_first_token_ms": 0.0,
+        "usage": {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "time_to_first_token_ms": 0.0,
                   "decode_tokens_per_s": 0.0, "expert_cache_hits": 0, "expert_cache_misses": 0},
     }
 

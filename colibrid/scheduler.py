@@ -73,6 +73,7 @@ class Job:
     stop_reason: str | None = None
     submitted_s: float = field(default_factory=time.monotonic)
     origin: str = "a client"  # who asked, for the log: "connection 3 (uid 1000 (alice) gid 1000 pid 42)"
+    prefix_scope: bytes = b""  # who asked, for prefix reuse: asks reuse only what asks of the same scope left
     # Set by the worker when it first looks at the job at the head of the queue:
     prepared: "tuple | None" = None  # (Generation, Session) ready to join the batch
     sequence: BatchSequence | None = None  # while it runs
@@ -89,10 +90,11 @@ def cancelled_done(job: Job) -> Event:
 
 class Scheduler:
     def __init__(self, engine, max_queue: int, max_batch: int = 8, prefill_chunk: int = 512,
-                 kv_budget_bytes: int = 1 << 30) -> None:
+                 kv_budget_bytes: int = 1 << 30, prefix_cache_bytes: int = 0) -> None:
         self.engine = engine
         self.max_queue = max_queue
-        self.batch = engine.new_batch(max_batch, prefill_chunk, kv_budget_bytes)  # touched by the worker only
+        # touched by the worker only (status reads its counters)
+        self.batch = engine.new_batch(max_batch, prefill_chunk, kv_budget_bytes, prefix_cache_bytes)
         # The routing stream's subscribers (the server's) and debug_routing asks: what each step's router chose
         self.routing = RoutingStream(engine.model.routing_capture, lambda: engine.experts.layer_counters())
         self.requests_served = 0  # asks that ended with `done`, whatever the finish reason
@@ -131,6 +133,9 @@ class Scheduler:
 
     def kv_status(self) -> dict:
         return self.batch.kv_status()
+
+    def prefix_cache_status(self) -> dict:
+        return self.batch.prefix_cache_status()
 
     def seconds_without_progress(self) -> float:
         """How long the running batch has gone without a step (0 when nothing runs)."""
@@ -231,7 +236,7 @@ class Scheduler:
                 return  # it waits for a sequence to end and free its KV; the order is kept
             if not self._take_from_queue(job):
                 continue  # withdrawn meanwhile: the loop has ended it
-            job.sequence = self.batch.admit(job, generation, session)
+            job.sequence = self.batch.admit(job, generation, session, job.prefix_scope)
             with self._cond:
                 self._running = self._running + [job]
             self._last_progress_s = time.monotonic()
@@ -252,7 +257,8 @@ class Scheduler:
         try:
             prompt_ids = self.engine.prompt_ids(prompt=ask.prompt, messages=ask.messages, system=ask.system,
                                                 raw=ask.raw, tools=ask.tools)
-            generation, session = self.engine.start_generation(prompt_ids, ask.params)
+            generation, session = self.engine.start_generation(prompt_ids, ask.params,
+                                                               resumable=self.batch.keeps_prefixes)
             self.batch.check_fits_alone(session.state.nbytes)
         except ChatTemplateError as exc:  # the pack's template went over its budget: the model's fault
             log.warning("request %r from %s: %s", ask.id, job.origin, exc)

@@ -365,6 +365,7 @@ class Server:
             "running": self.scheduler.running_status(),
             "batch": self.scheduler.batch_status(),
             "kv_cache": self.scheduler.kv_status(),
+            "prefix_cache": self.scheduler.prefix_cache_status(),
             "queue_depth": self.scheduler.queue_depth,
             "queue_limit": self.scheduler.max_queue,
             "version": __version__,
@@ -435,6 +436,9 @@ class Connection:
         self.number = number  # for the log only
         self.peer: PeerCredentials | None = peer_credentials(writer.get_extra_info("socket"))
         self.name = f"connection {number} ({self.peer.describe() if self.peer else 'peer unknown'})"
+        # Prefix reuse stays within one user: what another asked is neither reused nor revealed
+        # (by cached_prompt_tokens or a fast first token). A peer of unknown uid shares with nobody.
+        self.prefix_scope = f"uid {self.peer.uid}".encode() if self.peer else f"connection {number}".encode()
         self._reader = reader
         self._writer = writer
         self._loop = asyncio.get_running_loop()
@@ -638,7 +642,7 @@ class Connection:
 
     def _submit(self, ask: Ask) -> None:
         log.debug("%s: ask %r, max_tokens %d", self.name, ask.id, ask.params.max_tokens)
-        job = Job(ask, emit=_drop_event, origin=self.name)
+        job = Job(ask, emit=_drop_event, origin=self.name, prefix_scope=self.prefix_scope)
         job.emit = self._emitter(job)
         self._open_asks[ask.id] = job
         try:

@@ -80,7 +80,7 @@ class Attention(TokenMixer):
             wg=w["gate"].data if "gate" in w else None, v_norm=self.v_norm,
             post_norm=None if self.post_norm is None else self.post_norm.data)
 
-    def new_state(self, max_tokens: int, max_step_tokens: int) -> KVCache | RingKVCache:
+    def new_state(self, max_tokens: int, max_step_tokens: int, resumable: bool = False) -> KVCache | RingKVCache:
         """A sequence's cache for this layer: a ring of the keys a window or chunk can still
         see, when that is smaller than the whole context; else every key."""
         spans = [span for span in (self.window, self.chunk) if span]

@@ -12,6 +12,11 @@ every sequence keeps its own sampler, seed and stop strings (Generation). Each s
 state is allocated whole when it is admitted, for its prompt plus max_tokens (capped by the
 context), and counted against the KV budget: a sequence is admitted only when it fits, so the
 batch never runs out of memory halfway.
+
+With a prefix cache (engine/prefix_cache.py), a sequence that ends normally leaves a copy of its
+state there, and a sequence admitted later whose prompt begins with kept tokens gets them
+copied into its fresh state and prefills only the rest. Sequences that fail, are cancelled or
+leave early keep nothing: only a state every step of which completed is ever kept.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import numpy as np
 from colibrid.engine.generate import Generation, GenerationDone, GenerationEvent
 from colibrid.engine.model import Model, StepInput
 from colibrid.engine.moe import StepDamaged
+from colibrid.engine.prefix_cache import PrefixCache
 
 Outcome = "GenerationEvent | GenerationDone | SequenceFailed"
 
@@ -37,6 +43,7 @@ class BatchSequence:
     generation: Generation
     session: "object"  # colibrid.engine.engine.Session: its state is what the steps advance
     kv_bytes: int  # its state's size, reserved in the KV budget while it runs
+    prefix_scope: bytes = b""  # whose kept prefixes it may reuse, and who may reuse its own
     expert_hits: int = 0  # expert cache hits and misses of the steps it took part in
     expert_misses: int = 0
     started_s: float = field(default_factory=time.monotonic)
@@ -77,9 +84,9 @@ class Batch:
     """The running sequences and the step that advances them all."""
 
     def __init__(self, model: Model, max_batch: int, prefill_chunk: int, kv_budget_bytes: int,
-                 expert_counts=None) -> None:
-        if max_batch < 1 or prefill_chunk < 1 or kv_budget_bytes < 0:
-            raise ValueError("max_batch and prefill_chunk must be >= 1, kv_budget_bytes >= 0")
+                 expert_counts=None, prefix_cache_bytes: int = 0) -> None:
+        if max_batch < 1 or prefill_chunk < 1 or kv_budget_bytes < 0 or prefix_cache_bytes < 0:
+            raise ValueError("max_batch and prefill_chunk must be >= 1, kv_budget_bytes and prefix_cache_bytes >= 0")
         self.model = model
         self.max_batch = max_batch
         self.prefill_chunk = min(prefill_chunk, model.max_step_tokens)
@@ -88,6 +95,15 @@ class Batch:
         self.sequences: list[BatchSequence] = []  # in arrival order
         self.steps = 0
         self.last_step_size = 0  # sequences in the last step
+        # Finished sequences' states for prefix reuse; its entries resume only sequences of this
+        # batch, whose prompts are cut at the same prefill_chunk boundaries (see DeltaNetState).
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
+
+    @property
+    def keeps_prefixes(self) -> bool:
+        """Whether finished sequences are kept for reuse: sessions should then be made
+        resumable (Engine.start_generation)."""
+        return self.prefix_cache is not None
 
     # -- admission --------------------------------------------------------------------------
 
@@ -107,11 +123,16 @@ class Batch:
         """Whether a sequence of ``kv_bytes`` can join now (a slot free and its KV fits)."""
         return len(self.sequences) < self.max_batch and self.kv_used_bytes + kv_bytes <= self.kv_budget_bytes
 
-    def admit(self, key: Hashable, generation: Generation, session) -> BatchSequence:
+    def admit(self, key: Hashable, generation: Generation, session, prefix_scope: bytes = b"") -> BatchSequence:
+        """Adds a sequence (``has_room`` first). With a prefix cache, it resumes from the
+        longest prefix of its prompt kept in ``prefix_scope`` (the daemon's: its user), and
+        its own state is kept there when it ends."""
         kv_bytes = session.state.nbytes
         if not self.has_room(kv_bytes):
             raise RuntimeError("admit() without room: call has_room() first")
-        sequence = BatchSequence(key, generation, session, kv_bytes)
+        if self.prefix_cache is not None:  # looked up now, not when it was prepared: entries come and go
+            generation.skip_cached(self.prefix_cache.resume(session.state, generation.prompt_ids, prefix_scope))
+        sequence = BatchSequence(key, generation, session, kv_bytes, prefix_scope)
         self.sequences.append(sequence)
         return sequence
 
@@ -137,6 +158,7 @@ class Batch:
             return []
         before = self._expert_counts() if self._expert_counts is not None else (0, 0)
         damaged = {}  # index in the plan -> the damaged expert record that sequence needed
+        chunk_ends = [seq for seq, ids, _ in plan if seq.generation.prefilling and ids.shape[0] == self.prefill_chunk]
         try:
             logits = self.model.forward_batch([StepInput(seq.session.state, ids, "last" if last else None)
                                                for seq, ids, last in plan])
@@ -150,6 +172,8 @@ class Batch:
             failed = [sequence for sequence, _, _ in plan]
             self.sequences = [sequence for sequence in self.sequences if sequence not in failed]
             raise StepFailed(failed) from exc
+        for sequence in chunk_ends:  # a whole prompt chunk: where a fresh prefill is cut too
+            sequence.session.state.note_prefill_chunk()
         after = self._expert_counts() if self._expert_counts is not None else (0, 0)
         self.steps += 1
         self.last_step_size = len(plan)
@@ -174,6 +198,9 @@ class Batch:
             outcomes = [SequenceFailed(f"the model's output is not finite: {exc}")]
         if sequence.generation.finished or isinstance(outcomes[-1], SequenceFailed):
             self.sequences.remove(sequence)
+            if sequence.generation.finished and self.prefix_cache is not None:
+                self.prefix_cache.keep(sequence.generation.fed_token_ids(), sequence.session.state,
+                                       sequence.prefix_scope)
         return outcomes
 
     def _plan(self) -> list[tuple[BatchSequence, np.ndarray, bool]]:
@@ -215,3 +242,9 @@ class Batch:
     def kv_status(self) -> dict:
         return {"budget_bytes": self.kv_budget_bytes, "used_bytes": self.kv_used_bytes,
                 "sequences": len(self.sequences)}
+
+    def prefix_cache_status(self) -> dict:
+        """The prefix cache's size and counters (budget 0: prefix reuse is off)."""
+        if self.prefix_cache is None:
+            return PrefixCache(0).status()
+        return self.prefix_cache.status()

@@ -28,6 +28,7 @@ import numpy as np
 
 from colibrid import native
 from colibrid.engine.layers import linear, rms_norm, silu
+from colibrid.engine.sequence_state import LayerPrefix, LayerState
 from colibrid.engine.token_mixer import TokenMixer
 from colibrid.models.config import DeltaNetConfig, ModelConfig
 from colibrid.pack.tensor import PackedTensor
@@ -39,16 +40,59 @@ L2_NORM_EPS = 1e-6  # inside the square root of q's and k's L2 norms, as transfo
 SOFTPLUS_THRESHOLD = 20.0  # softplus(x) = x above it, as torch
 
 
-class DeltaNetState:
-    """One sequence's state of one Gated DeltaNet layer: fixed size, float32."""
+class DeltaNetState(LayerState):
+    """One sequence's state of one Gated DeltaNet layer: fixed size, float32.
 
-    def __init__(self, d: DeltaNetConfig) -> None:
+    A recurrent state cannot be cut back to an earlier length, and a fresh prefill reaches the
+    same bits only where it cuts the prompt the same way (the chunked form rounds by its cuts,
+    and decode steps use the token-by-token form). So a ``resumable`` state also remembers
+    itself at the end of each whole prompt chunk (note_prefill_chunk), twice the memory: prefix
+    reuse resumes a later sequence from there, the last such point of the prompt."""
+
+    def __init__(self, d: DeltaNetConfig, resumable: bool = False) -> None:
         self.conv = np.zeros((d.conv_kernel - 1, d.conv_channels), np.float32)  # (Kc - 1, C) last inputs, oldest first
         self.recurrent = np.zeros((d.num_value_heads, d.key_head_dim, d.value_head_dim), np.float32)  # (Hv, Dk, Dv)
+        # (length, conv, recurrent) at the last prompt chunk's end; length 0: none yet
+        self._remembered = (0, np.zeros_like(self.conv), np.zeros_like(self.recurrent)) if resumable else None
+
+    @property
+    def nbytes(self) -> int:
+        copies = 1 if self._remembered is None else 2
+        return copies * (self.conv.nbytes + self.recurrent.nbytes)
+
+    def note_prefill_chunk(self, length: int) -> None:
+        if self._remembered is not None:
+            _, conv, recurrent = self._remembered
+            conv[...], recurrent[...] = self.conv, self.recurrent
+            self._remembered = (length, conv, recurrent)
+
+    def kept_nbytes(self, length: int) -> int:
+        return 0 if self._remembered is None or self._remembered[0] == 0 else self.conv.nbytes + self.recurrent.nbytes
+
+    def keep(self, length: int) -> "DeltaNetPrefix | None":
+        if self._remembered is None or self._remembered[0] == 0:
+            return None
+        at, conv, recurrent = self._remembered
+        return DeltaNetPrefix(at, conv.copy(), recurrent.copy())
+
+
+class DeltaNetPrefix(LayerPrefix):
+    """A DeltaNet state as it was at the end of a whole prompt chunk, ``length`` tokens in:
+    the one length a sequence can resume at."""
+
+    def __init__(self, length: int, conv: np.ndarray, recurrent: np.ndarray) -> None:
+        self.resume_from = self.resume_to = length
+        self.conv, self.recurrent = conv, recurrent
 
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.recurrent.nbytes
+
+    def restore(self, into: LayerState, length: int) -> None:
+        if length != self.resume_to:
+            raise ValueError(f"this DeltaNet state resumes at {self.resume_to} tokens, not {length}")
+        into.conv[...], into.recurrent[...] = self.conv, self.recurrent
+        into.note_prefill_chunk(length)  # the resumed sequence's own prompt chunks start here
 
 
 class DeltaNet(TokenMixer):
@@ -75,9 +119,9 @@ class DeltaNet(TokenMixer):
                                      d.value_head_dim, d.conv_kernel, self.input_norm.data, weights,
                                      eps=self.c.rms_norm_eps, norm_eps=self.c.rms_norm_eps)
 
-    def new_state(self, max_tokens: int, max_step_tokens: int) -> DeltaNetState:
+    def new_state(self, max_tokens: int, max_step_tokens: int, resumable: bool = False) -> DeltaNetState:
         """A fresh sequence's state; its size depends on neither the context nor the step."""
-        return DeltaNetState(self.d)
+        return DeltaNetState(self.d, resumable)
 
     def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                  state: DeltaNetState, start: int) -> np.ndarray:

@@ -29,10 +29,10 @@ DEFAULT_MAX_CONTEXT = 4096
 class Session:
     """One sequence: its state (each layer's cache) and the model it runs on."""
 
-    def __init__(self, model: Model, max_context: int) -> None:
+    def __init__(self, model: Model, max_context: int, resumable: bool = False) -> None:
         self.model = model
         self.max_context = max_context
-        self.state = model.new_state(max_context)
+        self.state = model.new_state(max_context, resumable)
 
     @property
     def n_past(self) -> int:
@@ -165,8 +165,8 @@ class Engine:
                 layer.moe.experts = experts
         return previous
 
-    def new_session(self, max_context: int | None = None) -> Session:
-        return Session(self.model, min(max_context or self.max_context, self.max_context))
+    def new_session(self, max_context: int | None = None, resumable: bool = False) -> Session:
+        return Session(self.model, min(max_context or self.max_context, self.max_context), resumable)
 
     def forward(self, token_ids: Sequence[int], session: Session | None = None) -> np.ndarray:
         """Logits (T, V) for ``token_ids`` appended to ``session`` (a fresh one by default)."""
@@ -211,18 +211,21 @@ class Engine:
         return generate(session or self.new_session(), self.tokenizer, prompt_ids, params,
                         skip_special_tokens=params.skip_special_tokens)
 
-    def start_generation(self, prompt_ids: list[int], params: SamplingParams) -> tuple[Generation, Session]:
+    def start_generation(self, prompt_ids: list[int], params: SamplingParams,
+                         resumable: bool = False) -> tuple[Generation, Session]:
         """A generation ready to join a batch, on a session of its own sized for its prompt
-        plus max_tokens (at most max_context): the KV cache it reserves while it runs.
+        plus max_tokens (at most max_context): the KV cache it reserves while it runs;
+        ``resumable`` for a batch that keeps prefixes (Batch.keeps_prefixes).
         ValueError if the prompt is empty or does not fit."""
         tokens = min(len(prompt_ids) + params.max_tokens, self.max_context)
-        session = self.new_session(max_context=max(tokens, 1))
+        session = self.new_session(max_context=max(tokens, 1), resumable=resumable)
         return Generation(session, self.tokenizer, prompt_ids, params, params.skip_special_tokens), session
 
-    def new_batch(self, max_batch: int, prefill_chunk: int, kv_budget_bytes: int) -> Batch:
-        """An empty batch of generations on this engine's model (see engine/batch.py)."""
+    def new_batch(self, max_batch: int, prefill_chunk: int, kv_budget_bytes: int, prefix_cache_bytes: int = 0) -> Batch:
+        """An empty batch of generations on this engine's model (see engine/batch.py), keeping
+        finished sequences' states for prefix reuse in up to ``prefix_cache_bytes``."""
         return Batch(self.model, max_batch, prefill_chunk, kv_budget_bytes,
-                     expert_counts=lambda: self.experts.hits_and_misses())
+                     expert_counts=lambda: self.experts.hits_and_misses(), prefix_cache_bytes=prefix_cache_bytes)
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         """Token ids of a greedy continuation (ignores EOS), for tests and tools."""

@@ -74,6 +74,7 @@ class GenerationDone:
     time_to_first_token_s: float  # from the start of prefill to the first sampled token
     decode_tokens_per_s: float  # tokens after the first / the time they took; 0 if only one
     text: str
+    cached_prompt_tokens: int = 0  # of prompt_tokens, those resumed from a kept prefix instead of prefilled
 
 
 def generate(
@@ -181,6 +182,7 @@ class Generation:
         self._counters = _Counters(start_s=time.perf_counter())
         self._text_parts: list[str] = []
         self.finished = False
+        self.cached_prompt_tokens = 0  # the prompt's first tokens the session was resumed with (skip_cached)
 
     @property
     def generated_tokens(self) -> int:
@@ -194,6 +196,27 @@ class Generation:
     def pending_tokens(self) -> int:
         """Tokens the session has yet to be fed before the next token can be sampled."""
         return self._pending.shape[0]
+
+    @property
+    def prompt_ids(self) -> np.ndarray:
+        """The prompt's token ids, int64 (prompt_tokens,): a view, not to be written."""
+        return self._history[: self.prompt_tokens]
+
+    def fed_token_ids(self) -> np.ndarray:
+        """A copy of the ids of every token the session holds: the prompt, then each sampled
+        token fed back (all but the last sampled)."""
+        return self._history[: self.session.n_past].copy()
+
+    def skip_cached(self, tokens: int) -> None:
+        """The session already holds the first ``tokens`` of the prompt (resumed from a kept
+        prefix): they are not fed. Only before anything is fed, and at least one prompt token
+        must remain (its logits give the first sample)."""
+        if self.pending_tokens != self.prompt_tokens or self.session.n_past != tokens:
+            raise RuntimeError("skip_cached() before anything is fed, with the session holding those tokens")
+        if not 0 <= tokens < self.prompt_tokens:
+            raise ValueError(f"can skip 0 .. {self.prompt_tokens - 1} of {self.prompt_tokens} prompt tokens, not {tokens}")
+        self._pending = self._pending[tokens:]
+        self.cached_prompt_tokens = tokens
 
     @property
     def prefilling(self) -> bool:
@@ -244,6 +267,7 @@ class Generation:
             time_to_first_token_s=counters.time_to_first_token_s(),
             decode_tokens_per_s=counters.decode_tokens_per_s(),
             text="".join(self._text_parts),
+            cached_prompt_tokens=self.cached_prompt_tokens,
         )
 
 

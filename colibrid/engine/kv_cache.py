@@ -15,14 +15,46 @@ Every cache is allocated whole when the sequence starts, for the most tokens it 
 in the KV budget, and a cache never grows (or copies itself) under a running batch. The
 buffers come from np.empty: the kernel backs a page with memory only when a token is first
 written to it, so a short chat in a long context costs its tokens, not the context.
+
+For prefix reuse (engine/prefix_cache.py) a finished sequence's cache keeps a compact copy of
+the positions it holds (PositionRows): every one for KVCache and LatentCache, the ring's last
+rows for RingKVCache. Each position's row depends only on the tokens up to it, whatever step
+wrote it (the kernels compute each row alone, a decode step's the same as a prefill's), so a
+copy of positions 0 .. n-1 is what a fresh prefill of those n tokens writes. A ring's copy
+serves only lengths whose window is still in it.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from colibrid.engine.sequence_state import LayerPrefix, LayerState
 
-class KVCache:
+
+class PositionRows(LayerPrefix):
+    """A cache's kept rows: per position first .. first + n - 1, the row of each buffer
+    (keys and values, or latents), in position order. With ``span`` (a window or chunk: the
+    layer's queries see span - 1 keys back), a copy that starts after position 0 serves only
+    the lengths whose window it holds."""
+
+    def __init__(self, first: int, buffers: tuple[np.ndarray, ...], span: int | None) -> None:
+        self.first = first
+        self.buffers = buffers  # each (n, ...) float32
+        n = buffers[0].shape[0]
+        self.resume_from = 0 if first == 0 else first + span - 1
+        self.resume_to = first + n
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self.buffers)
+
+    def restore(self, into: LayerState, length: int) -> None:
+        if not self.resume_from <= length <= self.resume_to:
+            raise ValueError(f"these rows resume at {self.resume_from} .. {self.resume_to} tokens, not {length}")
+        into.put_rows(self.first, tuple(buffer[: length - self.first] for buffer in self.buffers))
+
+
+class KVCache(LayerState):
     """Keys and values of every past token of one layer, float32 (max_tokens, K, Hd)."""
 
     ring = False  # key position p is row p
@@ -52,8 +84,18 @@ class KVCache:
     def nbytes(self) -> int:
         return self._keys.nbytes + self._values.nbytes
 
+    def kept_nbytes(self, length: int) -> int:
+        return 2 * length * self._keys[0].nbytes
 
-class RingKVCache:
+    def keep(self, length: int) -> PositionRows:
+        return PositionRows(0, (self._keys[:length].copy(), self._values[:length].copy()), None)
+
+    def put_rows(self, first: int, rows: tuple[np.ndarray, np.ndarray]) -> None:
+        """Positions first .. of kept keys and values (prefix reuse)."""
+        self.write(first, *rows)
+
+
+class RingKVCache(LayerState):
     """The keys and values a sliding-window or chunked-local layer can still use: a ring of
     ``span + max_step_tokens - 1`` rows, key position p in row p % rows. A step of up to
     ``max_step_tokens`` new tokens writes its keys first and then attends; the ring is large
@@ -63,6 +105,7 @@ class RingKVCache:
 
     def __init__(self, num_kv_heads: int, head_dim: int, span: int, max_step_tokens: int) -> None:
         self.max_step_tokens = max_step_tokens
+        self.span = span  # a query sees span - 1 keys back at most
         self.rows = span + max_step_tokens - 1
         self._keys = np.zeros((self.rows, num_kv_heads, head_dim), np.float32)  # (rows, K, Hd)
         self._values = np.zeros_like(self._keys)
@@ -85,8 +128,29 @@ class RingKVCache:
     def nbytes(self) -> int:
         return self._keys.nbytes + self._values.nbytes
 
+    def _held(self, length: int) -> tuple[int, np.ndarray]:
+        """The first position the ring still holds after ``length`` tokens, and each held
+        position's row, oldest first."""
+        first = max(0, length - self.rows)
+        return first, np.arange(first, length) % self.rows
 
-class LatentCache:
+    def kept_nbytes(self, length: int) -> int:
+        return 2 * (length - self._held(length)[0]) * self._keys[0].nbytes
+
+    def keep(self, length: int) -> PositionRows:
+        first, rows = self._held(length)
+        return PositionRows(first, (self._keys[rows], self._values[rows]), self.span)
+
+    def put_rows(self, first: int, rows: tuple[np.ndarray, np.ndarray]) -> None:
+        """Positions first .. of kept keys and values (prefix reuse): the ring takes the last
+        of them that it holds."""
+        keys, values = rows
+        skip = max(0, keys.shape[0] - self.rows)
+        index = np.arange(first + skip, first + keys.shape[0]) % self.rows
+        self._keys[index], self._values[index] = keys[skip:], values[skip:]
+
+
+class LatentCache(LayerState):
     """Multi-head latent attention's cache for one layer: per past token the normalised latent
     and the rotated rope key, C + R float32 (576 for DeepSeek-V3), instead of every head's key
     and value (H * (N + R + Vd) = 40960 for V3). buffers() gives the whole (max_tokens, L)
@@ -106,3 +170,14 @@ class LatentCache:
     @property
     def nbytes(self) -> int:
         return self._latents.nbytes
+
+    def kept_nbytes(self, length: int) -> int:
+        return length * self._latents[0].nbytes
+
+    def keep(self, length: int) -> PositionRows:
+        return PositionRows(0, (self._latents[:length].copy(),), None)
+
+    def put_rows(self, first: int, rows: tuple[np.ndarray]) -> None:
+        """Positions first .. of kept latents (prefix reuse)."""
+        (latents,) = rows
+        self.buffers(first, latents.shape[0])[first:first + latents.shape[0]] = latents

@@ -142,9 +142,10 @@ class Model:
             x *= np.float32(self.config.embed_scale)  # Gemma: sqrt(D), in float32 as transformers scales it
         return x
 
-    def new_state(self, max_tokens: int) -> SequenceState:
-        """A new sequence's state: each layer's cache for up to ``max_tokens`` tokens."""
-        states = [layer.mixer.new_state(max_tokens, self.max_step_tokens) for layer in self.layers]
+    def new_state(self, max_tokens: int, resumable: bool = False) -> SequenceState:
+        """A new sequence's state: each layer's cache for up to ``max_tokens`` tokens;
+        ``resumable``: kept for prefix reuse when it ends (see SequenceState)."""
+        states = [layer.mixer.new_state(max_tokens, self.max_step_tokens, resumable) for layer in self.layers]
         return SequenceState(states, max_tokens)
 
     def forward(self, token_ids: np.ndarray, state: SequenceState, all_logits: bool = True) -> np.ndarray:

@@ -18,9 +18,10 @@ from colibrid.engine.sequence_state import LayerState
 
 
 class TokenMixer:
-    def new_state(self, max_tokens: int, max_step_tokens: int) -> LayerState:
+    def new_state(self, max_tokens: int, max_step_tokens: int, resumable: bool = False) -> LayerState:
         """A fresh sequence's state for this layer, for up to ``max_tokens`` tokens fed at
-        most ``max_step_tokens`` at a time."""
+        most ``max_step_tokens`` at a time; ``resumable``: one that prefix reuse can resume
+        from later (only a recurrent state needs more memory for that, see DeltaNetState)."""
         raise NotImplementedError
 
     def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,

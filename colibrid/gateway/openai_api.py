@@ -282,11 +282,15 @@ def finish_reason(daemon_reason: str, tool_calls: bool) -> str:
     return "tool_calls" if tool_calls else FINISH_REASONS.get(daemon_reason, "stop")
 
 
-def usage(done: dict[str, Any]) -> dict[str, int]:
+def usage(done: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's usage from a `done` event's: the prompt tokens colibrid resumed from a kept
+    prefix instead of prefilling are OpenAI's cached tokens."""
     counts = done.get("usage") or {}
     prompt_tokens, completion_tokens = int(counts.get("prompt_tokens", 0)), int(counts.get("generated_tokens", 0))
+    cached_tokens = int(counts.get("cached_prompt_tokens", 0))
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def _token_bytes(text: str) -> list[int]:

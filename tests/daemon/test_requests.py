@@ -40,8 +40,8 @@ def test_greedy_tokens_over_the_socket_equal_the_engine_in_process(shared_daemon
     usage = done["usage"]
     assert usage["generated_tokens"] == len(got)
     assert usage["prompt_tokens"] == len(engine.prompt_ids(prompt=prompt, raw=True))
-    assert set(usage) == {"prompt_tokens", "generated_tokens", "time_to_first_token_ms", "decode_tokens_per_s",
-                          "expert_cache_hits", "expert_cache_misses"}
+    assert set(usage) == {"prompt_tokens", "cached_prompt_tokens", "generated_tokens", "time_to_first_token_ms",
+                          "decode_tokens_per_s", "expert_cache_hits", "expert_cache_misses"}
 
 
 def test_logprobs_come_with_each_token_best_first(shared_daemon):

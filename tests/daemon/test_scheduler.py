@@ -51,8 +51,8 @@ class FaultyEngine(Engine):
                             }.get(prompt[:1])
         return [ord(c) % self.config.vocab_size for c in prompt]
 
-    def start_generation(self, prompt_ids, params):
-        generation, session = super().start_generation(prompt_ids, params)
+    def start_generation(self, prompt_ids, params, **options):
+        generation, session = super().start_generation(prompt_ids, params, **options)
         if self._next_fault is not None:
             self._faults[id(session.state)] = self._next_fault
         return generation, session

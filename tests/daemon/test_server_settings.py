@@ -29,7 +29,8 @@ class FakeEngine:
 
 def _scheduler():
     return SimpleNamespace(tokens_generated=0, requests_served=0, requests_running=0, queue_depth=0, max_queue=16,
-                           running_status=lambda: [], batch_status=lambda: {}, kv_status=lambda: {})
+                           running_status=lambda: [], batch_status=lambda: {}, kv_status=lambda: {},
+                           prefix_cache_status=lambda: {})
 
 
 def test_status_shows_what_the_constructor_and_the_engine_say():

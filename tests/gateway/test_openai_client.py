@@ -55,6 +55,21 @@ def test_streamed_chat_gives_the_same_text_and_usage_in_the_final_chunk(demo_dae
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_a_chat_asked_again_reports_its_reused_prompt_tokens_as_cached(demo_daemon, demo_gateway):
+    messages = [{"role": "user", "content": "Summarise this twice: " + "the fox jumps over the dog; " * 6}]
+    client = _client(demo_gateway)
+    first, again = (client.chat.completions.create(model="demo", messages=messages, temperature=0, max_tokens=6)
+                    for _ in range(2))
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 16
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # colibrid kept the first answer's state: all but the last prompt token (its logits start the answer)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    streamed = list(client.chat.completions.create(model="demo", messages=messages, temperature=0, max_tokens=6,
+                                                   stream=True, stream_options={"include_usage": True}))
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
 def test_completions_are_the_raw_prompt_s_continuation(demo_daemon, demo_gateway):
     text, _ = _daemon_answer(demo_daemon, prompt=PROMPT, raw=True)
     client = _client(demo_gateway)

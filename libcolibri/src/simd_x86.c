@@ -482,8 +482,9 @@ TARGET_VNNI static float dot_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, 
 
 
 /* n (2..4) tokens; each caller below passes n as a constant, so the accumulators of the
- * tokens not there vanish at compile time. The stream prefetch of dot_q8_0_vnni (a few
- * tokens per expert in a decode batch are still a read of the weights from memory). */
+ * tokens not there vanish at compile time. No software prefetch: with two or more tokens the
+ * product is bound by its arithmetic more than by the stream, and the one-token kernels'
+ * prefetch measured 2-5 % slower here (bench_matmul.py --only batch). */
 TARGET_VNNI static inline __attribute__((always_inline)) void dotn_q8_0_vnni_body(const uint8_t *w, const col_xq_row *x,
                                                                                  int64_t nb, const int n, float *out) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -491,7 +492,6 @@ TARGET_VNNI static inline __attribute__((always_inline)) void dotn_q8_0_vnni_bod
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *blk = w + b * 34;
-        prefetch_stream(blk, 2);
         const __m512i u = _mm512_xor_si512(LOAD_Q8_PAIR(blk), flip); /* w + 128 */
         const __m512 sw = SCALE_PAIR(f16_vnni(blk), f16_vnni(blk + 34));
         Q8_STEP4(0, a0);
@@ -588,7 +588,6 @@ TARGET_VNNI static inline __attribute__((always_inline)) void dotn_q4_g64_vnni_b
     int64_t k = 0, kk;
     for (; k + 4 <= n64; k += 4) {
         const uint8_t *blk = w + k * 36;
-        prefetch_stream(blk, 3);
         const __m256 dm = _mm256_cvtph_ps(_mm_set_epi32((int)load_u32(blk + 108), (int)load_u32(blk + 72),
                                                         (int)load_u32(blk + 36), (int)load_u32(blk)));
         const __m256 sc0 = _mm256_mul_ps(dm, _mm256_load_ps(x[0].dv + 2 * k));
@@ -764,7 +763,6 @@ TARGET_VNNI static inline __attribute__((always_inline)) void dotn_mxfp4_vnni_bo
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         const uint8_t *blk = w + b * 17;
-        prefetch_stream(blk, 1);
         const __m512i u = _mm512_shuffle_epi8(table, mxfp4_pair_indexes(blk));
         const __m512 sw = SCALE_PAIR(col_e8m0_half_to_f32(blk[0]), col_e8m0_half_to_f32(blk[17]));
         MX_PAIR(0, a0);

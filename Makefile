@@ -26,7 +26,7 @@ DOCDIR ?= $(PREFIX)/share/doc/colibri
 INSTALL ?= install
 # The documents installed next to the units (their Documentation= names two); install and
 # uninstall both read this one list, so they cannot drift apart.
-DOCS = systemd.md protocol.md thermal.md security.md gateway.md
+DOCS = systemd.md protocol.md thermal.md security.md gateway.md rawdev.md
 # The units (and the udev rule's probe) name executables and the docs by absolute path, known only at install.
 SUBSTITUTE = sed -e 's|@BINDIR@|$(BINDIR)|g' -e 's|@DOCDIR@|$(DOCDIR)|g'
 

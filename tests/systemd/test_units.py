@@ -39,6 +39,7 @@ def test_make_install_puts_every_file_where_systemd_and_udev_look(staged):
         "usr/lib/udev/rules.d/61-colibri-pack.rules",
         "usr/share/doc/colibri/gateway.md",
         "usr/share/doc/colibri/protocol.md",
+        "usr/share/doc/colibri/rawdev.md",
         "usr/share/doc/colibri/security.md",
         "usr/share/doc/colibri/systemd.md",
         "usr/share/doc/colibri/thermal.md",

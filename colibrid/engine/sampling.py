@@ -184,15 +184,18 @@ def sampling_candidates(scores: np.ndarray, params: SamplingParams) -> tuple[np.
     """
     if params.temperature != 1.0:
         scores = scores / params.temperature
-    candidate_ids = top_k_candidates(scores, params.top_k)  # (K,)
-    candidate_scores = scores[candidate_ids]
-    if params.top_p < 1.0:
-        kept = top_p_keep(candidate_scores, params.top_p)
-        candidate_ids, candidate_scores = candidate_ids[kept], candidate_scores[kept]
-    if params.min_p > 0.0:
-        kept = min_p_keep(candidate_scores, params.min_p)
-        candidate_ids, candidate_scores = candidate_ids[kept], candidate_scores[kept]
-    return candidate_ids, candidate_scores
+    vocab_size = scores.shape[0]
+    # None: every id is still in play, in id order (no (V,) index array and copy of the scores
+    # when top-k keeps everything, as it does by default).
+    candidate_ids = None if params.top_k <= 0 or params.top_k >= vocab_size else top_k_candidates(scores, params.top_k)
+    candidate_scores = scores if candidate_ids is None else scores[candidate_ids]
+    for keep, value, applies in ((top_p_keep, params.top_p, params.top_p < 1.0),
+                                 (min_p_keep, params.min_p, params.min_p > 0.0)):
+        if applies:
+            kept = keep(candidate_scores, value)  # positions into the candidates
+            candidate_ids = kept if candidate_ids is None else candidate_ids[kept]
+            candidate_scores = candidate_scores[kept]
+    return (np.arange(vocab_size) if candidate_ids is None else candidate_ids), candidate_scores
 
 
 class Sampler:

@@ -4,7 +4,7 @@
     python bench/routing_traces.py /tmp/long.jsonl --sequences 32 --prompt-tokens 128 --generate 384
 
 Converts models/colibri-olmoe-stdlib to ~/.cache/colibri/colibri-olmoe-stdlib.pack on first
-use (as tools/demo.sh does; --pack to use another), then runs the engine in-process with its
+use (where tools/demo.sh puts it; --pack to choose), then runs the engine in-process with its
 routing capture on (the same capture the daemon's routing stream and debug_routing read): for
 each of --sequences windows spread evenly over the model's validation text
 (tools/train_default_model.py's held-out files), the prompt is prefilled in one step and
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 DEFAULT_MODEL = ROOT / "models" / "colibri-olmoe-stdlib"
-DEFAULT_PACK = Path.home() / ".cache" / "colibri" / "colibri-olmoe-stdlib.pack"
+PACK_DIR = Path.home() / ".cache" / "colibri"  # <model name>.pack, as tools/demo.sh places it
 
 
 def ensure_pack(model: Path, pack: Path) -> Path:
@@ -117,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("out", type=Path, help="the trace to write (JSON lines)")
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help=f"checkpoint (default {DEFAULT_MODEL})")
-    parser.add_argument("--pack", type=Path, default=DEFAULT_PACK, help=f"its pack (default {DEFAULT_PACK})")
+    parser.add_argument("--pack", type=Path, default=None, help=f"its pack (default {PACK_DIR}/<model name>.pack)")
     parser.add_argument("--sequences", type=int, default=8, help="prompts from the validation text (default 8)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     parser.add_argument("--generate", type=int, default=192, help="greedy tokens per prompt at most (default 192)")
     args = parser.parse_args(argv)
     if min(args.sequences, args.prompt_tokens, args.generate) < 1:
         raise SystemExit("--sequences, --prompt-tokens and --generate must be at least 1")
-    pack = ensure_pack(args.model, args.pack)
+    pack = ensure_pack(args.model, args.pack or PACK_DIR / f"{args.model.resolve().name}.pack")
     counts = record(pack, args.out, args.sequences, args.prompt_tokens, args.generate)
     print(f"{args.out}: {counts['steps']} steps, {counts['prompt_tokens']} prompt tokens, "
           f"{counts['generated_tokens']} generated ({args.out.stat().st_size / 1e3:.0f} kB)", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import random
 import sys
 from pathlib import Path
@@ -147,3 +148,19 @@ def test_simulated_lru_and_lfru_count_what_the_real_cache_counts(demo_pack, poli
             real = sim.native_replay(demo_pack, steps, slots, policy)
             assert real["slots"] == slots
             assert (simulated.hits, simulated.misses) == (real["hits"], real["misses"]), (policy, slots)
+
+
+def test_the_recorder_writes_every_step_of_a_greedy_generation(demo_pack, tmp_path):
+    traces = _load("routing_traces")
+    out = tmp_path / "trace.jsonl"
+    counts = traces.record(demo_pack, out, sequences=2, prompt_tokens=8, generate=5)
+    trace = sim.read_trace(out)
+    assert trace.moe_layers == [0, 1, 2, 3] and trace.num_experts == 16 and trace.header["top_k"] == 4
+    assert len(trace.steps) == counts["steps"] == 2 + counts["generated_tokens"]
+    assert trace.tokens == counts["prompt_tokens"] + counts["generated_tokens"] == 16 + counts["generated_tokens"]
+    phases = [json.loads(line)["phase"] for line in out.read_text().splitlines()[1:]]
+    assert phases[0] == "prompt" and phases.count("prompt") == 2
+    for step in trace.steps:
+        for rows in step:  # (rows, top-k): distinct experts of the layer, in range
+            assert all(len(set(row)) == 4 and all(0 <= e < 16 for e in row) for row in rows)
+    assert [len(step[0]) for step in trace.steps if len(step[0]) > 1] == [8, 8]

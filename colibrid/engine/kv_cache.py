@@ -88,7 +88,9 @@ class KVCache(LayerState):
         return 2 * length * self._keys[0].nbytes
 
     def keep(self, length: int) -> PositionRows:
-        return PositionRows(0, (self._keys[:length].copy(), self._values[:length].copy()), None)
+        # Views, not copies: the sequence has ended, and pages its reservation never wrote are
+        # not resident, so handing the buffers over costs nothing (a copy stalled the batch).
+        return PositionRows(0, (self._keys[:length], self._values[:length]), None)
 
     def put_rows(self, first: int, rows: tuple[np.ndarray, np.ndarray]) -> None:
         """Positions first .. of kept keys and values (prefix reuse)."""
@@ -175,7 +177,7 @@ class LatentCache(LayerState):
         return length * self._latents[0].nbytes
 
     def keep(self, length: int) -> PositionRows:
-        return PositionRows(0, (self._latents[:length].copy(),), None)
+        return PositionRows(0, (self._latents[:length],), None)  # a view, as KVCache.keep
 
     def put_rows(self, first: int, rows: tuple[np.ndarray]) -> None:
         """Positions first .. of kept latents (prefix reuse)."""

@@ -2,8 +2,10 @@
 with the same ones prefills only the rest (the next turn of a chat: the previous prompt and
 answer, then the new message; a shared system prompt; the same document asked twice).
 
-An entry is a finished sequence's token ids and a compact copy of its state (SequencePrefix:
-each layer says from which lengths it can resume with the numbers a fresh prefill gives).
+An entry is a finished sequence's token ids and what of its state can be resumed from
+(SequencePrefix: each layer says from which lengths it can resume with the numbers a fresh
+prefill gives). Flat caches hand over views of their own buffers (the sequence has ended; the
+pages its reservation never wrote are not resident), rings and recurrent states small copies.
 Entries are found by their prefix blocks: the ids are cut into blocks of BLOCK_TOKENS and each
 block's key is a hash chained over it and every block before it, so block i's key names the
 whole prefix up to it and a lookup walks the prompt's blocks once, O(prompt / block). The
@@ -133,9 +135,10 @@ class PrefixCache:
     # -- keeping ------------------------------------------------------------------------------
 
     def keep(self, token_ids: np.ndarray, state: SequenceState, scope: bytes = b"") -> bool:
-        """Keeps a copy of a finished sequence's ``state``, which holds ``token_ids``, for the
-        requests of ``scope``, if it fits in the budget (evicting the least recently used
-        entries) and can be resumed from. The caller frees ``state`` (nothing here refers to it)."""
+        """Keeps what a finished sequence's ``state`` (holding ``token_ids``) can be resumed
+        from, for the requests of ``scope``, if it fits in the budget (evicting the least
+        recently used entries). The entry may take over the state's own buffers (views of its
+        flat caches): the caller must never write ``state`` again."""
         token_ids = np.asarray(token_ids, dtype=np.int32)
         if token_ids.shape[0] != state.length:
             raise ValueError(f"{token_ids.shape[0]} token ids for a state of {state.length} tokens")

@@ -57,8 +57,9 @@ class LayerState:
         raise NotImplementedError
 
     def keep(self, length: int) -> LayerPrefix | None:
-        """A compact copy of this state after ``length`` tokens, for prefix reuse; None when
-        nothing of it can be resumed from."""
+        """What a later sequence can resume from of this state after ``length`` tokens, for
+        prefix reuse; None when nothing of it can. Called once its sequence has ended, never
+        to be written again: a state may hand over views of its own buffers."""
         raise NotImplementedError
 
 
@@ -91,8 +92,8 @@ class SequenceState:
         return sum(state.kept_nbytes(self.length) for state in self._unique().values())
 
     def keep(self) -> "SequencePrefix | None":
-        """A compact copy of every layer's state, for prefix reuse; None when there is no
-        length at which every layer can resume."""
+        """Every layer's kept part (LayerState.keep: the sequence has ended), for prefix
+        reuse; None when there is no length at which every layer can resume."""
         kept: dict[int, LayerPrefix] = {}
         for key, state in self._unique().items():
             prefix = state.keep(self.length)

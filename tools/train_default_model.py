@@ -159,7 +159,7 @@ def train(args) -> None:
             elapsed = time.monotonic() - started
             point = {"step": step, "train_loss": round(loss.item(), 4), "elapsed_s": round(elapsed, 1),
                      "tokens_per_s": round((step + 1) * args.batch * args.context / elapsed)}
-            if step % args.eval_every == 0 or step == args.steps - 1:
+            if (args.eval_every and step % args.eval_every == 0) or step == args.steps - 1:
                 point["val_loss"] = round(evaluate(model, val_ids, args.context), 4)
             curve.append(point)
             print(json.dumps(point), flush=True)
@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=50)
-    parser.add_argument("--eval-every", type=int, default=500)
+    parser.add_argument("--log-every", type=int, default=50, help="steps between loss lines (>= 1)")
+    parser.add_argument("--eval-every", type=int, default=500, help="steps between validation losses (0: at the end only)")
     parser.add_argument("--save-every", type=int, default=250, help="steps between resumable states (0: never)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt if present")
     train(parser.parse_args(argv))

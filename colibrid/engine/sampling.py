@@ -89,10 +89,15 @@ def apply_repetition_penalty(scores: np.ndarray, previous_ids: np.ndarray, penal
     return scores
 
 
+def top_k_keeps_all(top_k: int, vocab_size: int) -> bool:
+    """Whether top-k leaves every token in play (0 and anything at or over the vocabulary do)."""
+    return top_k <= 0 or top_k >= vocab_size
+
+
 def top_k_candidates(scores: np.ndarray, top_k: int) -> np.ndarray:
     """Ids whose score is at least the k-th best (ties at the edge kept, as transformers keeps them)."""
     vocab_size = scores.shape[0]
-    if top_k <= 0 or top_k >= vocab_size:
+    if top_k_keeps_all(top_k, vocab_size):
         return np.arange(vocab_size)
     kth_best = np.partition(scores, vocab_size - top_k)[vocab_size - top_k]
     return np.flatnonzero(scores >= kth_best)
@@ -187,7 +192,7 @@ def sampling_candidates(scores: np.ndarray, params: SamplingParams) -> tuple[np.
     vocab_size = scores.shape[0]
     # None: every id is still in play, in id order (no (V,) index array and copy of the scores
     # when top-k keeps everything, as it does by default).
-    candidate_ids = None if params.top_k <= 0 or params.top_k >= vocab_size else top_k_candidates(scores, params.top_k)
+    candidate_ids = None if top_k_keeps_all(params.top_k, vocab_size) else top_k_candidates(scores, params.top_k)
     candidate_scores = scores if candidate_ids is None else scores[candidate_ids]
     for keep, value, applies in ((top_p_keep, params.top_p, params.top_p < 1.0),
                                  (min_p_keep, params.min_p, params.min_p > 0.0)):
@@ -266,7 +271,7 @@ class Sampler:
 
 def _keeps_every_token(params: SamplingParams, vocab_size: int) -> bool:
     """Whether top-k, top-p and min-p all leave the whole vocabulary in play."""
-    return (params.top_k <= 0 or params.top_k >= vocab_size) and params.top_p >= 1.0 and params.min_p <= 0.0
+    return top_k_keeps_all(params.top_k, vocab_size) and params.top_p >= 1.0 and params.min_p <= 0.0
 
 
 # --------------------------------------------------------------------------------------------

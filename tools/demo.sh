@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: convert the default model (once, seconds), start colibrid
 # on it, ask one question through colibrictl, stop the daemon.
-#   COLIBRI_MODEL    checkpoint to convert (default: models/colibri-olmoe-stdlib, shipped here)
+#   tools/demo.sh [NAME]   NAME: a model shipped under models/ (default colibri-olmoe-stdlib;
+#                          colibri-olmoe64-stdlib is the 64-expert one)
+#   COLIBRI_MODEL    checkpoint directory to convert instead (any Hugging Face MoE checkpoint)
 #   COLIBRI_PACK     where its pack goes (default ~/.cache/colibri/<model name>.pack)
 #   COLIBRI_PROMPT   what to ask (default "def fibonacci(n):")
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-model=${COLIBRI_MODEL:-$here/models/colibri-olmoe-stdlib}
+name=${1:-colibri-olmoe-stdlib}
+if [ -z "${COLIBRI_MODEL:-}" ] && [ ! -f "$here/models/$name/config.json" ]; then
+    echo "demo: no model named '$name'; shipped models:" $(cd "$here/models" && ls -d */ | tr -d /) >&2
+    exit 2
+fi
+model=${COLIBRI_MODEL:-$here/models/$name}
 pack=${COLIBRI_PACK:-$HOME/.cache/colibri/$(basename "$model").pack}
 prompt=${COLIBRI_PROMPT:-"def fibonacci(n):"}
 rundir=$(mktemp -d)

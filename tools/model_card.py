@@ -6,7 +6,9 @@ Reads training.json written by train_default_model.py and measures, on the held-
 validation files: loss and perplexity next to an interpolated bigram baseline on the same
 tokenization, and the routing statistics a cache designer needs — per-layer expert-usage
 entropy and temporal locality (how often a token reuses an expert the previous token used
-in the same layer). Development-only (torch, transformers).
+in the same layer), and top-expert coverage (the share of a layer's routed choices that its
+most used 12.5 / 25 / 50 % of experts receive: what a cache that pinned the hottest experts of
+that size would hit). Development-only (torch, transformers).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_default_model import EOS, encode_split, is_validation, stdlib_files  # noqa: E402
+from train_default_model import SHAPE_REASONS, encode_split, is_validation, stdlib_files  # noqa: E402
+
+COVERAGE_FRACTIONS = (0.125, 0.25, 0.5)  # of a layer's experts, for top-expert coverage
 
 
 def corpus_ids(checkpoint: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -82,8 +86,17 @@ def model_measurements(checkpoint: Path, val: np.ndarray, context: int, max_wind
     loss = float(np.mean(losses))
     return {"val_loss": loss, "val_perplexity": math.exp(loss), "entropy_bits": entropy.tolist(),
             "max_entropy_bits": math.log2(experts), "reuse": (reuse / reuse_n).tolist(),
+            "coverage": top_expert_coverage(p).tolist(),
             "reuse_if_random": top_k / experts, "layers": layers, "experts": experts, "top_k": top_k,
             "tokens_measured": reuse_n + len(losses)}
+
+
+def top_expert_coverage(shares: np.ndarray) -> np.ndarray:
+    """(L, F): the share of each layer's routed choices that go to its most used
+    ceil(f * E) experts, for f in COVERAGE_FRACTIONS. `shares` (L, E) sums to 1 per layer."""
+    ordered = np.cumsum(np.sort(shares, axis=1)[:, ::-1], axis=1)
+    experts = shares.shape[1]
+    return np.stack([ordered[:, math.ceil(f * experts) - 1] for f in COVERAGE_FRACTIONS], axis=1)
 
 
 # Function headers in the style of the standard library, none copied from it.
@@ -147,8 +160,14 @@ def render(checkpoint: Path, training: dict, m: dict, bigram_ppl: float, lam: fl
     curve = training["curve"]
     final = curve[-1]
     corpus = training["corpus"]
+    args = training["arguments"]
+    why = SHAPE_REASONS[args.get("shape", "default")]
+    seen_tokens = args["steps"] * args["batch"] * args["context"]
+    passes = seen_tokens / training["train_tokens"]
+    coverage_heads = " | ".join(f"top {f:.1%} of experts".replace(".0%", "%") for f in COVERAGE_FRACTIONS)
     rows = "\n".join(
-        f"| {layer} | {m['entropy_bits'][layer]:.2f} of {m['max_entropy_bits']:.2f} | {m['reuse'][layer]:.3f} |"
+        f"| {layer} | {m['entropy_bits'][layer]:.2f} of {m['max_entropy_bits']:.2f} | {m['reuse'][layer]:.3f} | "
+        + " | ".join(f"{c:.3f}" for c in m["coverage"][layer]) + " |"
         for layer in range(m["layers"])
     )
     curve_rows = "\n".join(f"| {p['step']} | {p['train_loss']:.3f} | {p.get('val_loss', '')} |"
@@ -170,14 +189,15 @@ install answers with real (if modest) language and real routing. OLMoE architect
 | final training loss | {final['train_loss']:.3f} |
 | validation loss | {m['val_loss']:.3f} (perplexity {m['val_perplexity']:.1f}) |
 | bigram baseline | perplexity {bigram_ppl:.1f} on the same validation tokens (interpolated, λ = {lam:.2f}) |
-| why this size | the largest OLMoE that trains in about 90 minutes on the 2 cores of the machines Colibri is built on (~3,800 tokens/s at hidden 256, 4 layers, 16 experts of 256, top-2, context 256; {training['curve'][-1]['elapsed_s'] / 60:.0f} minutes here); 16 experts in 4 layers give a cache something to choose from |
+| why this size | {why} ({training['curve'][-1]['elapsed_s'] / 60:.0f} minutes here) |
 
 ## Loss curve
 
 The validation column is what training printed: the first 64 windows of 256 tokens of the
-validation split (16k tokens); the validation loss above is measured over all of it. The gap
-between training and validation loss is the price of the size of the corpus: 4,500 steps of
-16 × 256 tokens are six passes over 3 M tokens, and the model memorises some of the library.
+validation split (16k tokens); the validation loss above is measured over all of it.
+{args['steps']:,} steps of {args['batch']} × {args['context']} tokens are {passes:.1f} passes over the
+{training['train_tokens'] / 1e6:.1f} M training tokens; the more passes, the more of the library the
+model memorises, and the wider the gap between training and validation loss.
 
 | step | training loss | validation loss |
 |---|---|---|
@@ -188,9 +208,12 @@ between training and validation loss is the price of the size of the corpus: 4,5
 Usage entropy: how evenly a layer spreads tokens over its experts (log2 E = uniform).
 Reuse: the share of a token's experts that the previous token also used in the same layer
 (random routing would give {m['reuse_if_random']:.3f}) — the temporal locality an expert cache lives on.
+Coverage: the share of the layer's routed choices that its most used experts receive — what a
+cache pinning that many of the layer's hottest experts would hit (uniform routing would give
+the fraction itself).
 
-| layer | usage entropy (bits) | reuse |
-|---|---|---|
+| layer | usage entropy (bits) | reuse | {coverage_heads} |
+|---|---|---|{"---|" * len(COVERAGE_FRACTIONS)}
 {rows}
 
 ## Sampled completions

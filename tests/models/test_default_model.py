@@ -1,4 +1,5 @@
-"""The shipped default model (models/colibri-olmoe-stdlib) through Colibri.
+"""The shipped trained models (models/colibri-olmoe-stdlib, the default, and
+models/colibri-olmoe64-stdlib, 64 experts) through Colibri.
 
 Golden: greedy continuations recorded by tools/record_golden.py when the model was trained
 — the default-quantized pack must keep producing exactly those ids, and a bf16 pack (which
@@ -14,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-MODEL = Path(__file__).resolve().parents[2] / "models" / "colibri-olmoe-stdlib"
+MODELS = Path(__file__).resolve().parents[2] / "models"
+SHIPPED = ["colibri-olmoe-stdlib", "colibri-olmoe64-stdlib"]
 
 # Not in the training data's form (it is written here), but the kind of text the model knows.
 PYTHON_TEXT = '''import json
@@ -40,40 +42,45 @@ class Counter:
 '''
 
 
+@pytest.fixture(scope="module", params=SHIPPED)
+def model(request) -> Path:
+    return MODELS / request.param
+
+
 @pytest.fixture(scope="module")
-def golden() -> dict:
-    return json.loads((MODEL / "golden.json").read_text())
+def golden(model) -> dict:
+    return json.loads((model / "golden.json").read_text())
 
 
-def _convert(tmp_path_factory, quant: str | None) -> Path:
+def _convert(model: Path, tmp_path_factory, quant: str | None) -> Path:
     from colibrid.convert.converter import convert
     from colibrid.convert.quant_spec import parse_quant
 
-    out = tmp_path_factory.mktemp("default-model") / "model.pack"
-    convert(MODEL, out, parse_quant(quant), progress=False)
+    out = tmp_path_factory.mktemp(model.name) / "model.pack"
+    convert(model, out, parse_quant(quant), progress=False)
     return out
 
 
 @pytest.fixture(scope="module")
-def default_engine(tmp_path_factory):
+def default_engine(model, tmp_path_factory):
     from colibrid.engine import load
 
-    return load(_convert(tmp_path_factory, None))
+    return load(_convert(model, tmp_path_factory, None))
 
 
 @pytest.fixture(scope="module")
-def bf16_engine(tmp_path_factory):
+def bf16_engine(model, tmp_path_factory):
     from colibrid.engine import load
 
-    return load(_convert(tmp_path_factory, "bf16"))
+    return load(_convert(model, tmp_path_factory, "bf16"))
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(model):
     pytest.importorskip("transformers")
     from tests.tiny_checkpoints import load_reference
 
-    return load_reference(MODEL)
+    return load_reference(model)
 
 
 def test_golden_was_recorded_with_the_current_default_quantization(golden):

@@ -17,8 +17,9 @@ Policies:
              (request counts halved every 8 x slots requests), least recent on ties
   belady     the oracle: evict the resident expert whose next use is farthest in the future
              (never used again first; ties: the lowest (layer, expert)) - the upper bound
-  lfu-decay  online: frequency with exponential decay (half-life in tokens, `lfu-decay:64`),
-             least recent on ties
+  lfu-decay  online: frequency with exponential decay (half-life in decode tokens,
+             `lfu-decay:16`, the default), least recent on ties: the C cache's lfu-decay, exactly
+             (its clock counts requested experts; a token is the trace's MoE layers x top-k of them)
   window     online, least-stale: evict the expert used least often in the last W tokens
              (`window:32`), least recent on ties - what the recent window did not use goes first
   pin-half   online with hindsight from the past: the experts most used in the trace's first
@@ -26,8 +27,9 @@ Policies:
              rest; only meaningful on the second half, so its row reports that half only
 
 `--validate PACK` replays the same layer steps through the real expert cache (libcolibri, via
-bench_aepc.replay_trace) at the same slot counts and prints both LRU and LFRU hit rates side by
-side: the simulator must match within one point (it is exact by construction; the check keeps it so).
+bench_aepc.replay_trace) at the same slot counts and prints the LRU, LFRU and lfu-decay hit
+rates side by side: the simulator must match within one point (it is exact by construction; the
+check keeps it so).
 
 Shape letters: S layer steps, L MoE layers, E experts per layer, C slots.
 """
@@ -221,28 +223,31 @@ class Belady(Policy):
 
 
 class DecayedLFU(Policy):
-    """Frequency with exponential decay: each request adds 1 to a key's score, and scores halve
-    every ``half_life`` tokens; the lowest score goes, the least recent on ties."""
+    """col_expert_cache's lfu-decay: each request adds 1 to a key's score, and scores halve every
+    ``half_life_tokens`` x ``requests_per_token`` requests (the cache's clock counts requested
+    experts); the lowest score goes, the least recent on ties. The same double arithmetic as
+    count_decayed in expert_cache.c, so the counters are the real cache's exactly."""
 
     name = "lfu-decay"
 
-    def __init__(self, capacity, layers, num_experts, half_life_tokens: float = 64.0):
+    def __init__(self, capacity, layers, num_experts, half_life_tokens: float = 16.0, requests_per_token: int = 1):
         super().__init__(capacity, layers, num_experts)
-        self.rate = math.log(2.0) / half_life_tokens
-        self.log_score: dict[Key, float] = {}  # log of score x e^(rate * t): no rescaling ever needed
+        self.half_life = float(max(1, int(half_life_tokens * requests_per_token)))  # in requests, as C's int
+        self.requests = 0
+        self.score: dict[Key, float] = {}
+        self.stamp: dict[Key, int] = {}
+        self.rank: dict[Key, float] = {}  # log2(score) + stamp / h: orders scores decayed to any common time
         self.name = f"lfu-decay:{half_life_tokens:g}"
 
-    def begin(self, steps, token_of):
-        self.token_of = token_of
-
     def access(self, key, index, hit):
-        # score(t) = sum over requests at t_i of 2^-((t - t_i) / h); stored as log(sum e^(rate t_i)).
-        x = self.rate * self.token_of[index]
-        old = self.log_score.get(key)
-        self.log_score[key] = x if old is None else max(old, x) + math.log1p(math.exp(-abs(old - x)))
+        self.requests += 1
+        now, h = self.requests, self.half_life
+        score = self.score.get(key, 0.0) * math.exp2(-float(now - self.stamp.get(key, 0)) / h) + 1.0
+        self.score[key], self.stamp[key] = score, now
+        self.rank[key] = math.log2(score) + float(now) / h
 
     def victim(self, candidates, layer, resident_per_layer, index):
-        return min(candidates, key=lambda k: (self.log_score.get(k, -NEVER), self.last_used[k]))
+        return min(candidates, key=lambda k: (self.rank.get(k, -NEVER), self.last_used[k]))
 
 
 class WindowLFU(Policy):
@@ -300,8 +305,9 @@ class PinFirstHalf(LRU):
         return super().victim(free or candidates, layer, resident_per_layer, index)
 
 
-def make_policy(spec: str, capacity: int, layers: list[int], num_experts: int) -> Policy:
-    """``name`` or ``name:parameter`` (lfu-decay:half-life tokens, window:tokens)."""
+def make_policy(spec: str, capacity: int, layers: list[int], num_experts: int, requests_per_token: int = 1) -> Policy:
+    """``name`` or ``name:parameter`` (lfu-decay:half-life tokens, window:tokens).
+    ``requests_per_token``: experts a decode token requests (MoE layers x top-k), lfu-decay's clock."""
     name, _, arg = spec.partition(":")
     if name == "lru":
         return LRU(capacity, layers, num_experts)
@@ -310,7 +316,7 @@ def make_policy(spec: str, capacity: int, layers: list[int], num_experts: int) -
     if name == "belady":
         return Belady(capacity, layers, num_experts)
     if name == "lfu-decay":
-        return DecayedLFU(capacity, layers, num_experts, float(arg or 64))
+        return DecayedLFU(capacity, layers, num_experts, float(arg or 16), requests_per_token)
     if name == "window":
         return WindowLFU(capacity, layers, num_experts, int(arg or 32))
     if name == "pin-half":
@@ -384,11 +390,25 @@ def slots_for(fraction: float, n_records: int) -> int:
     return max(1, min(n_records, int(n_records * fraction)))
 
 
+def trace_requests_per_token(trace: Trace) -> int:
+    """Experts one decode token requests: MoE layers x top-k (the header's, else the widest row)."""
+    top_k = trace.header.get("top_k") or max((len(row) for step in trace.steps for rows in step for row in rows), default=1)
+    return len(trace.moe_layers) * int(top_k)
+
+
+def pack_requests_per_token(pack_path: Path) -> int:
+    """The same for a pack: what the real cache's lfu-decay clock is scaled by."""
+    from colibrid.pack.reader import Pack
+
+    manifest = Pack.open(pack_path).manifest
+    return len({r.layer for r in manifest.expert_records}) * max(1, manifest.model.num_experts_per_tok)
+
+
 def run_policy(trace: Trace, spec: str, slots: int, per_token: bool = False, second_half: bool = False) -> Result:
     """One policy on the trace; pin-half (which learns from the first half) and ``second_half``
     count the second half of the layer steps only."""
     steps, token_of = layer_steps(trace, slots, per_token)
-    policy = make_policy(spec, slots, trace.moe_layers, trace.num_experts)
+    policy = make_policy(spec, slots, trace.moe_layers, trace.num_experts, trace_requests_per_token(trace))
     measure_from = len(steps) // 2 if second_half or spec.startswith("pin-half") else 0
     return simulate(steps, slots, policy, token_of, measure_from)
 
@@ -434,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-token", action="store_true",
                         help="one layer step per token (prompt tokens too), instead of per engine step as recorded")
     parser.add_argument("--validate", type=Path, default=None, metavar="PACK",
-                        help="also replay LRU and LFRU through the real cache on this pack (same shape as the trace)")
+                        help="also replay LRU, LFRU and lfu-decay through the real cache on this pack (same shape as the trace)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
 
@@ -473,8 +493,9 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         if args.validate:
             steps, _ = layer_steps(trace, slots, args.per_token)
-            for policy in ("lru", "lfru"):
-                sim = simulate(steps, slots, make_policy(policy, slots, trace.moe_layers, trace.num_experts))
+            for policy in ("lru", "lfru", "lfu-decay"):
+                sim = simulate(steps, slots, make_policy(policy, slots, trace.moe_layers, trace.num_experts,
+                                                         pack_requests_per_token(args.validate)))
                 real = native_replay(args.validate, steps, slots, policy)
                 gap = abs(sim.hit_rate - (real["hit_rate"] or 0.0)) * 100
                 rows.append({"fraction": fraction, "slots": slots, "validate": policy, "simulated_hits": sim.hits,

@@ -221,14 +221,15 @@ L, E = 2, 8
 class Cache:
     """A col_expert_cache over the 16-record file: (layer l, expert e) is record l * 8 + e."""
 
-    def __init__(self, path: Path, records: list[np.ndarray], n_slots: int, policy=native.CachePolicy.LRU):
+    def __init__(self, path: Path, records: list[np.ndarray], n_slots: int, policy=native.CachePolicy.LRU,
+                 decay_half_life: int = 0):
         self.records = records
         self.slab = native.Slab(PAGE, n_slots, hugetlb=OFF, thp=OFF, lock=OFF)
         self.loader = native.Loader(path, queue_depth=4, max_queue_depth=4)
         table = np.zeros((L, E), dtype=native.EXPERT_RECORD_DTYPE)
         for i, rec in enumerate(records):
             table[i // E, i % E] = (i * PAGE, PAGE, native.crc32c(rec), 0)
-        self.core = native.ExpertCacheCore(self.slab, self.loader, table, policy)
+        self.core = native.ExpertCacheCore(self.slab, self.loader, table, policy, decay_half_life=decay_half_life)
 
     def use(self, layer: int, experts: list[int]) -> np.ndarray:
         """acquire + wait + check the bytes + release; returns the slots."""
@@ -255,8 +256,8 @@ class Cache:
 def make_cache(experts_file):
     made = []
 
-    def make(n_slots: int, policy=native.CachePolicy.LRU) -> Cache:
-        made.append(Cache(*experts_file, n_slots, policy))
+    def make(n_slots: int, policy=native.CachePolicy.LRU, decay_half_life: int = 0) -> Cache:
+        made.append(Cache(*experts_file, n_slots, policy, decay_half_life))
         return made[-1]
 
     yield make
@@ -336,6 +337,35 @@ def test_lfru_keeps_each_layers_quota_and_its_frequent_experts(make_cache):
     assert not {(0, 0), (0, 1)} & lru.resident()  # LRU lets the scan flush layer 0
     cache.use(0, [2])  # layer 0 is at its quota: it gives up one of its own (equal counts: the older)
     assert {(0, 1), (0, 2)} <= cache.resident() and (0, 0) not in cache.resident()
+
+
+def _requests(cache, sequence: list[tuple[tuple[int, int], int]]) -> None:
+    for (layer, expert), times in sequence:
+        for _ in range(times):
+            cache.use(layer, [expert])
+
+
+A, B, C, D = (0, 0), (0, 1), (0, 2), (1, 0)
+
+
+@pytest.mark.parametrize("policy, evicted", [(native.CachePolicy.DECAYED_LFU, B), (native.CachePolicy.LRU, A)])
+def test_decayed_lfu_keeps_an_expert_used_often_over_one_used_a_little_more_recently(make_cache, policy, evicted):
+    """Half-life 4 requests. A six times (requests 1-6), B twice (7-8), C 13 times, then D misses.
+    Decayed to request 8: A's score is sum(2^(-i/4), i<6) * 2^(-2/4) = 2.87, B's 1 + 2^(-1/4) = 1.84:
+    B goes. LRU takes A, the least recent."""
+    cache = make_cache(3, policy, decay_half_life=4)
+    _requests(cache, [(A, 6), (B, 2), (C, 13), (D, 1)])
+    assert cache.resident() == {A, B, C, D} - {evicted}
+
+
+@pytest.mark.parametrize("policy, evicted", [(native.CachePolicy.DECAYED_LFU, A), (native.CachePolicy.LFRU, B)])
+def test_decayed_lfu_forgets_what_was_used_often_long_ago(make_cache, policy, evicted):
+    """The same requests with C's 13 between A and B: decayed to request 21, A's score is
+    4.06 * 2^(-15/4) = 0.30 against B's 1.84, so A goes; counting (LFRU, no halving yet) keeps
+    A's 6 over B's 2."""
+    cache = make_cache(3, policy, decay_half_life=4)
+    _requests(cache, [(A, 6), (C, 13), (B, 2), (D, 1)])
+    assert cache.resident() == {A, B, C, D} - {evicted}
 
 
 def test_prefetch_loads_without_pinning_and_counts_useful_prefetches(make_cache):

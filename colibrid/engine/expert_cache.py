@@ -41,7 +41,10 @@ from colibrid.pack.reader import ExpertWeights, Pack
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
-POLICIES = {"lru": native.CachePolicy.LRU, "lfru": native.CachePolicy.LFRU}
+POLICIES = {"lru": native.CachePolicy.LRU, "lfru": native.CachePolicy.LFRU, "lfu-decay": native.CachePolicy.DECAYED_LFU}
+# lfu-decay's half-life, in decode tokens: the best of a sweep on both trained models' routing
+# traces (docs/performance.md); the cache counts it in requested experts (layers x top-k a token).
+DECAY_HALF_LIFE_TOKENS = 16
 LOCK_MODES = {"off": native.AepcMode.OFF, "try": native.AepcMode.TRY, "required": native.AepcMode.REQUIRED}
 BACKING_NAMES = {native.SlabBacking.PAGES: "pages", native.SlabBacking.THP: "thp", native.SlabBacking.HUGETLB: "hugetlb"}
 
@@ -57,7 +60,7 @@ class ExpertCacheSettings:
     hugepage_record). See CachedExpertSource for what each value means."""
 
     cache_size: int | str = "50%"
-    policy: str = "lru"
+    policy: str = "lfu-decay"
     io_queue_depth: int = 16
     prefetch: bool = False
     hugepages: str | int = "auto"
@@ -127,13 +130,22 @@ class _PinnedExperts(AcquiredExperts):
         return len(self._slot)
 
 
+def decay_half_life_requests(config, table: np.ndarray) -> int:
+    """DECAY_HALF_LIFE_TOKENS in the cache's clock: experts requested per decode token is the
+    MoE layers (those with records) times top-k."""
+    moe_layers = int((table["length"] > 0).any(axis=1).sum())
+    return max(1, DECAY_HALF_LIFE_TOKENS * moe_layers * max(1, config.num_experts_per_tok))
+
+
 class CachedExpertSource(ExpertSource):
     """An ExpertSource whose experts live in a bounded slab cache.
 
     cache_bytes      int or a size string ("6G", "40%" of the memory budget: MemAvailable, or
                      the headroom under the cgroup memory limit when smaller); rounded down
                      to whole slots, at least one slot, at most one slot per expert.
-    policy           "lru" or "lfru" (per-layer quotas, least-frequently-used within a layer).
+    policy           "lfu-decay" (frequency with exponential decay, half-life DECAY_HALF_LIFE_TOKENS
+                     decode tokens, the least recent on ties), "lfru" (per-layer quotas,
+                     least-frequently-used within a layer) or "lru".
     io_queue_depth   reads in flight at most (changeable: set_io_queue_depth).
     hugepages        "auto": hugetlb 2 MiB pages, raising vm.nr_hugepages when privileged (and
                      giving them back on close) and not under a cgroup memory limit (which
@@ -153,7 +165,7 @@ class CachedExpertSource(ExpertSource):
     ExpertLoadingPaused, a step served from the cache goes on.
     """
 
-    def __init__(self, pack: Pack, cache_bytes: int | str, policy: str = "lru", io_queue_depth: int = 16,
+    def __init__(self, pack: Pack, cache_bytes: int | str, policy: str = "lfu-decay", io_queue_depth: int = 16,
                  hugepages: str | int = "auto", lock_memory: str = "try", prefetch: bool = True,
                  direct: str = "try", max_io_queue_depth: int = 32, budget: MemoryBudget | None = None,
                  hugepage_record: Path | None = DEFAULT_HUGEPAGE_RECORD) -> None:
@@ -204,7 +216,8 @@ class CachedExpertSource(ExpertSource):
             self._slab = self._make_slab(lock_memory)
             self._loader = self._make_loader(io_queue_depth, max_io_queue_depth, direct)
             # Concurrent layer steps (several sessions) wait for each other's slots.
-            self._cache = native.ExpertCacheCore(self._slab, self._loader, table, POLICIES[policy], wait_for_pins=True)
+            self._cache = native.ExpertCacheCore(self._slab, self._loader, table, POLICIES[policy], wait_for_pins=True,
+                                                 decay_half_life=decay_half_life_requests(config, table))
         except BaseException:
             self.close()
             raise

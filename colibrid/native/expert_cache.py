@@ -34,6 +34,7 @@ class SlabBacking(enum.IntEnum):
 class CachePolicy(enum.IntEnum):
     LRU = 0
     LFRU = 1
+    DECAYED_LFU = 2
 
 
 LATENCY_BUCKETS = 96  # COL_LATENCY_BUCKETS
@@ -88,7 +89,7 @@ class ReadResult(ctypes.Structure):
 @mirrors_c_struct("col_expert_cache_params_size")
 class ExpertCacheParams(ctypes.Structure):
     _fields_ = [("n_layers", ctypes.c_int32), ("n_experts", ctypes.c_int32), ("policy", ctypes.c_int32),
-                ("wait_for_pins", ctypes.c_int32)]
+                ("wait_for_pins", ctypes.c_int32), ("decay_half_life", ctypes.c_int32), ("reserved", ctypes.c_int32)]
 
 
 @mirrors_c_struct("col_expert_cache_layer_stats_size")
@@ -276,12 +277,13 @@ class ExpertCacheCore:
 
     ``records`` is an EXPERT_RECORD_DTYPE array (L, E): where each record lives.
     ``wait_for_pins``: acquire waits for other threads' releases instead of raising
-    NoFreeSlotError (never acquire twice in one thread without releasing, then)."""
+    NoFreeSlotError (never acquire twice in one thread without releasing, then).
+    ``decay_half_life``: DECAYED_LFU's half-life in requested experts (0: the C default)."""
 
     _handle = None  # set once the C object exists (close() and __del__ check it)
 
     def __init__(self, slab: Slab, loader: Loader, records: np.ndarray, policy: CachePolicy = CachePolicy.LRU,
-                 wait_for_pins: bool = False) -> None:
+                 wait_for_pins: bool = False, decay_half_life: int = 0) -> None:
         lib = _lib()
         if not isinstance(records, np.ndarray) or records.dtype != EXPERT_RECORD_DTYPE or records.ndim != 2:
             raise InvalidArgumentError("records must be an (L, E) array of EXPERT_RECORD_DTYPE")
@@ -289,6 +291,7 @@ class ExpertCacheCore:
         params = lib.col_expert_cache_default_params()
         params.n_layers, params.n_experts, params.policy = records.shape[0], records.shape[1], int(policy)
         params.wait_for_pins = int(bool(wait_for_pins))
+        params.decay_half_life = int(decay_half_life)  # requests; 0: C's default
         handle = _vp()
         check(lib.col_expert_cache_create(ctypes.byref(params), self._records.ctypes.data, slab.handle,
                                                 loader.handle, ctypes.byref(handle)), "expert cache")

@@ -926,8 +926,13 @@ enum col_cache_policy {
     COL_POLICY_LFRU = 1, /* per-layer quotas (n_slots / layers with records) and, within the
                             layer that gives up a slot, the least frequently used expert
                             (counts halve every 8 * n_slots accesses), ties to the least recent */
+    COL_POLICY_DECAYED_LFU = 2, /* frequency with exponential decay: each request adds 1 to the
+                            expert's score and every score halves each decay_half_life requests
+                            (a continuous decay, not a periodic halving); the lowest decayed
+                            score goes, ties to the least recent. A prefetched expert not yet
+                            requested has score 0 and goes first. */
 };
-#define COL_POLICY_COUNT 2
+#define COL_POLICY_COUNT 3
 
 /* Where each (layer, expert) record lives in the experts file. */
 typedef struct {
@@ -947,6 +952,10 @@ typedef struct {
                               threads' releases instead of failing with COL_EBUSY (it holds no
                               pins while it waits). Never acquire again while holding pins in
                               the same thread with this on. Default 0. */
+    int32_t decay_half_life; /* COL_POLICY_DECAYED_LFU's half-life in requested experts (cache
+                                requests, hits and misses); <= 0: 1024 (16 tokens of a model
+                                with 8 MoE layers of top-8) */
+    int32_t reserved;        /* 0 */
 } col_expert_cache_params;
 
 COL_API col_expert_cache_params col_expert_cache_default_params(void);

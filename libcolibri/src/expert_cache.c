@@ -16,6 +16,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,9 +51,15 @@ struct col_expert_cache {
     int32_t reads_pending;               /* reads submitted and not completed */
     int64_t tick;                        /* one per expert requested */
     int64_t accesses_since_aging;
+    int64_t requests;                    /* count_access calls: the decayed LFU's clock */
+    double decay_half_life;              /* in requests */
     col_expert_record *records;          /* (L, E) */
     int32_t *map;                        /* (L, E) slot, or -1 */
     uint32_t *freq;                      /* (L, E) request counts, halved periodically */
+    double *decayed;                     /* (L, E) decayed request score as of decay_stamp */
+    int64_t *decay_stamp;                /* (L, E) the request clock when decayed was updated */
+    double *decay_rank;                  /* (L, E) log2(decayed) + decay_stamp / half-life: the
+                                            order of the scores decayed to any common time */
     int32_t *layer_resident;             /* (L) slots in the map per layer */
     col_cache_slot *slots;               /* (S) */
     col_expert_cache_layer_stats *stats; /* (L) */
@@ -96,16 +103,24 @@ int col_expert_cache_create(const col_expert_cache_params *params, const col_exp
     c->records = malloc((size_t)n_keys * sizeof *c->records);
     c->map = malloc((size_t)n_keys * sizeof *c->map);
     c->freq = calloc((size_t)n_keys, sizeof *c->freq);
+    c->decayed = calloc((size_t)n_keys, sizeof *c->decayed);
+    c->decay_stamp = calloc((size_t)n_keys, sizeof *c->decay_stamp);
+    c->decay_rank = malloc((size_t)n_keys * sizeof *c->decay_rank);
     c->layer_resident = calloc((size_t)params->n_layers, sizeof *c->layer_resident);
     c->slots = calloc((size_t)si.n_slots, sizeof *c->slots);
     c->stats = calloc((size_t)params->n_layers, sizeof *c->stats);
-    if (!c->records || !c->map || !c->freq || !c->layer_resident || !c->slots || !c->stats) {
+    if (!c->records || !c->map || !c->freq || !c->decayed || !c->decay_stamp || !c->decay_rank || !c->layer_resident ||
+        !c->slots || !c->stats) {
         free(c->records); free(c->map); free(c->freq); free(c->layer_resident); free(c->slots); free(c->stats);
+        free(c->decayed); free(c->decay_stamp); free(c->decay_rank);
         free(c);
         return COL_ENOMEM;
     }
     memcpy(c->records, records, (size_t)n_keys * sizeof *records);
-    for (int64_t k = 0; k < n_keys; k++) c->map[k] = -1;
+    for (int64_t k = 0; k < n_keys; k++) {
+        c->map[k] = -1;
+        c->decay_rank[k] = -INFINITY; /* never requested: score 0 */
+    }
     for (int32_t s = 0; s < si.n_slots; s++) {
         c->slots[s].layer = c->slots[s].expert = -1;
         c->slots[s].state = SLOT_FREE;
@@ -123,6 +138,7 @@ int col_expert_cache_create(const col_expert_cache_params *params, const col_exp
     c->n_experts = params->n_experts;
     c->n_record_layers = n_record_layers > 0 ? n_record_layers : 1;
     c->policy = params->policy;
+    c->decay_half_life = params->decay_half_life > 0 ? params->decay_half_life : 1024;
     c->wait_for_pins = params->wait_for_pins != 0;
     *out = c;
     return COL_OK;
@@ -140,6 +156,7 @@ void col_expert_cache_destroy(col_expert_cache *c) {
     col_loader_release(c->loader);
     col_slab_release(c->slab);
     free(c->records); free(c->map); free(c->freq); free(c->layer_resident); free(c->slots); free(c->stats);
+    free(c->decayed); free(c->decay_stamp); free(c->decay_rank);
     free(c);
 }
 
@@ -190,12 +207,37 @@ static int32_t victim_lfru(col_expert_cache *c, int32_t layer, int for_prefetch)
     return v;
 }
 
+/* Decayed LFU: the lowest decayed score among evictable slots, then the least recent. Scores
+ * are compared through decay_rank, which orders them as if all were decayed to now. */
+static int32_t victim_decayed_lfu(col_expert_cache *c, int for_prefetch) {
+    int32_t best = -1;
+    double best_rank = 0.0;
+    for (int32_t s = 0; s < c->n_slots; s++) {
+        const col_cache_slot *sl = &c->slots[s];
+        if (!evictable(sl, for_prefetch)) continue;
+        const double rank = c->decay_rank[(int64_t)sl->layer * c->n_experts + sl->expert];
+        if (best < 0 || rank < best_rank || (rank == best_rank && sl->last_used < c->slots[best].last_used)) {
+            best = s;
+            best_rank = rank;
+        }
+    }
+    return best;
+}
+
+static int32_t choose_victim(col_expert_cache *c, int32_t layer, int for_prefetch) {
+    switch (c->policy) {
+    case COL_POLICY_LFRU: return victim_lfru(c, layer, for_prefetch);
+    case COL_POLICY_DECAYED_LFU: return victim_decayed_lfu(c, for_prefetch);
+    default: return victim_lru(c, for_prefetch);
+    }
+}
+
 /* A slot for a new entry of `layer`: a free one from the slab, else an evicted one; -1 if
  * every slot is pinned or loading (or, for prefetch, an unused prefetch). */
 static int32_t cache_take_slot(col_expert_cache *c, int32_t layer, int for_prefetch) {
     int32_t s;
     if (col_slab_slot_alloc(c->slab, &s) == COL_OK) return s;
-    s = c->policy == COL_POLICY_LFRU ? victim_lfru(c, layer, for_prefetch) : victim_lru(c, for_prefetch);
+    s = choose_victim(c, layer, for_prefetch);
     if (s < 0) return -1;
     col_cache_slot *sl = &c->slots[s];
     c->map[(int64_t)sl->layer * c->n_experts + sl->expert] = -1;
@@ -303,7 +345,18 @@ static int check_request(const col_expert_cache *c, int32_t layer, const int32_t
     return 1;
 }
 
+/* score(now) = score(stamp) * 2^-((now - stamp) / h) + 1. bench/cache_sim.py's decayed-lfu
+ * policy does the same double arithmetic, so that it predicts this cache's counters exactly. */
+static void count_decayed(col_expert_cache *c, int64_t key) {
+    const int64_t now = ++c->requests;
+    const double h = c->decay_half_life;
+    c->decayed[key] = c->decayed[key] * exp2(-(double)(now - c->decay_stamp[key]) / h) + 1.0;
+    c->decay_stamp[key] = now;
+    c->decay_rank[key] = log2(c->decayed[key]) + (double)now / h;
+}
+
 static void count_access(col_expert_cache *c, int64_t key) {
+    count_decayed(c, key);
     c->freq[key]++;
     if (++c->accesses_since_aging >= 8 * (int64_t)c->n_slots) {
         const int64_t n_keys = (int64_t)c->n_layers * c->n_experts;

@@ -135,16 +135,18 @@ def test_a_recorded_step_is_split_into_waves_of_the_cache_size():
     assert len(per_token) == trace.tokens * 4  # top-2 never needs a second wave at 3 slots
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfru"])
-def test_simulated_lru_and_lfru_count_what_the_real_cache_counts(demo_pack, policy):
+@pytest.mark.parametrize("policy", ["lru", "lfru", "lfu-decay"])
+def test_simulated_policies_count_what_the_real_cache_counts(demo_pack, policy):
     """The demo pack has the trained model's shape (4 layers x 16 experts): the recorded trace
     replays on it through libcolibri's cache, and the hits must be the simulator's exactly."""
     trace = sim.read_trace(TRACE)
     trace.steps = trace.steps[:300]  # prompt (many experts a step) and decode steps, and LFRU's aging
+    per_token = sim.pack_requests_per_token(demo_pack)  # lfu-decay's clock, as the real cache scales it
+    assert per_token == 4 * 4  # the demo pack: 4 MoE layers, top-4
     rng = random.Random(1)
     for slots in (3, 8, 16):
         for steps in (sim.layer_steps(trace, slots)[0], random_steps(rng, 400, 4, 16, max_width=min(slots, 4))):
-            simulated = sim.simulate(steps, slots, sim.make_policy(policy, slots, trace.moe_layers, 16))
+            simulated = sim.simulate(steps, slots, sim.make_policy(policy, slots, trace.moe_layers, 16, per_token))
             real = sim.native_replay(demo_pack, steps, slots, policy)
             assert real["slots"] == slots
             assert (simulated.hits, simulated.misses) == (real["hits"], real["misses"]), (policy, slots)

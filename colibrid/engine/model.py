@@ -192,7 +192,8 @@ class Model:
         tables = {}  # id(rotary) -> (cos, sin) of every row's position, each computed once
         self.routing_stats.begin_step(bounds)
         self.damage_watch.begin_step(bounds)
-        self.routing_capture.begin_step(bounds)
+        capture = self.routing_capture
+        capture.begin_step(bounds)
         for layer in self.layers:
             rotary = layer.rotary
             if id(rotary) not in tables:
@@ -202,6 +203,8 @@ class Model:
                                            [item.state.layers[layer.layer] for item in inputs],
                                            [item.state.length for item in inputs])
             x = layer.feed_forward(x, None if per_layer is None else per_layer[:, layer.layer])
+            if capture.enabled and capture.keep_hidden and layer.moe is not None:  # bench/predictor_study.py
+                capture.record_hidden("residual", layer.layer, x)
         for item, n in zip(inputs, counts):
             item.state.advance(n)
         return self.damage_watch.end_step(self._logits(x, bounds, [item.logits for item in inputs]))

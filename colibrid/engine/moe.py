@@ -33,9 +33,11 @@ class Router:
     """A MoE layer's routing as the config describes it (see col_moe_router_route): the top
     num_experts_per_tok experts of every token, best first (the lower index on ties), and
     their mixing weights; one libcolibri call for all the tokens of a step. Holds no
-    per-sequence state: a batch of sequences is routed as one (T, D) input."""
+    per-sequence state: a batch of sequences is routed as one (T, D) input. ``top_k`` ranks
+    more (or fewer) experts than the model routes to, best first, for a lookahead's guesses;
+    the first num_experts_per_tok of a longer ranking are the routed ones."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, PackedTensor]) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, PackedTensor], top_k: int | None = None) -> None:
         router = weights["router"]  # (E, D)
         bias = weights["router_choice_bias"] if config.router_choice_bias else None  # (E)
         logit_bias = weights["router_bias"] if config.router_bias else None  # (E)
@@ -45,7 +47,7 @@ class Router:
         num_experts, dim = router.shape
         self.input_scale = np.float32(dim ** -0.5)
         self.native = native.moe_router(
-            router.type, router.data, num_experts, dim, config.num_experts_per_tok, normalize=config.norm_topk_prob,
+            router.type, router.data, num_experts, dim, top_k or config.num_experts_per_tok, normalize=config.norm_topk_prob,
             scoring=config.router_scoring, choice_bias=None if bias is None else bias.data,
             n_groups=config.router_groups, groups_kept=config.router_groups_kept,
             group_score=config.router_group_score, scaling=config.routed_scaling_factor,
@@ -171,6 +173,8 @@ class MoeBlock:
             # Once per layer step, here and not in _routed: a layer started over (a load found a
             # damaged record) keeps the router's choice, which is what the watcher is shown.
             self.capture.record(self.layer, routing.experts, routing.weights)
+            if self.capture.keep_hidden:
+                self.capture.record_hidden("moe_input", self.layer, x)
         out = self._routed(x, routing, selected)
         if self.c.shared_expert_ffn:
             shared = swiglu_mlp(x, self.w["shared.gate"], self.w["shared.up"], self.w["shared.down"])

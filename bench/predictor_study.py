@@ -31,12 +31,16 @@ Predictors (guesses ranked best first):
                         router-on-residual). Fit on the first half of the windows (prompt and
                         decode rows; its ridge strength chosen on the last quarter of that half),
                         evaluated like every predictor on the second half only.
+  probe-context         the same probe with more features: the previous token's MoE input at
+                        layer l+1 (what layer l+1's attention mixes in comes from earlier
+                        tokens, and that row summarises them where it matters). The engine would
+                        keep it per sequence: D floats per MoE layer.
   previous-token        temporal locality alone: the experts layer l+1 chose for this
                         sequence's previous token, then the token before's, ... (the n most
                         recently used distinct experts; at n = top-k, exactly the previous token's)
-  probe+previous-token  the probe's n guesses joined with the previous token's top-k (where
-                        there is no probe, router-on-residual's): more than n guesses, its
-                        over-fetch column says how many
+  <p>+previous-token    the n guesses of p joined with the previous token's top-k (p:
+                        probe-context, or router-on-residual where there is no probe): more than
+                        n guesses, its over-fetch column says how many
 
 Every predictor is evaluated on the same rows: the decode tokens of the second half of the
 windows. Shape letters: L MoE layers, N rows (tokens), A top-k, D hidden, E experts, M guesses.
@@ -61,7 +65,7 @@ from routing_traces import DEFAULT_MODEL, PACK_DIR, ensure_pack, validation_wind
 
 BUDGET_FACTORS = (1.0, 1.25, 1.5, 2.0)  # guesses per token, as multiples of top-k
 RIDGE_ALPHAS = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)  # ridge strength x mean feature energy, chosen on held-out windows
-MODEL_BASED = ("router-on-moe-input", "router-on-residual", "probe")
+MODEL_BASED = ("router-on-moe-input", "router-on-residual", "probe", "probe-context")
 
 
 @dataclass
@@ -110,6 +114,14 @@ def join_guesses(first: np.ndarray, second: np.ndarray) -> np.ndarray:
 def rank(scores: np.ndarray, n: int) -> np.ndarray:
     """(N, n) the n best experts of each row of ``scores`` (N, E), best first, the lower index on ties."""
     return np.argsort(-scores, axis=1, kind="stable")[:, :n]
+
+
+def previous_rows(rows: np.ndarray, sequence: np.ndarray) -> np.ndarray:
+    """(N, D): each row's previous row in its window, zeros for a window's first row."""
+    out = np.zeros_like(rows)
+    out[1:] = rows[:-1]
+    out[1:][sequence[1:] != sequence[:-1]] = 0
+    return out
 
 
 def recent_experts(experts: np.ndarray, sequence: np.ndarray, n: int) -> np.ndarray:
@@ -267,7 +279,7 @@ class Study:
     guesses: dict[str, list[np.ndarray]]  # predictor -> per pair (N, M) guesses, best first, -1 none
     previous: list[np.ndarray]  # per pair (N, top_k) the previous token's experts at l+1
     actual: list[np.ndarray]  # per pair (N, A) layer l+1's experts
-    probes: list[Probe]  # per pair, when the probe ran
+    probes: dict[str, list[Probe]]  # "probe" and "probe-context": per pair, when they ran
     fit: np.ndarray  # (N,) bool rows the probe fit on
     scored: np.ndarray  # (N,) bool rows every predictor is scored on
 
@@ -278,7 +290,8 @@ def predict(model, rec: Recording, top_k: int, guess_budgets: list[int]) -> Stud
     most = max(guess_budgets)
     fit, scored = rec.fit_rows(), rec.eval_rows()
     guesses: dict[str, list[np.ndarray]] = {name: [] for name in MODEL_BASED + ("previous-token",)}
-    previous, actual, probes = [], [], []
+    previous, actual = [], []
+    probes: dict[str, list[Probe]] = {"probe": [], "probe-context": []}
     for pair in range(len(moe_layers) - 1):
         nxt = NextLayer(model, moe_layers[pair + 1], most)
         features = nxt.moe_input_of(rec.residuals[pair])  # (N, D) float32
@@ -287,22 +300,26 @@ def predict(model, rec: Recording, top_k: int, guess_budgets: list[int]) -> Stud
         truth = rec.experts[pair + 1]
         if nxt.logits_rank_choice and rec.windows >= 4:
             base, target = nxt.logits(features), nxt.logits(rec.moe_inputs[pair + 1])
-            probe = fit_probe(features[fit], base[fit], target[fit], truth[fit], rec.sequence[fit], rec.decode[fit], top_k)
-            probes.append(probe)
-            guesses["probe"].append(rank(probe.logits(features, base), most))
+            context = np.concatenate([features, previous_rows(rec.moe_inputs[pair + 1], rec.sequence)], axis=1)
+            for name, inputs in (("probe", features), ("probe-context", context)):
+                probe = fit_probe(inputs[fit], base[fit], target[fit], truth[fit], rec.sequence[fit], rec.decode[fit],
+                                  top_k)
+                probes[name].append(probe)
+                guesses[name].append(rank(probe.logits(inputs, base), most))
         recent = recent_experts(truth, rec.sequence, most)
         guesses["previous-token"].append(recent)
         previous.append(recent[:, :top_k])
         actual.append(truth)
-    if not guesses["probe"]:
-        del guesses["probe"]  # too few windows, or a router the logits do not rank (said in the report)
+    if not probes["probe"]:  # too few windows, or a router the logits do not rank (said in the report)
+        del guesses["probe"], guesses["probe-context"]
+        probes = {}
     return Study(top_k, guess_budgets, moe_layers, guesses, previous, actual, probes, fit, scored)
 
 
 def union_partner(study: Study) -> str:
-    """The predictor joined with the previous token's experts: the probe, which can only learn
-    on top of router-on-residual, or router-on-residual where there is no probe."""
-    return "probe" if "probe" in study.guesses else "router-on-residual"
+    """The predictor joined with the previous token's experts: the probe with context, which can
+    only learn on top of router-on-residual, or router-on-residual where there is no probe."""
+    return "probe-context" if "probe-context" in study.guesses else "router-on-residual"
 
 
 def scores(study: Study, per_layer: bool = False) -> list[dict]:
@@ -357,7 +374,7 @@ def run(pack_path: Path, sequences: int, prompt_tokens: int, generate: int, fact
         info = {"model": pack.manifest.source.get("path", str(pack_path)), "num_experts": config.num_experts,
                 "top_k": config.num_experts_per_tok, "moe_layers": study.moe_layers, "windows": rec.windows,
                 "fit_rows": int(study.fit.sum()), "eval_decode_tokens": int(study.scored.sum()),
-                "probe_ridge_alphas": [p.alpha for p in study.probes],
+                "probe_ridge_alphas": {name: [p.alpha for p in fitted] for name, fitted in study.probes.items()},
                 "made_by": f"bench/predictor_study.py --sequences {sequences} --prompt-tokens {prompt_tokens} "
                            f"--generate {generate}",
                 "scored": "decode tokens of the second half of the windows"}

@@ -43,6 +43,12 @@ def test_a_join_keeps_the_first_guesses_and_drops_repeats():
     np.testing.assert_array_equal(joined, [[1, 2, -1, 9], [3, 4, 5, 6]])
 
 
+def test_previous_rows_stay_within_the_window():
+    rows = np.arange(10.0).reshape(5, 2)
+    np.testing.assert_array_equal(study_mod.previous_rows(rows, np.array([0, 0, 0, 1, 1])),
+                                  [[0, 0], [0, 1], [2, 3], [0, 0], [6, 7]])
+
+
 def test_recent_experts_look_back_within_the_window_only():
     experts = np.array([[1, 2], [2, 3], [4, 1], [7, 8], [8, 9]])
     sequence = np.array([0, 0, 0, 1, 1])
@@ -52,7 +58,7 @@ def test_recent_experts_look_back_within_the_window_only():
 
 def _synthetic_study(actual: list[np.ndarray], guesses: dict, top_k: int, scored: np.ndarray, budgets: list[int]):
     previous = [np.full_like(a, -1) for a in actual]
-    return study_mod.Study(top_k, budgets, list(range(len(actual) + 1)), guesses, previous, actual, [],
+    return study_mod.Study(top_k, budgets, list(range(len(actual) + 1)), guesses, previous, actual, {},
                            ~scored, scored)
 
 
@@ -128,18 +134,21 @@ def test_the_probe_fits_on_the_first_half_and_is_scored_on_the_second(recorded):
     top_k = engine.config.num_experts_per_tok
     budgets = study_mod.budgets(top_k)
     study = study_mod.predict(engine.model, rec, top_k, budgets)
-    assert set(study.guesses) == {"router-on-moe-input", "router-on-residual", "probe", "previous-token"}
+    assert set(study.guesses) == {"router-on-moe-input", "router-on-residual", "probe", "probe-context",
+                                  "previous-token"}
     second = ~rec.fit_rows()
     changed = study_mod.Recording(rec.experts, rec.moe_inputs.copy(), rec.residuals.copy(), rec.sequence, rec.decode)
     changed.residuals[:, second] += 1.0  # the second half's states: the probe must not move
     changed.moe_inputs[:, second] *= -1.0
     again = study_mod.predict(engine.model, changed, top_k, budgets)
-    for a, b in zip(study.probes, again.probes):
-        np.testing.assert_array_equal(a.weight, b.weight)
-        assert a.alpha == b.alpha
+    for name in ("probe", "probe-context"):
+        for a, b in zip(study.probes[name], again.probes[name], strict=True):
+            np.testing.assert_array_equal(a.weight, b.weight)
+            assert a.alpha == b.alpha
     changed.residuals[:, ~second] += 1.0  # the first half's: it must
     moved = study_mod.predict(engine.model, changed, top_k, budgets)
-    assert any(not np.array_equal(a.weight, b.weight) for a, b in zip(study.probes, moved.probes))
+    for name in ("probe", "probe-context"):
+        assert any(not np.array_equal(a.weight, b.weight) for a, b in zip(study.probes[name], moved.probes[name]))
     rows = study_mod.scores(study)
     assert {r["n"] for r in rows} == set(budgets)
     assert all(0.0 <= r["recall"] <= 1.0 and 0.0 <= r["precision"] <= 1.0 for r in rows)

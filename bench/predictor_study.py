@@ -92,9 +92,9 @@ class Recording:
         return (self.sequence >= self.windows // 2) & self.decode
 
 
-def budgets(top_k: int, factors=BUDGET_FACTORS) -> list[int]:
-    """Guess counts n = top_k x factor, rounded half up, distinct, increasing."""
-    return sorted({max(1, int(top_k * f + 0.5)) for f in factors})
+def budgets(top_k: int, factors=BUDGET_FACTORS, num_experts: int | None = None) -> list[int]:
+    """Guess counts n = top_k x factor, rounded half up, at most ``num_experts``, distinct, increasing."""
+    return sorted({min(max(1, int(top_k * f + 0.5)), num_experts or 10**9) for f in factors})
 
 
 def count_hits(guesses: np.ndarray, actual: np.ndarray) -> tuple[int, int, int]:
@@ -306,8 +306,8 @@ def predict(model, rec: Recording, top_k: int, guess_budgets: list[int]) -> Stud
                                   top_k)
                 probes[name].append(probe)
                 guesses[name].append(rank(probe.logits(inputs, base), most))
-        recent = recent_experts(truth, rec.sequence, most)
-        guesses["previous-token"].append(recent)
+        recent = recent_experts(truth, rec.sequence, max(most, top_k))
+        guesses["previous-token"].append(recent[:, :most])
         previous.append(recent[:, :top_k])
         actual.append(truth)
     if not probes["probe"]:  # too few windows, or a router the logits do not rank (said in the report)
@@ -370,7 +370,7 @@ def run(pack_path: Path, sequences: int, prompt_tokens: int, generate: int, fact
         config = engine.config
         prompts = validation_windows(engine.tokenizer, sequences, prompt_tokens)
         rec = record(engine, prompts, generate, progress)
-        study = predict(engine.model, rec, config.num_experts_per_tok, budgets(config.num_experts_per_tok, factors))
+        study = predict(engine.model, rec, config.num_experts_per_tok, budgets(config.num_experts_per_tok, factors, config.num_experts))
         info = {"model": pack.manifest.source.get("path", str(pack_path)), "num_experts": config.num_experts,
                 "top_k": config.num_experts_per_tok, "moe_layers": study.moe_layers, "windows": rec.windows,
                 "fit_rows": int(study.fit.sum()), "eval_decode_tokens": int(study.scored.sum()),
@@ -391,13 +391,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequences", type=int, default=16, help="windows of the validation text (default 16)")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
     parser.add_argument("--generate", type=int, default=192, help="greedy tokens per window at most (default 192)")
+    parser.add_argument("--factors", default=",".join(f"{f:g}" for f in BUDGET_FACTORS),
+                        help="guesses per token as multiples of top-k, comma-separated (default %(default)s; the "
+                             "engine's lookahead reads 4 of top-8 today: 0.5)")
     parser.add_argument("--per-layer", action="store_true", help="also each predicted layer's numbers")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     if min(args.sequences, args.prompt_tokens, args.generate) < 1:
         raise SystemExit("--sequences, --prompt-tokens and --generate must be at least 1")
+    try:
+        factors = [float(f) for f in args.factors.split(",")]
+    except ValueError:
+        raise SystemExit(f"--factors must be numbers separated by commas, got {args.factors!r}") from None
+    if not all(0 < f <= 16 for f in factors):
+        raise SystemExit("--factors must be in (0, 16]")
     pack = ensure_pack(args.model, args.pack or PACK_DIR / f"{args.model.resolve().name}.pack")
-    study, info = run(pack, args.sequences, args.prompt_tokens, args.generate)
+    study, info = run(pack, args.sequences, args.prompt_tokens, args.generate, factors)
     rows = scores(study, args.per_layer)
     print(f"{info['model']}: {len(study.moe_layers)} MoE layers x {info['num_experts']} experts, top-{study.top_k}; "
           f"{info['windows']} windows, scored on {info['eval_decode_tokens']} decode tokens of the second half"

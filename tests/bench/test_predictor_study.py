@@ -29,6 +29,7 @@ def test_budgets_are_top_k_times_the_factors_rounded_half_up():
     assert study_mod.budgets(2) == [2, 3, 4]  # 2.5 -> 3, the same as 1.5 x 2
     assert study_mod.budgets(8) == [8, 10, 12, 16]
     assert study_mod.budgets(4) == [4, 5, 6, 8]
+    assert study_mod.budgets(8, (0.5, 1.0, 2.0), num_experts=12) == [4, 8, 12]  # never more than there are
 
 
 def test_hits_guesses_and_actual_are_counted_per_row():

@@ -359,6 +359,26 @@ def print_table(rows: list[dict], per_layer: bool) -> None:
                       f"{item['precision']:>9.1%}")
 
 
+def markdown_table(rows: list[dict], top_k: int) -> str:
+    """The rows as a Markdown table: a predictor per line, a guess count per column, each cell
+    "recall / precision" (and the over-fetch where it is not n / top-k)."""
+    ns = sorted({row["n"] for row in rows})
+    names = list(dict.fromkeys(row["predictor"] for row in rows))
+    cells = {(row["predictor"], row["n"]): row for row in rows}
+    lines = ["| predictor | " + " | ".join(f"n = {n} ({n / top_k:.2g}×)" for n in ns) + " |",
+             "|---" * (len(ns) + 1) + "|"]
+    for name in names:
+        out = []
+        for n in ns:
+            row = cells[name, n]
+            cell = f"{row['recall']:.1%} / {row['precision']:.1%}"
+            if abs(row["overfetch"] - n / top_k) > 0.005:
+                cell += f" ({row['overfetch']:.2f}×)"
+            out.append(cell)
+        lines.append(f"| {name} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
 def run(pack_path: Path, sequences: int, prompt_tokens: int, generate: int, factors=BUDGET_FACTORS,
         progress: bool = True) -> tuple[Study, dict]:
     from colibrid.engine.engine import Engine
@@ -395,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="guesses per token as multiples of top-k, comma-separated (default %(default)s; the "
                              "engine's lookahead reads 4 of top-8 today: 0.5)")
     parser.add_argument("--per-layer", action="store_true", help="also each predicted layer's numbers")
+    parser.add_argument("--markdown", action="store_true", help="also the table in Markdown (recall / precision)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     if min(args.sequences, args.prompt_tokens, args.generate) < 1:
@@ -413,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
           + (f"; probe fit on {info['fit_rows']} rows of the first half, ridge alphas {info['probe_ridge_alphas']}"
              if study.probes else "; no probe (fewer than 4 windows, or a router its logits do not rank)"))
     print_table(rows, args.per_layer)
+    if args.markdown:
+        print("\n" + markdown_table(rows, study.top_k))
     if args.json:
         args.json.write_text(json.dumps({**info, "rows": rows}, indent=1) + "\n")
     return 0

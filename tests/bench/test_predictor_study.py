@@ -167,3 +167,15 @@ def test_ridge_is_the_same_with_fewer_rows_than_features_or_more(rows):
     expected = np.linalg.solve(xc.T @ xc + penalty * np.eye(20), xc.T @ yc)
     np.testing.assert_allclose(weight, expected, rtol=1e-8, atol=1e-10)
     np.testing.assert_allclose(bias, y.mean(axis=0) - x.mean(axis=0) @ expected, rtol=1e-8, atol=1e-10)
+
+
+def test_the_markdown_table_has_a_cell_per_predictor_and_guess_count():
+    rows = [{"predictor": "a", "n": 2, "recall": 0.5, "precision": 0.5, "overfetch": 1.0},
+            {"predictor": "a", "n": 4, "recall": 0.75, "precision": 0.375, "overfetch": 2.0},
+            {"predictor": "a+b", "n": 2, "recall": 0.9, "precision": 0.6, "overfetch": 1.5},
+            {"predictor": "a+b", "n": 4, "recall": 1.0, "precision": 0.4, "overfetch": 2.5}]
+    assert study_mod.markdown_table(rows, top_k=2).splitlines() == [
+        "| predictor | n = 2 (1×) | n = 4 (2×) |",
+        "|---|---|---|",
+        "| a | 50.0% / 50.0% | 75.0% / 37.5% |",
+        "| a+b | 90.0% / 60.0% (1.50×) | 100.0% / 40.0% (2.50×) |"]

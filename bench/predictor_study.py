@@ -237,13 +237,11 @@ class NextLayer:
     router logits, and its pre-MoE input transform."""
 
     def __init__(self, model, layer: int, most_guesses: int) -> None:
-        from colibrid.engine.layers import rms_norm
         from colibrid.engine.moe import Router
 
         self.layer = model.layers[layer]
         block = self.layer.moe
         self.config = c = model.config
-        self._rms_norm = rms_norm
         self.ranker = Router(c, block.w, top_k=most_guesses)  # the C router, more experts ranked
         self.router_weight = block.w["router"]  # (E, D)
         self.router_bias = block.w["router_bias"].data if c.router_bias else None  # (E)
@@ -252,10 +250,9 @@ class NextLayer:
                                    and c.router_scoring in ("softmax", "topk_softmax", "sigmoid"))
 
     def moe_input_of(self, residual: np.ndarray) -> np.ndarray:
-        """(N, D) what this layer's router would read if its attention added nothing to ``residual``."""
-        if self.layer.ffn_normed_inside:  # the router applies its own norm (Gemma 4)
-            return np.ascontiguousarray(residual, dtype=np.float32)
-        return self._rms_norm(residual, self.layer.ffn_norm, self.layer.eps)
+        """(N, D) what this layer's router would read if its attention added nothing to ``residual``
+        (the engine's router-on-residual lookahead reads the same)."""
+        return self.layer.router_input_of(residual)
 
     def ranking(self, x: np.ndarray) -> np.ndarray:
         """(N, most_guesses) this layer's router's best experts for rows x (N, D), best first."""
@@ -365,7 +362,7 @@ def markdown_table(rows: list[dict], top_k: int) -> str:
     ns = sorted({row["n"] for row in rows})
     names = list(dict.fromkeys(row["predictor"] for row in rows))
     cells = {(row["predictor"], row["n"]): row for row in rows}
-    lines = ["| predictor | " + " | ".join(f"n = {n} ({n / top_k:.2g}×)" for n in ns) + " |",
+    lines = ["| predictor | " + " | ".join(f"n = {n} ({round(n / top_k, 3):g}×)" for n in ns) + " |",
              "|---" * (len(ns) + 1) + "|"]
     for name in names:
         out = []

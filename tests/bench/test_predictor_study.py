@@ -170,6 +170,8 @@ def test_ridge_is_the_same_with_fewer_rows_than_features_or_more(rows):
 
 
 def test_the_markdown_table_has_a_cell_per_predictor_and_guess_count():
+    assert "| n = 10 (1.25×) |" in study_mod.markdown_table(
+        [{"predictor": "a", "n": 10, "recall": 1.0, "precision": 0.8, "overfetch": 1.25}], top_k=8)
     rows = [{"predictor": "a", "n": 2, "recall": 0.5, "precision": 0.5, "overfetch": 1.0},
             {"predictor": "a", "n": 4, "recall": 0.75, "precision": 0.375, "overfetch": 2.0},
             {"predictor": "a+b", "n": 2, "recall": 0.9, "precision": 0.6, "overfetch": 1.5},

@@ -74,6 +74,7 @@ class DaemonConfig:
     cache_policy: str = "lfu-decay"  # eviction: "lfu-decay" (decayed frequency), "lfru" (per-layer quotas) or "lru"
     io_queue_depth: int = 16  # expert reads in flight at most
     prefetch: str = "off"  # "lookahead": predict the next layer's experts and read them early; "off"
+    lookahead_predictor: str = "router-on-moe-input"  # what lookahead guesses from; or "router-on-residual"
     hugepages: str | int = "auto"  # "auto", "thp", "off", or a count of 2 MiB pages to reserve
     lock_memory: str = "try"  # mlock the cache: "required", "try" or "off"
     hugepage_record: Path = Path("/run/colibri/hugepages.json")  # hugepages raised and not yet given back
@@ -262,6 +263,10 @@ KEYS: tuple[_Key, ...] = (
          _int_at_least(1, 32), "N", reloadable=True),
     _Key("prefetch", "read the next layer's predicted experts early: lookahead or off",
          'must be "lookahead" or "off"', str, lambda v: v in ("lookahead", "off"), "MODE", reloadable=True),
+    _Key("lookahead_predictor", "what lookahead guesses the next layer's experts from: router-on-moe-input "
+         "(this layer's MoE input) or router-on-residual (the residual stream leaving this layer)",
+         'must be "router-on-moe-input" or "router-on-residual"', str,
+         lambda v: v in ("router-on-moe-input", "router-on-residual"), "PREDICTOR"),
     _Key("hugepages", 'backing of the expert cache: "auto", "thp", "off" or a number of 2 MiB pages',
          'must be "auto", "thp", "off" or a whole number of 2 MiB pages', _parse_hugepages_flag, _is_hugepages, "MODE"),
     _Key("lock_memory", "mlock the expert cache: required, try or off", 'must be "required", "try" or "off"', str,

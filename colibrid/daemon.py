@@ -250,7 +250,8 @@ class Daemon:
         try:
             pack = Pack.open(c.model)
             engine = Engine(pack, max_context=c.max_context, cache=self._cache_settings(),
-                            parse_special_tokens_in_content=c.parse_special_tokens_in_content)
+                            parse_special_tokens_in_content=c.parse_special_tokens_in_content,
+                            lookahead_predictor=c.lookahead_predictor)
         except PackError as exc:  # its message already names the pack and the fix
             raise StartupError(f"cannot load the model: {exc}") from None
         except ExpertCacheError as exc:  # its message says how to fix the machine

@@ -54,7 +54,8 @@ class Engine:
     """
 
     def __init__(self, pack: Pack, experts: ExpertSource | None = None, max_context: int | None = None,
-                 parse_special_tokens_in_content: bool = False, cache: ExpertCacheSettings | None = None) -> None:
+                 parse_special_tokens_in_content: bool = False, cache: ExpertCacheSettings | None = None,
+                 lookahead_predictor: str = "router-on-moe-input") -> None:
         if experts is not None and cache is not None:
             raise ValueError("an engine takes an expert source or the settings to build its cache, not both")
         self.pack = pack
@@ -82,7 +83,7 @@ class Engine:
         elif experts is None:
             experts = PreadExpertSource(pack)
         try:
-            self.model = Model(pack, experts)
+            self.model = Model(pack, experts, lookahead_predictor)
         except BaseException:
             if made_here:
                 experts.close()  # frees the cache and gives back the hugepages raised for it

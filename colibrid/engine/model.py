@@ -18,7 +18,7 @@ from colibrid.engine.deltanet import DeltaNet
 from colibrid.engine.experts import ExpertSource
 from colibrid.engine.layers import linear, rms_norm
 from colibrid.engine.mla import LatentAttention
-from colibrid.engine.moe import DamageWatch, DenseAndExperts, DenseMlp, MoeBlock, RoutingStats
+from colibrid.engine.moe import LOOKAHEAD_PREDICTORS, DamageWatch, DenseAndExperts, DenseMlp, MoeBlock, RoutingStats
 from colibrid.engine.per_layer_inputs import LayerInput, PerLayerInputs
 from colibrid.engine.rope import Rotary
 from colibrid.engine.routing_capture import RoutingCapture
@@ -66,11 +66,19 @@ class Layer:
         self.ffn_post_norm = ffn_weights.get("ffn_post_norm")  # (D) Gemma: the FFN output normed
         self.input = LayerInput(c, ffn_weights) if c.per_layer_input else None
         self.scalar = ffn_weights["layer_scalar"].data if c.layer_scalar else None  # (1)
+        self.lookahead_on_residual = False  # the MoE block prefetches from the residual leaving the layer (Model sets it)
 
     @property
     def moe(self) -> MoeBlock | None:
         """This layer's routed experts, if it has any."""
         return self.ffn.moe if isinstance(self.ffn, DenseAndExperts) else self.ffn if isinstance(self.ffn, MoeBlock) else None
+
+    def router_input_of(self, residual: np.ndarray) -> np.ndarray:
+        """(T, D) what this layer's router would read for ``residual`` (T, D) had its token mixer
+        added nothing: the pre-MoE norm of it, or itself where the router norms its own input."""
+        if self.ffn_normed_inside:
+            return np.ascontiguousarray(residual, dtype=np.float32)
+        return rms_norm(residual, self.ffn_norm, self.eps)
 
     def feed_forward(self, x: np.ndarray, layer_input: np.ndarray | None = None) -> np.ndarray:
         """The residual stream x (T, D) after the layer's feed-forward half (MoE or MLP, the
@@ -83,6 +91,8 @@ class Layer:
             x += self.input.residual(x, layer_input)
         if self.scalar is not None:
             x *= self.scalar
+        if self.lookahead_on_residual:  # the stream is final: guess the next MoE layer's experts from it
+            self.moe.lookahead_from_residual(x)
         return x
 
 
@@ -95,7 +105,10 @@ class Model:
     """Weights are read-only views into the pack; all mutable state lives in the sequence's
     SequenceState (new_state)."""
 
-    def __init__(self, pack: Pack, experts: ExpertSource) -> None:
+    def __init__(self, pack: Pack, experts: ExpertSource, lookahead_predictor: str = LOOKAHEAD_PREDICTORS[0]) -> None:
+        if lookahead_predictor not in LOOKAHEAD_PREDICTORS:
+            raise ValueError(f"lookahead_predictor must be one of {', '.join(LOOKAHEAD_PREDICTORS)}, "
+                             f"got {lookahead_predictor!r:.40}")
         self.pack = pack
         self.config = c = pack.manifest.model
         self.experts = experts
@@ -117,8 +130,12 @@ class Model:
             block.stats = self.routing_stats
             block.damage = self.damage_watch
             block.capture = self.routing_capture
-        for block, next_block in zip(moe_blocks, moe_blocks[1:]):
-            block.next_block = next_block  # lookahead prefetch: layer l predicts layer l+1's experts
+        moe_layers = [layer for layer in self.layers if layer.moe is not None]
+        for layer, next_layer in zip(moe_layers, moe_layers[1:]):
+            block = layer.moe  # lookahead prefetch: layer l predicts layer l+1's experts
+            block.next_block, block.next_router_input = next_layer.moe, next_layer.router_input_of
+            block.lookahead_predictor = lookahead_predictor
+            layer.lookahead_on_residual = lookahead_predictor == "router-on-residual"
 
     def _rotary_of(self, layer: int) -> Rotary:
         """The model's one Rotary, or, where a layer's head width or RoPE differ from it
@@ -192,7 +209,8 @@ class Model:
         tables = {}  # id(rotary) -> (cos, sin) of every row's position, each computed once
         self.routing_stats.begin_step(bounds)
         self.damage_watch.begin_step(bounds)
-        self.routing_capture.begin_step(bounds)
+        capture = self.routing_capture
+        capture.begin_step(bounds)
         for layer in self.layers:
             rotary = layer.rotary
             if id(rotary) not in tables:
@@ -202,6 +220,8 @@ class Model:
                                            [item.state.layers[layer.layer] for item in inputs],
                                            [item.state.length for item in inputs])
             x = layer.feed_forward(x, None if per_layer is None else per_layer[:, layer.layer])
+            if capture.enabled and capture.keep_hidden and layer.moe is not None:  # bench/predictor_study.py
+                capture.record_hidden("residual", layer.layer, x)
         for item, n in zip(inputs, counts):
             item.state.advance(n)
         return self.damage_watch.end_step(self._logits(x, bounds, [item.logits for item in inputs]))

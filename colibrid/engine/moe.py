@@ -33,9 +33,11 @@ class Router:
     """A MoE layer's routing as the config describes it (see col_moe_router_route): the top
     num_experts_per_tok experts of every token, best first (the lower index on ties), and
     their mixing weights; one libcolibri call for all the tokens of a step. Holds no
-    per-sequence state: a batch of sequences is routed as one (T, D) input."""
+    per-sequence state: a batch of sequences is routed as one (T, D) input. ``top_k`` ranks
+    more (or fewer) experts than the model routes to, best first, for a lookahead's guesses;
+    the first num_experts_per_tok of a longer ranking are the routed ones."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, PackedTensor]) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, PackedTensor], top_k: int | None = None) -> None:
         router = weights["router"]  # (E, D)
         bias = weights["router_choice_bias"] if config.router_choice_bias else None  # (E)
         logit_bias = weights["router_bias"] if config.router_bias else None  # (E)
@@ -45,7 +47,7 @@ class Router:
         num_experts, dim = router.shape
         self.input_scale = np.float32(dim ** -0.5)
         self.native = native.moe_router(
-            router.type, router.data, num_experts, dim, config.num_experts_per_tok, normalize=config.norm_topk_prob,
+            router.type, router.data, num_experts, dim, top_k or config.num_experts_per_tok, normalize=config.norm_topk_prob,
             scoring=config.router_scoring, choice_bias=None if bias is None else bias.data,
             n_groups=config.router_groups, groups_kept=config.router_groups_kept,
             group_score=config.router_group_score, scaling=config.routed_scaling_factor,
@@ -147,6 +149,14 @@ class DamageWatch:
 # prediction precision 0.80; 1 or 2 guess better (0.90 / 0.87) but leave the disk idler.
 LOOKAHEAD_TOP = 4
 
+# What the lookahead guesses layer l+1's experts from (config lookahead_predictor; measured in
+# docs/performance.md, "Lookahead predictors on real routing"): layer l+1's router on
+# "router-on-moe-input", layer l's MoE input, as soon as layer l's own reads are done; or on
+# "router-on-residual", the residual stream leaving layer l through layer l+1's pre-MoE norm
+# (what layer l+1 would read if its attention added nothing): guesses a little better, but only
+# once layer l's experts have all run, so its reads overlap layer l+1's attention only.
+LOOKAHEAD_PREDICTORS = ("router-on-moe-input", "router-on-residual")
+
 
 class MoeBlock:
     def __init__(self, config: ModelConfig, layer: int, weights: dict[str, PackedTensor], experts: ExpertSource) -> None:
@@ -156,6 +166,9 @@ class MoeBlock:
         self.experts = experts
         self.router = Router(config, weights)
         self.next_block: "MoeBlock | None" = None  # the next MoE layer, for lookahead prefetch (Model sets it)
+        self.lookahead_predictor = LOOKAHEAD_PREDICTORS[0]  # what the lookahead guesses from (Model sets it)
+        # The next MoE layer's router input for a residual row its attention added nothing to (Model sets it)
+        self.next_router_input: Callable[[np.ndarray], np.ndarray] | None = None
         self.stats: RoutingStats | None = None  # the model's, where it keeps them (Model sets it)
         self.damage: DamageWatch | None = None  # the model's (Model sets it)
         self.capture: RoutingCapture | None = None  # the model's routing recorder (Model sets it)
@@ -171,6 +184,8 @@ class MoeBlock:
             # Once per layer step, here and not in _routed: a layer started over (a load found a
             # damaged record) keeps the router's choice, which is what the watcher is shown.
             self.capture.record(self.layer, routing.experts, routing.weights)
+            if self.capture.keep_hidden:
+                self.capture.record_hidden("moe_input", self.layer, x)
         out = self._routed(x, routing, selected)
         if self.c.shared_expert_ffn:
             shared = swiglu_mlp(x, self.w["shared.gate"], self.w["shared.up"], self.w["shared.down"])
@@ -212,7 +227,8 @@ class MoeBlock:
         return out
 
     def _lookahead_enabled(self) -> bool:
-        return self.next_block is not None and self.experts.prefetch_enabled
+        return (self.next_block is not None and self.lookahead_predictor == "router-on-moe-input"
+                and self.experts.prefetch_enabled)
 
     def _lookahead(self, x: np.ndarray, wave_size: int) -> None:
         """Prefetches the next MoE layer's likeliest experts, predicted by applying its router
@@ -221,11 +237,21 @@ class MoeBlock:
         next one's attention, and these reads never compete with a read this layer waits for.
         Only each token's LOOKAHEAD_TOP best guesses: a wrong guess costs a whole read of disk
         time, and the lower-ranked guesses are wrong more often (see docs/performance.md)."""
-        nxt = self.next_block
-        guess = nxt.router(x)
+        self._prefetch_guesses(self.next_block.router(x), wave_size)
+
+    def lookahead_from_residual(self, residual: np.ndarray) -> None:
+        """With lookahead_predictor "router-on-residual": prefetches the next MoE layer's
+        likeliest experts, predicted by its router on the residual stream (T, D) as it leaves
+        this layer, normed as that layer will norm it (Layer.feed_forward calls this last)."""
+        if self.next_block is None or self.next_router_input is None or not self.experts.prefetch_enabled:
+            return
+        guess = self.next_block.router(self.next_router_input(residual))
+        self._prefetch_guesses(guess, max(1, self.experts.max_pinned))
+
+    def _prefetch_guesses(self, guess: Routing, wave_size: int) -> None:
         best = guess.experts[:, :LOOKAHEAD_TOP]  # (T, n) best first
         predicted = best[0].tolist() if best.shape[0] == 1 else _distinct(best)
-        self.experts.prefetch(nxt.layer, predicted[: max(1, wave_size // 2)])  # leave room for the next layer's own
+        self.experts.prefetch(self.next_block.layer, predicted[: max(1, wave_size // 2)])  # room for its own
 
     def _run_ready_runs(self, x: np.ndarray, routing: Routing, wave: list[int], weights, out: np.ndarray,
                         when_all_loaded: Callable[[], None] | None = None) -> None:

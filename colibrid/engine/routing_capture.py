@@ -9,6 +9,10 @@ Each MoE block hands the capture the arrays its libcolibri routing call already 
 them into per-layer counts with one bincount for the whole step. Disabled, it costs one
 attribute test per MoE layer step: the engine thread enables it before a step only when a
 subscriber or a debug_routing ask exists.
+
+With ``keep_hidden`` also set (bench/predictor_study.py, never the daemon), it keeps copies of
+each MoE layer's input rows and of the residual stream after the layer, what a lookahead
+predictor could read; off, that costs one more attribute test per layer step while enabled.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class StepRouting:
     weights: np.ndarray  # (L, T, A) float32, their mixing weights
     bounds: np.ndarray  # (N + 1,) int64: sequence i of the step has rows bounds[i] .. bounds[i + 1]
     num_experts: int  # E
+    moe_inputs: np.ndarray | None = None  # (L, T, D) float32 each MoE layer's input rows, kept with keep_hidden
+    residuals: np.ndarray | None = None  # (L, T, D) float32 the residual stream after each MoE layer, likewise
 
     @property
     def rows(self) -> int:
@@ -55,22 +61,38 @@ class RoutingCapture:
 
     def __init__(self, moe_layers: list[int], num_experts: int) -> None:
         self.enabled = False
+        self.keep_hidden = False  # while enabled, also keep hidden states (record_hidden)
         self.moe_layers = list(moe_layers)
         self.num_experts = num_experts
         self._bounds = np.zeros(2, np.int64)
         self._experts: dict[int, np.ndarray] = {}  # layer -> (T, A)
         self._weights: dict[int, np.ndarray] = {}  # layer -> (T, A)
+        self._hidden: dict[tuple[str, int], np.ndarray] = {}  # ("moe_input" | "residual", layer) -> (T, D)
 
     def begin_step(self, bounds: np.ndarray) -> None:
         """A step of these row bounds begins: forget the previous one."""
         self._bounds = bounds
         self._experts.clear()
         self._weights.clear()
+        self._hidden.clear()
 
     def record(self, layer: int, experts: np.ndarray, weights: np.ndarray) -> None:
         """A MoE layer's routing of every row of the step (references: the arrays are fresh per call)."""
         self._experts[layer] = experts
         self._weights[layer] = weights
+
+    def record_hidden(self, kind: str, layer: int, rows: np.ndarray) -> None:
+        """A copy of a MoE layer's ``kind`` rows (T, D): "moe_input" (what its experts and
+        router read) or "residual" (the residual stream after the layer). Copied: the engine
+        updates the residual stream in place."""
+        if kind not in ("moe_input", "residual"):
+            raise ValueError(f"unknown hidden state {kind!r}")
+        self._hidden[kind, layer] = np.array(rows, dtype=np.float32)
+
+    def _stacked_hidden(self, kind: str) -> np.ndarray | None:
+        if any((kind, layer) not in self._hidden for layer in self.moe_layers):
+            return None
+        return np.stack([self._hidden[kind, layer] for layer in self.moe_layers])  # (L, T, D)
 
     def step(self) -> StepRouting | None:
         """The step just run, if it was recorded whole (every MoE layer), else None."""
@@ -78,4 +100,5 @@ class RoutingCapture:
             return None
         experts = np.stack([self._experts[layer] for layer in self.moe_layers])  # (L, T, A)
         weights = np.stack([self._weights[layer] for layer in self.moe_layers]).astype(np.float32, copy=False)
-        return StepRouting(self.moe_layers, experts, weights, self._bounds, self.num_experts)
+        return StepRouting(self.moe_layers, experts, weights, self._bounds, self.num_experts,
+                           self._stacked_hidden("moe_input"), self._stacked_hidden("residual"))

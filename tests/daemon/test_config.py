@@ -50,6 +50,8 @@ def test_special_tokens_in_content_stay_text_unless_opted_in(demo_pack, tmp_path
     ('cache_size = "lots"\n', [], 'cache_size = "lots": must be a size above 0'),
     ("", ["--cache-size", "0"], "cache_size = 0: must be a size above 0"),
     ("", ["--prefetch", "maybe"], 'prefetch = "maybe": must be "lookahead" or "off"'),
+    ('lookahead_predictor = "probe"\n', [], 'lookahead_predictor = "probe": must be "router-on-moe-input" or '
+                                            '"router-on-residual"'),
     ("hugepages = -3\n", [], 'hugepages = -3: must be "auto", "thp", "off" or a whole number'),
     ("", ["--io-queue-depth", "99"], "io_queue_depth = 99: must be an integer in [1, 32]"),
     ("", ["--max-queue", "-1"], "max_queue = -1: must be an integer >= 1"),

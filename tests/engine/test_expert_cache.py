@@ -262,6 +262,59 @@ def test_lookahead_reads_the_next_layer_only_once_this_layer_is_loaded(pack_path
         source.close()
 
 
+def test_lookahead_on_the_residual_guesses_from_the_stream_leaving_the_layer(pack_path, reference):
+    """lookahead_predictor = "router-on-residual": once layer 1 has run whole, layer 3's router
+    on the residual stream leaving layer 1 (through layer 3's pre-MoE norm) names what is read
+    ahead; the output stays bit-identical."""
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.engine.moe import LOOKAHEAD_TOP
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(pack_path)
+    n_slots = 4  # two guesses a token
+    source = CachedExpertSource(pack, n_slots * _slot_bytes(pack_path), hugepages="off", prefetch=True)
+
+    class Recording(_wrapping(source)):
+        in_step = False
+        prefetches = []  # (predicted layer, experts, asked while a layer step held its experts)
+
+        @contextmanager
+        def acquire(self, layer, experts):
+            with source.acquire(layer, experts) as weights:
+                self.in_step = True
+                yield weights
+                self.in_step = False
+
+        def prefetch(self, layer, experts):
+            self.prefetches.append((layer, list(experts), self.in_step))
+            return source.prefetch(layer, experts)
+
+    recorder = Recording()
+    try:
+        engine = Engine(pack, experts=recorder, lookahead_predictor="router-on-residual")
+        assert np.array_equal(engine.forward(PROMPT), reference[0])
+        assert engine.greedy(PROMPT, 10) == reference[1]
+        assert len(recorder.prefetches) >= 11 and all(layer == 3 and not in_step
+                                                      for layer, _, in_step in recorder.prefetches)
+        model, capture = engine.model, engine.model.routing_capture
+        capture.enabled = capture.keep_hidden = True
+        try:
+            session = engine.new_session(max_context=len(PROMPT) + 2)
+            session.forward(PROMPT, all_logits=False)
+            session.forward([reference[1][0]], all_logits=False)  # one decode token
+            residual = capture.step().residuals[0]  # (1, D) leaving layer 1
+        finally:
+            capture.enabled = capture.keep_hidden = False
+        guess = model.layers[3].moe.router(model.layers[3].router_input_of(residual)).experts[0]
+        assert recorder.prefetches[-1][1] == guess[:LOOKAHEAD_TOP].tolist()[: max(1, n_slots // 2)]
+        assert source.stats()["total"]["prefetch_issued"] > 0
+        with pytest.raises(ValueError, match="lookahead_predictor"):
+            Engine(pack, experts=recorder, lookahead_predictor="oracle")
+    finally:
+        source.close()
+
+
 def test_stats_and_backing_info_say_what_happened(pack_path):
     engine, source = _cached_engine(pack_path, cache_bytes="64M", lock_memory="try")
     try:

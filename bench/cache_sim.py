@@ -22,6 +22,9 @@ Policies:
              (its clock counts requested experts; a token is the trace's MoE layers x top-k of them)
   window     online, least-stale: evict the expert used least often in the last W tokens
              (`window:32`), least recent on ties - what the recent window did not use goes first
+  next-use   online: evict the expert whose next request is expected farthest ahead in layer
+             steps (its layer's turn in the cycle, plus L per token it is expected to wait at
+             its decayed per-token rate; `next-use:32` half-life in tokens)
   pin-half   online with hindsight from the past: the experts most used in the trace's first
              half stay pinned (half the slots, capped per layer by the layer's share), LRU on the
              rest; only meaningful on the second half, so its row reports that half only
@@ -277,6 +280,44 @@ class WindowLFU(Policy):
         return min(candidates, key=lambda k: (self.count[k], self.last_used[k]))
 
 
+class ExpectedNextUse(Policy):
+    """Evicts the candidate whose next request is expected farthest ahead, in layer steps: the
+    steps until its layer comes round again, plus L steps for each further token it is expected
+    to wait - (1 - p) / p of them for a per-token use rate p, the request count decayed with
+    half-life ``half_life_tokens`` (one count per token at most). Least recent on ties."""
+
+    name = "next-use"
+
+    def __init__(self, capacity, layers, num_experts, half_life_tokens: float = 32.0):
+        super().__init__(capacity, layers, num_experts)
+        self.decay = 2.0 ** (-1.0 / half_life_tokens)
+        self.position = {layer: i for i, layer in enumerate(layers)}
+        self.score: dict[Key, float] = {}
+        self.token: dict[Key, int] = {}  # token of the last request
+        self.name = f"next-use:{half_life_tokens:g}"
+
+    def begin(self, steps, token_of):
+        self.token_of = token_of
+
+    def access(self, key, index, hit):
+        now = self.token_of[index]
+        last = self.token.get(key)
+        if last != now:
+            self.score[key] = self.score.get(key, 0.0) * self.decay ** (now - last if last is not None else 0) + 1.0
+            self.token[key] = now
+
+    def _expected_steps(self, key: Key, layer: int, now: int) -> float:
+        layers = len(self.layers)
+        until_layer = (self.position[key[0]] - self.position[layer]) % layers or layers
+        rate = self.score.get(key, 0.0) * self.decay ** (now - self.token.get(key, now)) * (1.0 - self.decay)
+        rate = min(max(rate, 1e-9), 1.0)
+        return until_layer + layers * (1.0 - rate) / rate
+
+    def victim(self, candidates, layer, resident_per_layer, index):
+        now = self.token_of[index]
+        return max(candidates, key=lambda k: (self._expected_steps(k, layer, now), -self.last_used[k]))
+
+
 class PinFirstHalf(LRU):
     """The experts most requested in the first half of the run never leave once loaded (up to
     half the slots, each layer at most its share of them); LRU among the others."""
@@ -319,9 +360,12 @@ def make_policy(spec: str, capacity: int, layers: list[int], num_experts: int, r
         return DecayedLFU(capacity, layers, num_experts, float(arg or 16), requests_per_token)
     if name == "window":
         return WindowLFU(capacity, layers, num_experts, int(arg or 32))
+    if name == "next-use":
+        return ExpectedNextUse(capacity, layers, num_experts, float(arg or 32))
     if name == "pin-half":
         return PinFirstHalf(capacity, layers, num_experts)
-    raise SystemExit(f"unknown policy {spec!r} (lru, lfru, belady, lfu-decay[:half-life], window[:tokens], pin-half)")
+    raise SystemExit(f"unknown policy {spec!r} (lru, lfru, belady, lfu-decay[:half-life], window[:tokens], "
+                     "next-use[:half-life], pin-half)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "bench" / "traces" / "stdlib-greedy.jsonl"
-ONLINE = ["lru", "lfru", "lfu-decay:16", "window:8", "pin-half"]
+ONLINE = ["lru", "lfru", "lfu-decay:16", "window:8", "next-use:8", "pin-half"]
 
 
 def _load(name: str):
@@ -166,3 +166,21 @@ def test_the_recorder_writes_every_step_of_a_greedy_generation(demo_pack, tmp_pa
         for rows in step:  # (rows, top-k): distinct experts of the layer, in range
             assert all(len(set(row)) == 4 and all(0 <= e < 16 for e in row) for row in rows)
     assert [len(step[0]) for step in trace.steps if len(step[0]) > 1] == [8, 8]
+
+
+def test_next_use_keeps_the_expert_whose_layer_comes_round_first_and_then_the_frequent_one():
+    """Three layers, one expert each, each requested once at token 0: at a miss of layer 1 the
+    layer-1 expert is needed last (a whole cycle away), layer 0's next, layer 2's first. A second
+    request of layer 1's expert doubles its rate and moves its expected wait below layer 0's."""
+    policy = sim.make_policy("next-use:8", 4, [0, 1, 2], 4)
+    policy.begin([], [0, 0, 0, 0])
+    for key in ((0, 0), (1, 0), (2, 0)):
+        policy.access(key, 0, hit=False)
+        policy.touched(key, 0)
+    candidates = [(0, 0), (1, 0), (2, 0)]
+    assert policy.victim(candidates, 1, {}, 0) == (1, 0)
+    assert policy.victim(candidates, 2, {}, 0) == (2, 0)
+    policy.begin([], [0, 1, 1, 1])
+    policy.access((1, 0), 1, hit=True)  # token 1
+    policy.touched((1, 0), 1)
+    assert policy.victim(candidates, 1, {}, 2) == (0, 0)

@@ -24,14 +24,15 @@ Policies:
              (`window:32`), least recent on ties - what the recent window did not use goes first
   next-use   online: evict the expert whose next request is expected farthest ahead in layer
              steps (its layer's turn in the cycle, plus L per token it is expected to wait at
-             its decayed per-token rate; `next-use:32` half-life in tokens)
+             its decayed per-token rate; `next-use:16` half-life in tokens, the default): the C cache's
+             next-use, exactly (a token is a pass over the layers, as the cache counts it)
   pin-half   online with hindsight from the past: the experts most used in the trace's first
              half stay pinned (half the slots, capped per layer by the layer's share), LRU on the
              rest; only meaningful on the second half, so its row reports that half only
 
 `--validate PACK` replays the same layer steps through the real expert cache (libcolibri, via
 bench_aepc.replay_trace) at the same slot counts and prints the LRU, LFRU and lfu-decay hit
-rates side by side: the simulator must match within one point (it is exact by construction; the
+and next-use rates side by side: the simulator must match within one point (it is exact by construction; the
 check keeps it so).
 
 Shape letters: S layer steps, L MoE layers, E experts per layer, C slots.
@@ -281,41 +282,44 @@ class WindowLFU(Policy):
 
 
 class ExpectedNextUse(Policy):
-    """Evicts the candidate whose next request is expected farthest ahead, in layer steps: the
-    steps until its layer comes round again, plus L steps for each further token it is expected
-    to wait - (1 - p) / p of them for a per-token use rate p, the request count decayed with
-    half-life ``half_life_tokens`` (one count per token at most). Least recent on ties."""
+    """col_expert_cache's next-use: evicts the candidate whose next request is expected farthest
+    ahead, in layer steps - the steps until its layer comes round again, plus L for each further
+    token it is expected to wait, (1 - p) / p of them for a per-token rate p: the tokens that
+    requested it, decayed with half-life ``half_life_tokens``. A token is a pass over the layers,
+    as the cache counts it: the clock ticks when a request's layer is below the previous one's
+    (a prompt step is one pass). Least recent on ties. The same double arithmetic as
+    expected_steps in expert_cache.c, so the counters are the real cache's exactly."""
 
     name = "next-use"
 
-    def __init__(self, capacity, layers, num_experts, half_life_tokens: float = 32.0):
+    def __init__(self, capacity, layers, num_experts, half_life_tokens: float = 16.0):
         super().__init__(capacity, layers, num_experts)
-        self.decay = 2.0 ** (-1.0 / half_life_tokens)
-        self.position = {layer: i for i, layer in enumerate(layers)}
-        self.score: dict[Key, float] = {}
-        self.token: dict[Key, int] = {}  # token of the last request
+        self.decay = 2.0 ** (-1.0 / int(half_life_tokens))  # C's half-life is an int
+        self.position = {layer: i for i, layer in enumerate(sorted(layers))}
+        self.cycle, self.last_layer = 0, -1
+        self.rate: dict[Key, float] = {}
+        self.rate_cycle: dict[Key, int] = {}
         self.name = f"next-use:{half_life_tokens:g}"
 
-    def begin(self, steps, token_of):
-        self.token_of = token_of
-
     def access(self, key, index, hit):
-        now = self.token_of[index]
-        last = self.token.get(key)
-        if last != now:
-            self.score[key] = self.score.get(key, 0.0) * self.decay ** (now - last if last is not None else 0) + 1.0
-            self.token[key] = now
+        if key[0] < self.last_layer:
+            self.cycle += 1
+        self.last_layer = key[0]
+        last = self.rate_cycle.get(key)
+        if last != self.cycle:
+            kept = 0.0 if last is None else self.rate[key] * self.decay ** float(self.cycle - last)
+            self.rate[key], self.rate_cycle[key] = kept + 1.0, self.cycle
 
-    def _expected_steps(self, key: Key, layer: int, now: int) -> float:
+    def _expected_steps(self, key: Key, layer: int) -> float:
         layers = len(self.layers)
-        until_layer = (self.position[key[0]] - self.position[layer]) % layers or layers
-        rate = self.score.get(key, 0.0) * self.decay ** (now - self.token.get(key, now)) * (1.0 - self.decay)
+        until = (self.position[key[0]] - self.position[layer]) % layers or layers
+        last = self.rate_cycle.get(key)
+        rate = 0.0 if last is None else self.rate[key] * self.decay ** float(self.cycle - last) * (1.0 - self.decay)
         rate = min(max(rate, 1e-9), 1.0)
-        return until_layer + layers * (1.0 - rate) / rate
+        return until + layers * (1.0 - rate) / rate
 
     def victim(self, candidates, layer, resident_per_layer, index):
-        now = self.token_of[index]
-        return max(candidates, key=lambda k: (self._expected_steps(k, layer, now), -self.last_used[k]))
+        return max(candidates, key=lambda k: (self._expected_steps(k, layer), -self.last_used[k]))
 
 
 class PinFirstHalf(LRU):
@@ -361,7 +365,7 @@ def make_policy(spec: str, capacity: int, layers: list[int], num_experts: int, r
     if name == "window":
         return WindowLFU(capacity, layers, num_experts, int(arg or 32))
     if name == "next-use":
-        return ExpectedNextUse(capacity, layers, num_experts, float(arg or 32))
+        return ExpectedNextUse(capacity, layers, num_experts, float(arg or 16))
     if name == "pin-half":
         return PinFirstHalf(capacity, layers, num_experts)
     raise SystemExit(f"unknown policy {spec!r} (lru, lfru, belady, lfu-decay[:half-life], window[:tokens], "
@@ -498,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-token", action="store_true",
                         help="one layer step per token (prompt tokens too), instead of per engine step as recorded")
     parser.add_argument("--validate", type=Path, default=None, metavar="PACK",
-                        help="also replay LRU, LFRU and lfu-decay through the real cache on this pack (same shape as the trace)")
+                        help="also replay LRU, LFRU, lfu-decay and next-use through the real cache on this pack (same shape as the trace)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
 
@@ -537,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         if args.validate:
             steps, _ = layer_steps(trace, slots, args.per_token)
-            for policy in ("lru", "lfru", "lfu-decay"):
+            for policy in ("lru", "lfru", "lfu-decay", "next-use"):
                 sim = simulate(steps, slots, make_policy(policy, slots, trace.moe_layers, trace.num_experts,
                                                          pack_requests_per_token(args.validate)))
                 real = native_replay(args.validate, steps, slots, policy)

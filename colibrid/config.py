@@ -71,7 +71,7 @@ class DaemonConfig:
     default_max_tokens: int = 256  # for an ask without max_tokens
     parse_special_tokens_in_content: bool = False  # True: "<|im_start|>" in a chat message becomes the special token
     cache_size: str = "50%"  # the expert cache (AEPC): bytes, "6G", or "40%" of the memory budget at start
-    cache_policy: str = "lfu-decay"  # eviction: "lfu-decay" (decayed frequency), "lfru" (per-layer quotas) or "lru"
+    cache_policy: str = "next-use"  # eviction: "next-use", "lfu-decay" (decayed frequency), "lfru" or "lru"
     io_queue_depth: int = 16  # expert reads in flight at most
     prefetch: str = "off"  # "lookahead": predict the next layer's experts and read them early; "off"
     lookahead_predictor: str = "router-on-moe-input"  # what lookahead guesses from; or "router-on-residual"
@@ -257,8 +257,9 @@ KEYS: tuple[_Key, ...] = (
          'of the room left under the cgroup memory limit',
          'must be a size above 0: bytes (123), K/M/G/T ("512M", "6G") or a percentage of the memory budget ("40%")',
          _parse_int_flag, _is_size, "SIZE", reloadable=True),
-    _Key("cache_policy", "expert cache eviction: lru, lfru or lfu-decay", 'must be "lru", "lfru" or "lfu-decay"', str,
-         lambda v: v in ("lru", "lfru", "lfu-decay"), "POLICY", reloadable=True),
+    _Key("cache_policy", "expert cache eviction: lfu-decay, next-use, lfru or lru",
+         'must be "lfu-decay", "next-use", "lfru" or "lru"', str,
+         lambda v: v in ("lfu-decay", "next-use", "lfru", "lru"), "POLICY", reloadable=True),
     _Key("io_queue_depth", "expert reads in flight at most", "must be an integer in [1, 32]", _parse_int_flag,
          _int_at_least(1, 32), "N", reloadable=True),
     _Key("prefetch", "read the next layer's predicted experts early: lookahead or off",

@@ -368,6 +368,16 @@ def test_decayed_lfu_forgets_what_was_used_often_long_ago(make_cache, policy, ev
     assert cache.resident() == {A, B, C, D} - {evicted}
 
 
+@pytest.mark.parametrize("policy, evicted", [(native.CachePolicy.NEXT_USE, (1, 0)), (native.CachePolicy.LRU, (0, 0))])
+def test_next_use_evicts_the_expert_whose_layer_comes_round_last(make_cache, policy, evicted):
+    """(0,0) and (1,0) are requested in one pass over the layers, (0,1) in the next (layer 0 after
+    layer 1: a new token). At a miss of layer 1, (0,0) and (1,0) have the same rate, but layer 0
+    comes round one step from now and layer 1 a whole pass: (1,0) goes. LRU takes (0,0)."""
+    cache = make_cache(3, policy)
+    _requests(cache, [((0, 0), 1), ((1, 0), 1), ((0, 1), 1), ((1, 1), 1)])
+    assert cache.resident() == {(0, 0), (1, 0), (0, 1), (1, 1)} - {evicted}
+
+
 def test_prefetch_loads_without_pinning_and_counts_useful_prefetches(make_cache):
     cache = make_cache(4)
     assert cache.core.prefetch(1, [3, 4]) == 2

@@ -108,7 +108,7 @@ class Engine:
         return self._cache.budget_status() if self._cache is not None else None
 
     def set_cache_policy(self, policy: str) -> None:
-        """Eviction policy ("lfu-decay", "lfru" or "lru"), from the next eviction on; any thread."""
+        """Eviction policy ("next-use", "lfu-decay", "lfru" or "lru"), from the next eviction on; any thread."""
         with self._experts_lock:  # never the cache a rebuild is closing
             if self._cache is None:
                 return  # a source made by the caller: it has no policy setting to follow

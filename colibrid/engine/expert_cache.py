@@ -41,7 +41,8 @@ from colibrid.pack.reader import ExpertWeights, Pack
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
-POLICIES = {"lru": native.CachePolicy.LRU, "lfru": native.CachePolicy.LFRU, "lfu-decay": native.CachePolicy.DECAYED_LFU}
+POLICIES = {"lru": native.CachePolicy.LRU, "lfru": native.CachePolicy.LFRU, "lfu-decay": native.CachePolicy.DECAYED_LFU,
+            "next-use": native.CachePolicy.NEXT_USE}
 # lfu-decay's half-life, in decode tokens: the best of a sweep on both trained models' routing
 # traces (docs/performance.md); the cache counts it in requested experts (layers x top-k a token).
 DECAY_HALF_LIFE_TOKENS = 16
@@ -60,7 +61,7 @@ class ExpertCacheSettings:
     hugepage_record). See CachedExpertSource for what each value means."""
 
     cache_size: int | str = "50%"
-    policy: str = "lfu-decay"
+    policy: str = "next-use"
     io_queue_depth: int = 16
     prefetch: bool = False
     hugepages: str | int = "auto"
@@ -143,9 +144,11 @@ class CachedExpertSource(ExpertSource):
     cache_bytes      int or a size string ("6G", "40%" of the memory budget: MemAvailable, or
                      the headroom under the cgroup memory limit when smaller); rounded down
                      to whole slots, at least one slot, at most one slot per expert.
-    policy           "lfu-decay" (frequency with exponential decay, half-life DECAY_HALF_LIFE_TOKENS
-                     decode tokens, the least recent on ties), "lfru" (per-layer quotas,
-                     least-frequently-used within a layer) or "lru".
+    policy           "next-use" (the expert whose next request is expected farthest ahead, from
+                     its layer's place in the pass over the layers and its decayed per-token
+                     rate, half-life 16 tokens), "lfu-decay" (frequency with exponential decay,
+                     half-life DECAY_HALF_LIFE_TOKENS decode tokens, the least recent on ties),
+                     "lfru" (per-layer quotas, least-frequently-used within a layer) or "lru".
     io_queue_depth   reads in flight at most (changeable: set_io_queue_depth).
     hugepages        "auto": hugetlb 2 MiB pages, raising vm.nr_hugepages when privileged (and
                      giving them back on close) and not under a cgroup memory limit (which
@@ -165,7 +168,7 @@ class CachedExpertSource(ExpertSource):
     ExpertLoadingPaused, a step served from the cache goes on.
     """
 
-    def __init__(self, pack: Pack, cache_bytes: int | str, policy: str = "lfu-decay", io_queue_depth: int = 16,
+    def __init__(self, pack: Pack, cache_bytes: int | str, policy: str = "next-use", io_queue_depth: int = 16,
                  hugepages: str | int = "auto", lock_memory: str = "try", prefetch: bool = True,
                  direct: str = "try", max_io_queue_depth: int = 32, budget: MemoryBudget | None = None,
                  hugepage_record: Path | None = DEFAULT_HUGEPAGE_RECORD) -> None:

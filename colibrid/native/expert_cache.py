@@ -35,6 +35,7 @@ class CachePolicy(enum.IntEnum):
     LRU = 0
     LFRU = 1
     DECAYED_LFU = 2
+    NEXT_USE = 3
 
 
 LATENCY_BUCKETS = 96  # COL_LATENCY_BUCKETS
@@ -89,7 +90,8 @@ class ReadResult(ctypes.Structure):
 @mirrors_c_struct("col_expert_cache_params_size")
 class ExpertCacheParams(ctypes.Structure):
     _fields_ = [("n_layers", ctypes.c_int32), ("n_experts", ctypes.c_int32), ("policy", ctypes.c_int32),
-                ("wait_for_pins", ctypes.c_int32), ("decay_half_life", ctypes.c_int32), ("reserved", ctypes.c_int32)]
+                ("wait_for_pins", ctypes.c_int32), ("decay_half_life", ctypes.c_int32),
+                ("next_use_half_life", ctypes.c_int32)]
 
 
 @mirrors_c_struct("col_expert_cache_layer_stats_size")

@@ -931,8 +931,15 @@ enum col_cache_policy {
                             (a continuous decay, not a periodic halving); the lowest decayed
                             score goes, ties to the least recent. A prefetched expert not yet
                             requested has score 0 and goes first. */
+    COL_POLICY_NEXT_USE = 3, /* the expert whose next request is expected farthest ahead, in
+                            layer steps: the steps until its layer's turn comes round (layers
+                            with records, in index order), plus that many for each token it is
+                            expected to wait, (1 - p) / p at its per-token rate p: the tokens
+                            that requested it, decayed with half-life next_use_half_life tokens.
+                            A token is a pass over the layers: the clock ticks when a request's
+                            layer is below the previous request's. Ties to the least recent. */
 };
-#define COL_POLICY_COUNT 3
+#define COL_POLICY_COUNT 4
 
 /* Where each (layer, expert) record lives in the experts file. */
 typedef struct {
@@ -955,7 +962,7 @@ typedef struct {
     int32_t decay_half_life; /* COL_POLICY_DECAYED_LFU's half-life in requested experts (cache
                                 requests, hits and misses); <= 0: 1024 (16 tokens of a model
                                 with 8 MoE layers of top-8) */
-    int32_t reserved;        /* 0 */
+    int32_t next_use_half_life; /* COL_POLICY_NEXT_USE's half-life in tokens; <= 0: 16 */
 } col_expert_cache_params;
 
 COL_API col_expert_cache_params col_expert_cache_default_params(void);

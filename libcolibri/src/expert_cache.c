@@ -53,6 +53,10 @@ struct col_expert_cache {
     int64_t accesses_since_aging;
     int64_t requests;                    /* count_access calls: the decayed LFU's clock */
     double decay_half_life;              /* in requests */
+    int64_t cycle;                       /* passes over the layers: next-use's token clock */
+    int32_t last_layer;                  /* of the last request, to see a pass begin */
+    double next_use_decay;               /* per cycle: 2^(-1 / next_use_half_life) */
+    int32_t *layer_position;             /* (L) index among the layers with records */
     col_expert_record *records;          /* (L, E) */
     int32_t *map;                        /* (L, E) slot, or -1 */
     uint32_t *freq;                      /* (L, E) request counts, halved periodically */
@@ -60,6 +64,9 @@ struct col_expert_cache {
     int64_t *decay_stamp;                /* (L, E) the request clock when decayed was updated */
     double *decay_rank;                  /* (L, E) log2(decayed) + decay_stamp / half-life: the
                                             order of the scores decayed to any common time */
+    double *use_rate;                    /* (L, E) next-use: decayed count of the cycles that
+                                            requested it, as of use_cycle */
+    int64_t *use_cycle;                  /* (L, E) the cycle use_rate is as of; -1: never */
     int32_t *layer_resident;             /* (L) slots in the map per layer */
     col_cache_slot *slots;               /* (S) */
     col_expert_cache_layer_stats *stats; /* (L) */
@@ -106,13 +113,17 @@ int col_expert_cache_create(const col_expert_cache_params *params, const col_exp
     c->decayed = calloc((size_t)n_keys, sizeof *c->decayed);
     c->decay_stamp = calloc((size_t)n_keys, sizeof *c->decay_stamp);
     c->decay_rank = malloc((size_t)n_keys * sizeof *c->decay_rank);
+    c->use_rate = calloc((size_t)n_keys, sizeof *c->use_rate);
+    c->use_cycle = malloc((size_t)n_keys * sizeof *c->use_cycle);
+    c->layer_position = calloc((size_t)params->n_layers, sizeof *c->layer_position);
     c->layer_resident = calloc((size_t)params->n_layers, sizeof *c->layer_resident);
     c->slots = calloc((size_t)si.n_slots, sizeof *c->slots);
     c->stats = calloc((size_t)params->n_layers, sizeof *c->stats);
-    if (!c->records || !c->map || !c->freq || !c->decayed || !c->decay_stamp || !c->decay_rank || !c->layer_resident ||
-        !c->slots || !c->stats) {
+    if (!c->records || !c->map || !c->freq || !c->decayed || !c->decay_stamp || !c->decay_rank || !c->use_rate ||
+        !c->use_cycle || !c->layer_position || !c->layer_resident || !c->slots || !c->stats) {
         free(c->records); free(c->map); free(c->freq); free(c->layer_resident); free(c->slots); free(c->stats);
         free(c->decayed); free(c->decay_stamp); free(c->decay_rank);
+        free(c->use_rate); free(c->use_cycle); free(c->layer_position);
         free(c);
         return COL_ENOMEM;
     }
@@ -120,6 +131,15 @@ int col_expert_cache_create(const col_expert_cache_params *params, const col_exp
     for (int64_t k = 0; k < n_keys; k++) {
         c->map[k] = -1;
         c->decay_rank[k] = -INFINITY; /* never requested: score 0 */
+        c->use_cycle[k] = -1;
+    }
+    for (int32_t l = 0, position = 0; l < params->n_layers; l++) {
+        c->layer_position[l] = position;
+        for (int32_t e = 0; e < params->n_experts; e++)
+            if (records[(int64_t)l * params->n_experts + e].length > 0) {
+                position++;
+                break;
+            }
     }
     for (int32_t s = 0; s < si.n_slots; s++) {
         c->slots[s].layer = c->slots[s].expert = -1;
@@ -139,6 +159,8 @@ int col_expert_cache_create(const col_expert_cache_params *params, const col_exp
     c->n_record_layers = n_record_layers > 0 ? n_record_layers : 1;
     c->policy = params->policy;
     c->decay_half_life = params->decay_half_life > 0 ? params->decay_half_life : 1024;
+    c->next_use_decay = pow(2.0, -1.0 / (params->next_use_half_life > 0 ? params->next_use_half_life : 16));
+    c->last_layer = -1;
     c->wait_for_pins = params->wait_for_pins != 0;
     *out = c;
     return COL_OK;
@@ -157,6 +179,7 @@ void col_expert_cache_destroy(col_expert_cache *c) {
     col_slab_release(c->slab);
     free(c->records); free(c->map); free(c->freq); free(c->layer_resident); free(c->slots); free(c->stats);
     free(c->decayed); free(c->decay_stamp); free(c->decay_rank);
+    free(c->use_rate); free(c->use_cycle); free(c->layer_position);
     free(c);
 }
 
@@ -224,10 +247,41 @@ static int32_t victim_decayed_lfu(col_expert_cache *c, int for_prefetch) {
     return best;
 }
 
+/* Next-use: layer steps until key's next request is expected, seen from a request of `layer`.
+ * bench/cache_sim.py's next-use does the same double arithmetic. */
+static double expected_steps(const col_expert_cache *c, int64_t key, int32_t layer) {
+    const int32_t layers = c->n_record_layers;
+    int32_t until = (c->layer_position[key / c->n_experts] - c->layer_position[layer]) % layers;
+    if (until < 0) until += layers;
+    if (until == 0) until = layers;
+    const double d = c->next_use_decay;
+    double rate = c->use_cycle[key] < 0 ? 0.0
+                  : c->use_rate[key] * pow(d, (double)(c->cycle - c->use_cycle[key])) * (1.0 - d);
+    if (rate < 1e-9) rate = 1e-9;
+    if (rate > 1.0) rate = 1.0;
+    return until + layers * (1.0 - rate) / rate;
+}
+
+static int32_t victim_next_use(col_expert_cache *c, int32_t layer, int for_prefetch) {
+    int32_t best = -1;
+    double best_steps = 0.0;
+    for (int32_t s = 0; s < c->n_slots; s++) {
+        const col_cache_slot *sl = &c->slots[s];
+        if (!evictable(sl, for_prefetch)) continue;
+        const double steps = expected_steps(c, (int64_t)sl->layer * c->n_experts + sl->expert, layer);
+        if (best < 0 || steps > best_steps || (steps == best_steps && sl->last_used < c->slots[best].last_used)) {
+            best = s;
+            best_steps = steps;
+        }
+    }
+    return best;
+}
+
 static int32_t choose_victim(col_expert_cache *c, int32_t layer, int for_prefetch) {
     switch (c->policy) {
     case COL_POLICY_LFRU: return victim_lfru(c, layer, for_prefetch);
     case COL_POLICY_DECAYED_LFU: return victim_decayed_lfu(c, for_prefetch);
+    case COL_POLICY_NEXT_USE: return victim_next_use(c, layer, for_prefetch);
     default: return victim_lru(c, for_prefetch);
     }
 }
@@ -355,8 +409,22 @@ static void count_decayed(col_expert_cache *c, int64_t key) {
     c->decay_rank[key] = log2(c->decayed[key]) + (double)now / h;
 }
 
+/* Next-use's per-token rate: one count per cycle at most, the cycle advancing when a request's
+ * layer is below the previous one's (a new pass over the layers: the next token). */
+static void count_cycle(col_expert_cache *c, int64_t key) {
+    const int32_t layer = (int32_t)(key / c->n_experts);
+    if (layer < c->last_layer) c->cycle++;
+    c->last_layer = layer;
+    if (c->use_cycle[key] == c->cycle) return;
+    const double kept = c->use_cycle[key] < 0 ? 0.0
+                        : c->use_rate[key] * pow(c->next_use_decay, (double)(c->cycle - c->use_cycle[key]));
+    c->use_rate[key] = kept + 1.0;
+    c->use_cycle[key] = c->cycle;
+}
+
 static void count_access(col_expert_cache *c, int64_t key) {
     count_decayed(c, key);
+    count_cycle(c, key);
     c->freq[key]++;
     if (++c->accesses_since_aging >= 8 * (int64_t)c->n_slots) {
         const int64_t n_keys = (int64_t)c->n_layers * c->n_experts;

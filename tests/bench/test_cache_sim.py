@@ -135,7 +135,7 @@ def test_a_recorded_step_is_split_into_waves_of_the_cache_size():
     assert len(per_token) == trace.tokens * 4  # top-2 never needs a second wave at 3 slots
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfru", "lfu-decay"])
+@pytest.mark.parametrize("policy", ["lru", "lfru", "lfu-decay", "next-use"])
 def test_simulated_policies_count_what_the_real_cache_counts(demo_pack, policy):
     """The demo pack has the trained model's shape (4 layers x 16 experts): the recorded trace
     replays on it through libcolibri's cache, and the hits must be the simulator's exactly."""
@@ -173,14 +173,12 @@ def test_next_use_keeps_the_expert_whose_layer_comes_round_first_and_then_the_fr
     layer-1 expert is needed last (a whole cycle away), layer 0's next, layer 2's first. A second
     request of layer 1's expert doubles its rate and moves its expected wait below layer 0's."""
     policy = sim.make_policy("next-use:8", 4, [0, 1, 2], 4)
-    policy.begin([], [0, 0, 0, 0])
     for key in ((0, 0), (1, 0), (2, 0)):
         policy.access(key, 0, hit=False)
         policy.touched(key, 0)
     candidates = [(0, 0), (1, 0), (2, 0)]
     assert policy.victim(candidates, 1, {}, 0) == (1, 0)
     assert policy.victim(candidates, 2, {}, 0) == (2, 0)
-    policy.begin([], [0, 1, 1, 1])
-    policy.access((1, 0), 1, hit=True)  # token 1
+    policy.access((1, 0), 1, hit=True)  # a layer below the last request's: the next token
     policy.touched((1, 0), 1)
     assert policy.victim(candidates, 1, {}, 2) == (0, 0)

@@ -49,7 +49,7 @@ def engine(demo_pack):
 
 def test_the_engine_builds_its_cache_from_settings_and_reports_it(engine, reference, demo_pack):
     status = engine.cache_status()
-    assert status["kind"] == "aepc" and status["slots"] == 3 and status["policy"] == "lfu-decay"
+    assert status["kind"] == "aepc" and status["slots"] == 3 and status["policy"] == "next-use"
     budget = engine.memory_budget()
     assert budget["cache_bytes"] == 3 * _slot_bytes(demo_pack) and budget["cache_size"] == 3 * _slot_bytes(demo_pack)
     assert np.array_equal(engine.forward(PROMPT), reference)

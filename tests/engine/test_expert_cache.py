@@ -90,7 +90,7 @@ def family(request, packs):
     return path, (engine.forward(PROMPT), engine.greedy(PROMPT, 10)), moe_layers
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfru", "lfu-decay"])
+@pytest.mark.parametrize("policy", ["lru", "lfru", "lfu-decay", "next-use"])
 @pytest.mark.parametrize("n_slots", [1, 2, 3, 7, 64])  # 1 < top-k; 64 > every expert of the pack
 def test_any_cache_size_gives_bit_identical_output(family, n_slots, policy):
     pack_path, (logits_ref, tokens_ref), moe_layers = family

@@ -309,11 +309,11 @@ def cmd_run(args) -> int:
     pack = Pack.open(args.pack)
     expert_bytes = sum(r.length for r in pack.manifest.expert_records)
     print(f"pack {args.pack}: experts {format_bytes(expert_bytes)}, dense {format_bytes(pack.manifest.dense_size)}")
+    prefetches = [p == "on" for p in args.prefetch.split(",")]
+    replay = _routing_trace(args.routing_trace, pack, prefetches) if args.routing_trace else None  # refused before measuring
     disk = measure_disk(args.pack, queue_depth=args.queue_depth)
     print(f"disk: {disk['gb_per_s']:.2f} GB/s O_DIRECT (records of {format_bytes(disk['record_bytes'])}, "
           f"queue depth {disk['queue_depth']}, direct={disk['direct']})")
-    prefetches = [p == "on" for p in args.prefetch.split(",")]
-    replay = _routing_trace(args.routing_trace, pack, prefetches) if args.routing_trace else None
     rows = []
     fractions = [args.cache_bytes / expert_bytes] if args.cache_bytes else [float(f) for f in args.fractions.split(",")]
     for fraction in fractions:

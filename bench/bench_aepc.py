@@ -15,6 +15,25 @@ O_DIRECT bandwidth measured in the same run, and prefetch precision/recall. Pref
 engine's lookahead (layer l+1's router applied to layer l's FFN input). `--cgroup-limit`
 re-runs the measurement inside a child memory cgroup (v1) with that memory.limit_in_bytes.
 
+`run --routing-trace TRACE` replays a trained model's routing on the pack instead of the
+random router's (which has no locality): each decoded token takes the experts of the
+trace's next decode step (bench/routing_traces.py; cycling through them), the pack's i-th MoE
+layer those of the trace's layer i mod L (a 16-layer pack, an 8-layer trace: each trace layer
+drives two pack layers), with the router's own mixing weights by rank
+(colibrid/engine/routing_override.py). With prefetch on, the lookahead prefetches the
+guesses the trace recorded (routing_traces.py --guesses), at the point the recording
+predictor would (router-on-moe-input: once the layer's reads are done; router-on-residual:
+once its experts have run), the first LOOKAHEAD_TOP of them as always; at the trace's wrap
+(its last layer to its first) there are none and nothing is prefetched. A trace without
+guesses replays with prefetch off only. Reported per cache fraction x policy x prefetch:
+tok/s, hit rate, expert records read per token, and the disk's busy share (the loader's
+time with a read in flight over the run's time).
+
+    python bench/routing_traces.py /tmp/stdlib64-guesses.jsonl --model models/colibri-olmoe64-stdlib \
+        --guesses router-on-residual
+    python bench/bench_aepc.py run /var/tmp/olmoe-q8.pack --routing-trace /tmp/stdlib64-guesses.jsonl \
+        --fractions 0.25,0.5 --policies lfu-decay --prefetch off,on --tokens 64 --warmup 16
+
 `policies` compares the cache policies on real routing: the trained default model
 (models/colibri-olmoe-stdlib) decodes its held-out validation text token by token, and the
 cache's hit rate is reported per size and policy.
@@ -187,21 +206,36 @@ def measure_disk(pack_path: Path, queue_depth: int = 16, seconds: float = 4.0, s
 
 
 def decode_run(pack_path: Path, cache_bytes: int, policy: str, prefetch: bool, tokens: int, warmup: int,
-               queue_depth: int, seed: int = 0, feed: str = "random", hugepages: str = "auto") -> dict:
+               queue_depth: int, seed: int = 0, feed: str = "random", hugepages: str = "auto", replay=None) -> dict:
+    """``replay``: a routing_traces.DecodeSteps whose routing (and guesses) every token replays."""
     from colibrid.engine.engine import Engine
     from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.engine.routing_override import RoutingOverride
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(pack_path)
     source = CachedExpertSource(pack, cache_bytes, policy=policy, io_queue_depth=queue_depth, hugepages=hugepages,
                                 lock_memory="try", prefetch=prefetch)
     try:
-        engine = Engine(pack, experts=source)  # with prefetch on, each MoE layer predicts the next one's experts
+        # With prefetch on, each MoE layer predicts the next one's experts (replaying: the trace's guesses, when
+        # the recording predictor would have made them)
+        predictor = replay.predictor if replay is not None and replay.predictor else "router-on-moe-input"
+        engine = Engine(pack, experts=source, lookahead_predictor=predictor)
+        override = None
+        if replay is not None:
+            override = RoutingOverride.for_model(engine.model, trace_layers=replay.layers)
+            override.install(engine.model)
         session = engine.new_session(max_context=warmup + tokens + 16)
         rng = np.random.default_rng(seed)
         vocab = engine.config.vocab_size
+        steps_run = [0]
 
         def step(token: int) -> int:
+            if override is not None:  # the trace's next decode step, cycling
+                i = steps_run[0] % replay.experts.shape[0]
+                override.set_step(replay.experts[i][:, None, :],
+                                  None if replay.guesses is None else replay.guesses[i][:, None, :])
+                steps_run[0] += 1
             greedy = int(np.argmax(session.forward([token], all_logits=False)[-1]))
             # A random-weight model's greedy output soon repeats one token, and with it the same
             # experts: feeding random tokens instead gives the random routing the targets assume.
@@ -228,6 +262,7 @@ def decode_run(pack_path: Path, cache_bytes: int, policy: str, prefetch: bool, t
             "cache_bytes": source.n_slots * source.slot_bytes, "slots": source.n_slots, "policy": policy,
             "prefetch": prefetch, "tokens": tokens, "tok_per_s": tokens / elapsed,
             "hit_rate": total["hit_rate"], "mb_read_per_token": total["bytes_read"] / tokens / 1e6,
+            "records_read_per_token": total["bytes_read"] / source.slot_bytes / tokens,
             "read_gb_per_s": total["bytes_read"] / elapsed / 1e9, "disk_busy_fraction": busy_s / elapsed,
             "read_ms_p50": total["read_ms_p50"], "read_ms_p99": total["read_ms_p99"],
             "prefetch_issued": total["prefetch_issued"], "prefetch_useful": total["prefetch_useful"],
@@ -236,6 +271,28 @@ def decode_run(pack_path: Path, cache_bytes: int, policy: str, prefetch: bool, t
         }
     finally:
         source.close()
+
+
+def _routing_trace(path: Path, pack, prefetches: list[bool]):
+    """The trace's decode steps, checked against the pack, with what replaying them means printed."""
+    from colibrid.engine.moe import LOOKAHEAD_TOP
+    from routing_traces import read_decode_steps
+
+    config = pack.manifest.model
+    replay = read_decode_steps(path, config.num_experts, config.num_experts_per_tok)
+    if any(prefetches) and replay.guesses is None:
+        raise SystemExit(f"{path} records no lookahead guesses, and the random router's would say nothing about the "
+                         f"replayed routing: record one with bench/routing_traces.py --guesses router-on-residual "
+                         f"(or router-on-moe-input), or run with --prefetch off")
+    moe_layers = len(config.moe_layer_ids)
+    print(f"routing from {path}: {replay.experts.shape[0]} decode steps of {replay.layers} MoE layers, cycled; "
+          f"the pack's MoE layer i replays trace layer i mod {replay.layers} ({moe_layers} pack MoE layers); "
+          f"mixing weights: the router's own by rank", flush=True)
+    if replay.guesses is not None:
+        print(f"lookahead guesses from the trace: {replay.predictor}, the first {LOOKAHEAD_TOP} of "
+              f"{replay.guesses.shape[2]} recorded per row; none at the trace's wrap (trace layer {replay.layers - 1} "
+              f"-> 0)", flush=True)
+    return replay
 
 
 def _rss_peak_bytes() -> int:
@@ -252,6 +309,8 @@ def cmd_run(args) -> int:
     pack = Pack.open(args.pack)
     expert_bytes = sum(r.length for r in pack.manifest.expert_records)
     print(f"pack {args.pack}: experts {format_bytes(expert_bytes)}, dense {format_bytes(pack.manifest.dense_size)}")
+    prefetches = [p == "on" for p in args.prefetch.split(",")]
+    replay = _routing_trace(args.routing_trace, pack, prefetches) if args.routing_trace else None  # refused before measuring
     disk = measure_disk(args.pack, queue_depth=args.queue_depth)
     print(f"disk: {disk['gb_per_s']:.2f} GB/s O_DIRECT (records of {format_bytes(disk['record_bytes'])}, "
           f"queue depth {disk['queue_depth']}, direct={disk['direct']})")
@@ -259,18 +318,21 @@ def cmd_run(args) -> int:
     fractions = [args.cache_bytes / expert_bytes] if args.cache_bytes else [float(f) for f in args.fractions.split(",")]
     for fraction in fractions:
         for policy in args.policies.split(","):
-            for prefetch in [p == "on" for p in args.prefetch.split(",")]:
+            for prefetch in prefetches:
                 row = decode_run(args.pack, int(expert_bytes * fraction), policy, prefetch, args.tokens, args.warmup,
-                                 args.queue_depth, feed=args.feed, hugepages=args.hugepages)
+                                 args.queue_depth, feed=args.feed, hugepages=args.hugepages, replay=replay)
                 row.update(fraction=fraction, disk_gb_per_s=disk["gb_per_s"],
                            read_vs_disk=row["read_gb_per_s"] / disk["gb_per_s"])
                 rows.append(row)
                 print(f"cache {fraction:4.0%} {policy:4s} prefetch {'on ' if prefetch else 'off'}: "
                       f"{row['tok_per_s']:6.2f} tok/s  hit {row['hit_rate'] or 0:5.1%}  "
-                      f"{row['mb_read_per_token']:7.1f} MB/tok  read {row['read_gb_per_s']:.2f} GB/s "
+                      f"{row['mb_read_per_token']:7.1f} MB/tok ({row['records_read_per_token']:.2f} records)  read {row['read_gb_per_s']:.2f} GB/s "
                       f"({row['read_vs_disk']:.0%} of disk, busy {row['disk_busy_fraction']:.0%})  "
                       f"p50 {row['read_ms_p50']} ms  precision {row['prediction_precision']}", flush=True)
     result = {"disk": disk, "runs": rows, "peak_rss_bytes": _rss_peak_bytes()}
+    if replay is not None:
+        result["routing_trace"] = {"path": str(args.routing_trace), "decode_steps": int(replay.experts.shape[0]),
+                                   "trace_layers": replay.layers, "guesses": replay.header.get("guesses")}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
@@ -540,6 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--queue-depth", type=int, default=16)
     r.add_argument("--feed", default="random", choices=["random", "greedy"],
                    help="next input token: random (random routing, the default) or the greedy choice")
+    r.add_argument("--routing-trace", type=Path, help="replay this bench/routing_traces.py trace's decode routing "
+                   "(and, with prefetch on, its recorded --guesses) instead of the random router's")
     r.add_argument("--cgroup-limit", help="run inside a v1 memory cgroup with this limit (\"3G\")")
     r.add_argument("--threads", type=int, help="compute threads (default: one per CPU)")
     r.add_argument("--cache-bytes", type=int, help="one cache size in bytes instead of --fractions")
@@ -613,6 +677,8 @@ def main(argv: list[str] | None = None) -> int:
                  "--policies", args.policies, "--prefetch", args.prefetch, "--tokens", str(args.tokens),
                  "--warmup", str(args.warmup), "--queue-depth", str(args.queue_depth), "--feed", args.feed,
                  "--hugepages", "off"]  # hugetlb pages are not charged to a v1 memory cgroup
+        if args.routing_trace:
+            inner += ["--routing-trace", str(args.routing_trace)]
         if args.json:
             inner += ["--json", args.json]
         drop_from_page_cache(args.pack)

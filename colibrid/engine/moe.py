@@ -19,6 +19,7 @@ from colibrid import native
 from colibrid.engine.experts import ExpertChecksumError, ExpertDamagedError, ExpertSource
 from colibrid.engine.layers import linear, rms_norm, silu, swiglu_mlp
 from colibrid.engine.routing_capture import RoutingCapture
+from colibrid.engine.routing_override import RoutingOverride
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
@@ -172,11 +173,14 @@ class MoeBlock:
         self.stats: RoutingStats | None = None  # the model's, where it keeps them (Model sets it)
         self.damage: DamageWatch | None = None  # the model's (Model sets it)
         self.capture: RoutingCapture | None = None  # the model's routing recorder (Model sets it)
+        self.override: RoutingOverride | None = None  # replayed routing: benches only, never the daemon
 
     def __call__(self, x: np.ndarray, router_input: np.ndarray | None = None) -> np.ndarray:
         """The experts' sum for x (T, D), routed on ``router_input`` (T, D) (default: x)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         routing = self.router(x if router_input is None else router_input)
+        if self.override is not None:  # a bench replays recorded choices; the weights stay the router's by rank
+            routing = Routing(self.override.experts_for(self.layer, x.shape[0]), routing.weights)
         selected = _distinct(routing.experts)  # batch-union: each expert once per step
         if self.stats is not None:
             self.stats.record(routing.experts, len(selected))
@@ -237,7 +241,7 @@ class MoeBlock:
         next one's attention, and these reads never compete with a read this layer waits for.
         Only each token's LOOKAHEAD_TOP best guesses: a wrong guess costs a whole read of disk
         time, and the lower-ranked guesses are wrong more often (see docs/performance.md)."""
-        self._prefetch_guesses(self.next_block.router(x), wave_size)
+        self._prefetch_guesses(self._guesses(x.shape[0], lambda: x), wave_size)
 
     def lookahead_from_residual(self, residual: np.ndarray) -> None:
         """With lookahead_predictor "router-on-residual": prefetches the next MoE layer's
@@ -245,11 +249,19 @@ class MoeBlock:
         this layer, normed as that layer will norm it (Layer.feed_forward calls this last)."""
         if self.next_block is None or self.next_router_input is None or not self.experts.prefetch_enabled:
             return
-        guess = self.next_block.router(self.next_router_input(residual))
-        self._prefetch_guesses(guess, max(1, self.experts.max_pinned))
+        guesses = self._guesses(residual.shape[0], lambda: self.next_router_input(residual))
+        self._prefetch_guesses(guesses, max(1, self.experts.max_pinned))
 
-    def _prefetch_guesses(self, guess: Routing, wave_size: int) -> None:
-        best = guess.experts[:, :LOOKAHEAD_TOP]  # (T, n) best first
+    def _guesses(self, rows: int, router_input: Callable[[], np.ndarray]) -> np.ndarray:
+        """(T, n) the next MoE layer's experts guessed best first for the step's ``rows`` rows:
+        its router on ``router_input()`` (T, D), or what a routing override recorded (a bench
+        replaying a trace)."""
+        if self.override is not None:
+            return self.override.guesses_after(self.layer, rows)
+        return self.next_block.router(router_input()).experts
+
+    def _prefetch_guesses(self, guessed: np.ndarray, wave_size: int) -> None:
+        best = guessed[:, :LOOKAHEAD_TOP]  # (T, n) best first
         predicted = best[0].tolist() if best.shape[0] == 1 else _distinct(best)
         self.experts.prefetch(self.next_block.layer, predicted[: max(1, wave_size // 2)])  # room for its own
 

@@ -1,0 +1,149 @@
+"""Replaying recorded routing in the AEPC bench: routing_traces.py --guesses records exactly
+what the engine's lookahead would prefetch, read_decode_steps refuses traces that do not fit
+the pack, and bench_aepc.py run --routing-trace decodes with the trace's experts and hands its
+guesses to the prefetch."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_TRACE = ROOT / "bench" / "traces" / "stdlib64-greedy.jsonl"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(ROOT / "bench"))
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+traces = _load("routing_traces")
+bench = _load("bench_aepc")
+
+
+@pytest.mark.parametrize("predictor", ["router-on-moe-input", "router-on-residual"])
+def test_recorded_guesses_are_what_the_engines_lookahead_prefetches(demo_pack, tmp_path, predictor):
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.engine.moe import LOOKAHEAD_TOP
+    from colibrid.pack.reader import Pack
+
+    out = tmp_path / "trace.jsonl"
+    traces.record(demo_pack, out, sequences=1, prompt_tokens=8, generate=5, guesses=predictor, guesses_per_row=16)
+    header, *steps = [json.loads(line) for line in out.read_text().splitlines()]
+    assert header["guesses"]["predictor"] == predictor and header["guesses"]["per_row"] == 16
+    assert "--guesses " + predictor in header["made_by"]
+    for step in steps:  # (L - 1, rows, 16): a full ranking of the 16 experts per row
+        guesses = np.asarray(step["guesses"])
+        assert guesses.shape == (3, len(step["experts"][0]), 16)
+        assert (np.sort(guesses, axis=2) == np.arange(16)).all()
+
+    # The same greedy run with lookahead prefetch on: what it prefetches at each decode step is
+    # the recorded guesses' first LOOKAHEAD_TOP.
+    pack = Pack.open(demo_pack)
+    source = CachedExpertSource(pack, "64M", hugepages="off", lock_memory="off", prefetch=True)
+    prefetched: list[tuple[int, list[int]]] = []
+    real_prefetch = source.prefetch
+    source.prefetch = lambda layer, experts: (prefetched.append((layer, list(experts))), real_prefetch(layer, experts))[1]
+    engine = Engine(pack, experts=source, lookahead_predictor=predictor)
+    try:
+        session = engine.new_session(max_context=16)
+        (prompt,) = traces.validation_windows(engine.tokenizer, 1, 8)
+        token = int(np.argmax(session.forward(prompt, all_logits=False)[-1]))
+        assert len(steps) > 2  # the prompt step and decode steps
+        for step in steps[1:]:
+            prefetched.clear()
+            token = int(np.argmax(session.forward([token], all_logits=False)[-1]))
+            recorded = [(layer + 1, guesses[0][:LOOKAHEAD_TOP]) for layer, guesses in enumerate(step["guesses"])]
+            assert prefetched == recorded
+    finally:
+        source.close()
+
+
+def _write_trace(path: Path, steps: list[dict], top_k: int = 4, guesses: str | None = None) -> Path:
+    header = {"trace": "colibri-routing", "version": 1, "moe_layers": [0, 1], "num_experts": 16, "top_k": top_k}
+    if guesses:
+        header["guesses"] = {"predictor": guesses, "per_row": 4}
+    lines = [header] + [{"seq": 0, "phase": "prompt", "experts": [[[9, 10, 11, 12]] * 2] * 2}] + steps
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _local_steps(guesses_right: bool) -> list[dict]:
+    """Decode steps of a 2-layer trace that only ever use experts 0-3 (layer 0) and 4-7 (layer 1),
+    in changing orders, with layer 1's guesses either its true experts or four it never uses."""
+    rng = np.random.default_rng(0)
+    steps = []
+    for _ in range(5):
+        first, second = rng.permutation(4).tolist(), (4 + rng.permutation(4)).tolist()
+        guess = second if guesses_right else [12, 13, 14, 15]
+        steps.append({"seq": 0, "phase": "decode", "experts": [[first], [second]], "guesses": [[guess]]})
+    return steps
+
+
+def test_run_decodes_with_the_traces_experts_and_prefetches_its_guesses(demo_pack, tmp_path):
+    from colibrid.pack.reader import Pack
+
+    trace = _write_trace(tmp_path / "local.jsonl", _local_steps(guesses_right=True), guesses="router-on-moe-input")
+    pack = Pack.open(demo_pack)
+    replay = bench._routing_trace(trace, pack, [True])
+    assert replay.experts.shape == (5, 2, 4) and replay.guesses.shape == (5, 1, 4) and replay.layers == 2
+    expert_bytes = sum(r.length for r in pack.manifest.expert_records)
+    # Half the 64 records fit: random routing would miss often, the trace's 16 experts never once warm.
+    off = bench.decode_run(demo_pack, expert_bytes // 2, "lru", False, tokens=6, warmup=3, queue_depth=4,
+                           hugepages="off", replay=replay)
+    assert off["hit_rate"] == 1.0 and off["records_read_per_token"] == 0.0
+    assert off["prediction_precision"] is None  # prefetch off: nothing guessed
+    # A cache too small for the trace's experts (4 layers x 4): reads, and the lookahead guesses
+    # (pack layers 0 and 2, trace layer 0, guess layers 1 and 3) are always right.
+    on = bench.decode_run(demo_pack, expert_bytes // 8, "lru", True, tokens=6, warmup=3, queue_depth=4,
+                          hugepages="off", replay=replay)
+    assert on["records_read_per_token"] > 0
+    assert on["prediction_precision"] == 1.0 and on["prediction_recall"] == 1.0
+    trace = _write_trace(tmp_path / "wrong.jsonl", _local_steps(guesses_right=False), guesses="router-on-moe-input")
+    miss = bench.decode_run(demo_pack, expert_bytes // 8, "lru", True, tokens=6, warmup=3, queue_depth=4,
+                            hugepages="off", replay=bench._routing_trace(trace, pack, [True]))
+    assert miss["prediction_precision"] == 0.0 and miss["prefetch_issued"] > 0
+
+
+def test_the_shipped_64_expert_trace_reads_as_decode_steps():
+    replay = traces.read_decode_steps(SHIPPED_TRACE, num_experts=64, top_k=8)
+    assert replay.layers == 8 and replay.experts.shape[1:] == (8, 8) and replay.guesses is None
+    assert replay.experts.shape[0] > 100 and replay.predictor is None
+
+
+def test_traces_that_do_not_fit_the_pack_are_refused(demo_pack, tmp_path):
+    from colibrid.pack.reader import Pack
+
+    good = _local_steps(guesses_right=True)
+    with pytest.raises(SystemExit, match="per token"):  # the 64-expert model routes 8, the demo pack 4
+        traces.read_decode_steps(SHIPPED_TRACE, num_experts=16, top_k=4)
+    with pytest.raises(SystemExit, match="outside"):
+        traces.read_decode_steps(SHIPPED_TRACE, num_experts=32, top_k=8)
+    bad_id = [dict(good[0], experts=[[[0, 1, 2, 99]], [[4, 5, 6, 7]]])]
+    with pytest.raises(SystemExit, match="outside"):
+        traces.read_decode_steps(_write_trace(tmp_path / "a.jsonl", bad_id), 16, 4)
+    twice = [dict(good[0], experts=[[[0, 1, 1, 2]], [[4, 5, 6, 7]]])]
+    with pytest.raises(SystemExit, match="twice"):
+        traces.read_decode_steps(_write_trace(tmp_path / "b.jsonl", twice), 16, 4)
+    ragged = [good[0], dict(good[1], experts=[[[0, 1, 2, 3]]])]
+    with pytest.raises(SystemExit, match="malformed"):
+        traces.read_decode_steps(_write_trace(tmp_path / "c.jsonl", ragged), 16, 4)
+    no_guesses = _write_trace(tmp_path / "d.jsonl", good)  # the header announces none
+    assert traces.read_decode_steps(no_guesses, 16, 4).guesses is None
+    with pytest.raises(SystemExit, match="--guesses"):  # prefetch on needs recorded guesses
+        bench._routing_trace(no_guesses, Pack.open(demo_pack), [False, True])
+    (tmp_path / "e.jsonl").write_text("not json\n")
+    with pytest.raises(SystemExit, match="not a bench/routing_traces.py trace"):
+        traces.read_decode_steps(tmp_path / "e.jsonl", 16, 4)

@@ -73,7 +73,7 @@ class DaemonConfig:
     cache_size: str = "50%"  # the expert cache (AEPC): bytes, "6G", or "40%" of the memory budget at start
     cache_policy: str = "next-use"  # eviction: "next-use", "lfu-decay" (decayed frequency), "lfru" or "lru"
     io_queue_depth: int = 16  # expert reads in flight at most
-    prefetch: str = "off"  # "lookahead": predict the next layer's experts and read them early; "off"
+    prefetch: str = "lookahead"  # "lookahead": predict the next layer's experts and read them early; "off"
     lookahead_predictor: str = "router-on-moe-input"  # what lookahead guesses from; or "router-on-residual"
     hugepages: str | int = "auto"  # "auto", "thp", "off", or a count of 2 MiB pages to reserve
     lock_memory: str = "try"  # mlock the cache: "required", "try" or "off"

@@ -26,15 +26,15 @@ def test_sighup_applies_the_new_settings_without_reloading_the_model(start_servi
         client.ask("a", max_tokens=3)
         client.collect("a")
 
-    assert before["cache"]["prefetch"] is False and before["cache"]["io_queue_depth"] == 16
+    assert before["cache"]["prefetch"] is True and before["cache"]["io_queue_depth"] == 16  # the defaults
     config.write_text('max_queue = 7\nlog_level = "debug"\nstall_timeout_s = 30\nmax_context = 64\n'
-                      'prefetch = "lookahead"\nio_queue_depth = 4\ncache_policy = "lfru"\n')
+                      'prefetch = "off"\nio_queue_depth = 4\ncache_policy = "lfru"\n')
     service.proc.send_signal(signal.SIGHUP)
     reloading = notify_socket.wait_for("RELOADING=1", after=ready + 1)
     notify_socket.wait_for("READY=1", after=reloading + 1)
     after = status(work_dir / "colibrid.sock")
     assert after["queue_limit"] == 7
-    assert after["cache"]["prefetch"] is True and after["cache"]["io_queue_depth"] == 4
+    assert after["cache"]["prefetch"] is False and after["cache"]["io_queue_depth"] == 4
     assert after["cache"]["policy"] == "lfru"
     assert after["settings"]["log_level"] == "debug" and after["settings"]["stall_timeout_s"] == 30.0
     # The same process and the same model: counters and uptime went on.

@@ -3,30 +3,21 @@ and every policy keeps the cache's capacity and a step's experts together."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.bench.bench_modules import load_bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT / "bench" / "traces" / "stdlib-greedy.jsonl"
 ONLINE = ["lru", "lfru", "lfu-decay:16", "window:8", "next-use:8", "pin-half"]
 
 
-def _load(name: str):
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-sim = _load("cache_sim")
+sim = load_bench_module("cache_sim")
 
 
 def random_steps(rng: random.Random, n: int, layers: int, experts: int, max_width: int) -> list:
@@ -153,7 +144,7 @@ def test_simulated_policies_count_what_the_real_cache_counts(demo_pack, policy):
 
 
 def test_the_recorder_writes_every_step_of_a_greedy_generation(demo_pack, tmp_path):
-    traces = _load("routing_traces")
+    traces = load_bench_module("routing_traces")
     out = tmp_path / "trace.jsonl"
     counts = traces.record(demo_pack, out, sequences=2, prompt_tokens=8, generate=5)
     trace = sim.read_trace(out)

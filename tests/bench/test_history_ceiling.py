@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load():
-    import sys
-
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("history_ceiling", BENCH / "history_ceiling.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.bench.bench_modules import load_bench_module
 
 
 def _write_trace(path: Path, decode_experts: list[list[list[int]]], num_experts: int) -> None:
@@ -32,7 +21,7 @@ def _write_trace(path: Path, decode_experts: list[list[list[int]]], num_experts:
 
 
 def test_recall_counts_the_actual_experts_among_the_best_n():
-    hc = _load()
+    hc = load_bench_module("history_ceiling")
     scores = np.array([[[0.9, 0.1, 0.5, 0.0]]])  # one token, one layer: ranking 0, 2, 1, 3
     actual = np.array([[[False, True, True, False]]])
     assert hc.recall_at(scores, actual, 1) == 0.0
@@ -41,7 +30,7 @@ def test_recall_counts_the_actual_experts_among_the_best_n():
 
 
 def test_a_routing_that_never_changes_is_fully_predicted_and_prompt_steps_are_dropped(tmp_path, capsys):
-    hc = _load()
+    hc = load_bench_module("history_ceiling")
     trace = tmp_path / "steady.jsonl"
     _write_trace(trace, [[[4, 5], [6, 7]]] * 40, num_experts=8)
     used = hc.decode_usage(hc.read_trace(trace))
@@ -55,7 +44,7 @@ def test_a_routing_that_never_changes_is_fully_predicted_and_prompt_steps_are_dr
 def test_alternating_routing_is_caught_by_the_fitted_ranker_not_by_a_long_decayed_count(tmp_path, capsys):
     """Experts {0,1} and {2,3} take turns: "used at t" predicts "not used at t+1", which only the
     fitted ranker can learn; a long half-life ranks all four alike (ties: lowest id first)."""
-    hc = _load()
+    hc = load_bench_module("history_ceiling")
     trace = tmp_path / "alternating.jsonl"
     _write_trace(trace, [[[0, 1]] if t % 2 == 0 else [[2, 3]] for t in range(200)], num_experts=4)
     hc.main([str(trace), "--budgets", "1"])

@@ -3,26 +3,17 @@ half of the windows only, and every predictor reads the states the engine routed
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.bench.bench_modules import load_bench_module
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str):
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-study_mod = _load("predictor_study")
+study_mod = load_bench_module("predictor_study")
 
 
 def test_budgets_are_top_k_times_the_factors_rounded_half_up():

@@ -5,31 +5,20 @@ guesses to the prefetch."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.bench.bench_modules import load_bench_module
+
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_TRACE = ROOT / "bench" / "traces" / "stdlib64-greedy.jsonl"
 
 
-def _load(name: str):
-    sys.path.insert(0, str(ROOT / "bench"))
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
-traces = _load("routing_traces")
-bench = _load("bench_aepc")
+traces = load_bench_module("routing_traces")
+bench = load_bench_module("bench_aepc")
 
 
 @pytest.mark.parametrize("predictor", ["router-on-moe-input", "router-on-residual"])

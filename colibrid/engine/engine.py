@@ -99,8 +99,12 @@ class Engine:
     # ---- the expert cache ---------------------------------------------------------------
 
     def cache_status(self) -> dict:
-        """The expert source's counters and make-up, as status shows them (ExpertSource.summary)."""
-        return self._experts.summary()
+        """The expert source's counters and make-up, as status shows them (ExpertSource.summary),
+        and what the lookahead guesses from when it prefetches."""
+        summary = self._experts.summary()
+        if summary.get("prefetch"):
+            summary["lookahead_predictor"] = self.model.lookahead_predictor
+        return summary
 
     def memory_budget(self) -> dict | None:
         """The memory budget the cache was sized from (status' memory_budget); None when the

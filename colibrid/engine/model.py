@@ -112,6 +112,7 @@ class Model:
         self.pack = pack
         self.config = c = pack.manifest.model
         self.experts = experts
+        self.lookahead_predictor = lookahead_predictor
         self.rotary = Rotary(c.rope, c.rotated_dims)  # partial rotary: tables for the rotated dims only
         self.embed = _dense(pack, "embed")  # (V, D)
         self.lm_head = _dense(pack, "lm_head") if not c.tie_word_embeddings else self.embed  # (V, D)

@@ -57,6 +57,21 @@ def test_the_engine_builds_its_cache_from_settings_and_reports_it(engine, refere
     assert engine.cache_status()["policy"] == "lfru"
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_status_names_the_lookahead_predictor_only_while_prefetch_is_on(demo_pack, prefetch):
+    from colibrid.engine.engine import Engine
+    from colibrid.pack.reader import Pack
+
+    engine = Engine(Pack.open(demo_pack), cache=_settings(demo_pack, 3, prefetch=prefetch),
+                    lookahead_predictor="router-on-residual")
+    try:
+        status = engine.cache_status()
+        assert status["prefetch"] is prefetch
+        assert status.get("lookahead_predictor") == ("router-on-residual" if prefetch else None)
+    finally:
+        engine.close()
+
+
 def test_a_rebuild_swaps_in_a_new_cache_and_frees_the_old(engine, reference, demo_pack):
     old = engine.experts
     engine.forward(PROMPT)

@@ -14,6 +14,9 @@
  *                   unsigned by adding 128 (xor 0x80), and the sum starts at -128 * sum(x)
  *                   (the activation row's precomputed bias lane) to cancel it.
  * Lanes are converted to float per block and scaled by (weight scale) x (activation scale).
+ * q8_0 and q4_g64 run in panels of eight weight rows on AVX2 and on AVX-512 VNNI, the two
+ * levels with the same float chain (so the same bits); the plain AVX-512 level and mxfp4 take
+ * one row at a time (dot; on VNNI mxfp4 also dotn, two to four tokens per weight block).
  */
 #include <math.h>
 
@@ -185,8 +188,8 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void q8_panel_avx2(cons
 /* rows_xq of a panel kernel: panels of PANEL_ROWS rows, each met by groups of up to
  * PANEL_TOKENS tokens; the switch hands the panel a constant token count, so each count is
  * compiled with its loops unrolled. */
-#define PANEL_ROWS_XQ_AVX2(name, panel)                                                                             \
-    TARGET_AVX2 static void name(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const col_xq_row *x,          \
+#define PANEL_ROWS_XQ(target, name, panel)                                                                          \
+    target static void name(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const col_xq_row *x,          \
                                  int64_t n_tok, int64_t nb, float *y, int64_t y_stride) {                           \
         const int64_t ahead = panel_ahead_bytes(row_bytes);                                                         \
         for (int64_t r0 = 0; r0 < n_rows; r0 += PANEL_ROWS) {                                                       \
@@ -207,7 +210,7 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void q8_panel_avx2(cons
         }                                                                                                           \
     }
 
-PANEL_ROWS_XQ_AVX2(rows_q8_0_avx2, q8_panel_avx2)
+PANEL_ROWS_XQ(TARGET_AVX2, rows_q8_0_avx2, q8_panel_avx2)
 
 /* q4_g64 block `off` (64 values) of the eight rows against activations x0 (values 0..31)
  * and x1 (32..63): the exact int32 sums of the nibbles times x. Nibbles are <= 15, so the
@@ -261,7 +264,7 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void q4_panel_avx2(cons
     }
 }
 
-PANEL_ROWS_XQ_AVX2(rows_q4_g64_avx2, q4_panel_avx2)
+PANEL_ROWS_XQ(TARGET_AVX2, rows_q4_g64_avx2, q4_panel_avx2)
 
 /* One row, one token: the panel kernels' arithmetic (the kernel table's dot_xq). */
 TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const col_xq_row *x, int64_t nb) {
@@ -291,7 +294,6 @@ TARGET_AVX512 static inline __m512i dot_u8s8_avx512(__m512i u, __m512i s) {
 }
 
 TARGET_AVX512 static inline float f16_avx512(const uint8_t *p) { return _cvtsh_ss(col_load_u16(p)); }
-TARGET_VNNI static inline float f16_vnni(const uint8_t *p) { return _cvtsh_ss(col_load_u16(p)); }
 
 /* The tail block (odd nb) of q8_0, 256-bit, shared by both AVX-512 variants. */
 TARGET_AVX512 static inline __m256 q8_tail_avx512(const uint8_t *blk, const int8_t *xqs, float dx) {
@@ -331,51 +333,6 @@ TARGET_AVX512 static float dot_q8_0_avx512(const uint8_t *w, const col_xq_row *x
     return total;
 }
 
-TARGET_VNNI static inline float q8_finish(__m512 acc, const uint8_t *w, const col_xq_row *xt, int64_t b, int64_t nb) {
-    float total = _mm512_reduce_add_ps(acc);
-    if (b < nb) {
-        const __m256 tail = q8_tail_avx512(w + b * 34, xt->qs + b * 32, xt->d[b]);
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(tail), _mm256_extractf128_ps(tail, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        total += _mm_cvtss_f32(s);
-    }
-    return total;
-}
-
-/* One accumulator, two blocks per step: the same arithmetic, in the same order, as one
- * token of dotn_q8_0_vnni, so a token's result does not depend on how many tokens share the
- * call (decode with a KV cache equals a full forward bit for bit). */
-/* Blocks b, b + 1 (weight scales sw = SCALE_PAIR of theirs) into acc. */
-#define Q8_PAIR(b, sw)                                                                                   \
-    do {                                                                                                 \
-        const __m512i u_ = _mm512_xor_si512(LOAD_Q8_PAIR(w + (b) * 34), flip); /* w + 128 */             \
-        const __m512i i_ = _mm512_dpbusd_epi32(_mm512_load_si512((const void *)(x->bias + (b) * 8)), u_, \
-                                               _mm512_load_si512((const void *)(x->qs + (b) * 32)));     \
-        acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(i_), _mm512_load_ps(x->dv + (b) * 8)), (sw), acc); \
-    } while (0)
-
-/* Four blocks per step: their f16 scales go through one conversion, and each pair's
- * [s0 x 8, s1 x 8] is one permute of it (the values SCALE_PAIR builds one at a time). */
-TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512i first_pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    const __m512i second_pair = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    __m512 acc = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 4 <= nb; b += 4) {
-        const uint8_t *blk = w + b * 34;
-        prefetch_stream(blk, 3);
-        const __m128i h = _mm_setr_epi16((short)col_load_u16(blk), (short)col_load_u16(blk + 34), (short)col_load_u16(blk + 68),
-                                         (short)col_load_u16(blk + 102), 0, 0, 0, 0);
-        const __m512 s4 = _mm512_castps128_ps512(_mm_cvtph_ps(h)); /* lanes 0..3: the four scales */
-        Q8_PAIR(b, _mm512_permutexvar_ps(first_pair, s4));
-        Q8_PAIR(b + 2, _mm512_permutexvar_ps(second_pair, s4));
-    }
-    for (; b + 2 <= nb; b += 2) Q8_PAIR(b, SCALE_PAIR(f16_vnni(w + b * 34), f16_vnni(w + b * 34 + 34)));
-    return q8_finish(acc, w, x, b, nb);
-}
-
 /* One q4_g64 block's 64 quants in element order: low nibbles (0..31) then high (32..63). */
 TARGET_AVX512 static inline __m512i load_q4_block(const uint8_t *blk, __m256i low4) {
     const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 4));
@@ -401,231 +358,6 @@ TARGET_AVX512 static float dot_q4_g64_avx512(const uint8_t *w, const col_xq_row 
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s) + offset_sum;
-}
-
-/* One q4_g64 block against its 64 activations (one scale: q4_g64 activations come in
- * blocks of 64): two 256-bit vpdpbusd into one int32 vector, one conversion, one fma.
- * dot_q4_g64_vnni runs four chains (block k into chain k % 4) and sums them at the end: the
- * same arithmetic, in the same order, as one token of dotn_q4_g64_vnni. */
-#define Q4_ONE(kk, acc, off)                                                                             \
-    do {                                                                                                 \
-        const uint8_t *blk_ = w + (kk) * 36;                                                             \
-        const __m256i q_ = _mm256_loadu_si256((const __m256i *)(blk_ + 4));                              \
-        const __m256i lo_ = _mm256_and_si256(q_, low4), hi_ = _mm256_and_si256(_mm256_srli_epi16(q_, 4), low4); \
-        const int8_t *xs_ = x->qs + (kk) * 64;                                                           \
-        __m256i s_ = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo_, _mm256_load_si256((const __m256i *)xs_)); \
-        s_ = _mm256_dpbusd_epi32(s_, hi_, _mm256_load_si256((const __m256i *)(xs_ + 32)));               \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), _mm256_set1_ps(f16_vnni(blk_) * x->d[kk]), acc);   \
-        off += f16_vnni(blk_ + 2) * x->ds2[kk];                                                          \
-    } while (0)
-
-/* Block kk against its scale, already broadcast in a register (the rest of Q4_ONE). */
-#define Q4_ONE_SCALED(kk, acc, scale)                                                                    \
-    do {                                                                                                 \
-        const __m256i q_ = _mm256_loadu_si256((const __m256i *)(w + (kk) * 36 + 4));                     \
-        const __m256i lo_ = _mm256_and_si256(q_, low4), hi_ = _mm256_and_si256(_mm256_srli_epi16(q_, 4), low4); \
-        const int8_t *xs_ = x->qs + (kk) * 64;                                                           \
-        __m256i s_ = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo_, _mm256_load_si256((const __m256i *)xs_)); \
-        s_ = _mm256_dpbusd_epi32(s_, hi_, _mm256_load_si256((const __m256i *)(xs_ + 32)));               \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), (scale), acc);                                     \
-    } while (0)
-
-/* Four blocks per step: their (d, m) f16 pairs go through one conversion and one multiply
- * by the activations' (d, ds2) pairs (x->dv), [d0 dx0, m0 ds2_0, d1 dx1, ...]: the same
- * products as Q4_ONE's scalar ones, at a fraction of the instructions. Lanes 1, 3, 5, 7 of
- * `off` are the four offset chains o0..o3 of Q4_ONE. */
-TARGET_VNNI static float dot_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    __m256 off = _mm256_setzero_ps();
-    const __m256i lane0 = _mm256_set1_epi32(0), lane2 = _mm256_set1_epi32(2), lane4 = _mm256_set1_epi32(4),
-                  lane6 = _mm256_set1_epi32(6);
-    const int64_t n64 = nb / 2;
-    int64_t k = 0;
-    for (; k + 4 <= n64; k += 4) { /* four independent chains: the fma latency is hidden */
-        const uint8_t *blk = w + k * 36;
-        prefetch_stream(blk, 3);
-        const __m128i dm = _mm_set_epi32((int)load_u32(blk + 108), (int)load_u32(blk + 72), (int)load_u32(blk + 36),
-                                         (int)load_u32(blk));
-        const __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(dm), _mm256_load_ps(x->dv + 2 * k));
-        off = _mm256_add_ps(off, s);
-        Q4_ONE_SCALED(k, a0, _mm256_permutexvar_ps(lane0, s));
-        Q4_ONE_SCALED(k + 1, a1, _mm256_permutexvar_ps(lane2, s));
-        Q4_ONE_SCALED(k + 2, a2, _mm256_permutexvar_ps(lane4, s));
-        Q4_ONE_SCALED(k + 3, a3, _mm256_permutexvar_ps(lane6, s));
-    }
-    float o[8] __attribute__((aligned(32)));
-    _mm256_store_ps(o, off);
-    float o0 = o[1];
-    for (; k < n64; k++) Q4_ONE(k, a0, o0);
-    const __m256 a = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    r = _mm_add_ss(r, _mm_movehdup_ps(r));
-    return _mm_cvtss_f32(r) + ((o0 + o[3]) + (o[5] + o[7]));
-}
-
-/* ---- four activation rows at once (prefill, several tokens per expert) --------------------
- * The weight row is decoded once per block pair and used for four tokens: the shared work
- * (loads, xor / nibble split, weight scales) is paid once, the per-token work is one
- * vpdpbusd, one conversion and two float ops per 64 values. */
-
-/* The four tokens are written out (not a loop over an array of accumulators) so that the
- * accumulators live in registers at -O2. */
-#define Q8_STEP4(t, acc)                                                                               \
-    acc = _mm512_fmadd_ps(                                                                             \
-        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(                                          \
-                          _mm512_load_si512((const void *)(x[t].bias + b * 8)), u,                     \
-                          _mm512_load_si512((const void *)(x[t].qs + b * 32)))),                       \
-                      _mm512_load_ps(x[t].dv + b * 8)),                                                \
-        sw, acc)
-
-
-/* n (2..4) tokens; each caller below passes n as a constant, so the accumulators of the
- * tokens not there vanish at compile time. No software prefetch: with two or more tokens the
- * product is bound by its arithmetic more than by the stream, and the one-token kernels'
- * prefetch measured 2-5 % slower here (bench_matmul.py --only batch). */
-TARGET_VNNI static inline __attribute__((always_inline)) void dotn_q8_0_vnni_body(const uint8_t *w, const col_xq_row *x,
-                                                                                 int64_t nb, const int n, float *out) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const uint8_t *blk = w + b * 34;
-        const __m512i u = _mm512_xor_si512(LOAD_Q8_PAIR(blk), flip); /* w + 128 */
-        const __m512 sw = SCALE_PAIR(f16_vnni(blk), f16_vnni(blk + 34));
-        Q8_STEP4(0, a0);
-        if (n > 1) Q8_STEP4(1, a1);
-        if (n > 2) Q8_STEP4(2, a2);
-        if (n > 3) Q8_STEP4(3, a3);
-    }
-    out[0] = q8_finish(a0, w, &x[0], b, nb);
-    if (n > 1) out[1] = q8_finish(a1, w, &x[1], b, nb);
-    if (n > 2) out[2] = q8_finish(a2, w, &x[2], b, nb);
-    if (n > 3) out[3] = q8_finish(a3, w, &x[3], b, nb);
-}
-
-TARGET_VNNI static void dotn_q8_0_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb, int n, float *out) {
-    switch (n) {
-    case 2: dotn_q8_0_vnni_body(w, x, nb, 2, out); break;
-    case 3: dotn_q8_0_vnni_body(w, x, nb, 3, out); break;
-    default: dotn_q8_0_vnni_body(w, x, nb, 4, out); break;
-    }
-}
-
-#define Q4_STEP4(t, acc)                                                                                  \
-    do {                                                                                                  \
-        const int8_t *xs_ = x[t].qs + k * 64;                                                             \
-        __m256i s_ = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_load_si256((const __m256i *)xs_)); \
-        s_ = _mm256_dpbusd_epi32(s_, hi, _mm256_load_si256((const __m256i *)(xs_ + 32)));                 \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), _mm256_set1_ps(d * x[t].d[k]), acc);               \
-    } while (0)
-
-TARGET_VNNI static inline float hsum256_vnni(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* Block k of the row against token t, into token t's chain `acc` / `off`. */
-#define Q4_T(t, acc, off)                                                                                 \
-    do {                                                                                                  \
-        const int8_t *xs_ = x[t].qs + kk * 64;                                                            \
-        __m256i s_ = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_load_si256((const __m256i *)xs_)); \
-        s_ = _mm256_dpbusd_epi32(s_, hi, _mm256_load_si256((const __m256i *)(xs_ + 32)));                 \
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), _mm256_set1_ps(d * x[t].d[kk]), acc);              \
-        off += m * x[t].ds2[kk];                                                                          \
-    } while (0)
-
-/* Block kk into chain c (0..3) of every token. */
-#define Q4_BLOCK4(c)                                                                                      \
-    do {                                                                                                  \
-        const uint8_t *blk = w + kk * 36;                                                                 \
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 4));                                 \
-        const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
-        const float d = f16_vnni(blk), m = f16_vnni(blk + 2);                                             \
-        Q4_T(0, a[0][c], o[0][c]);                                                                        \
-        if (n > 1) Q4_T(1, a[1][c], o[1][c]);                                                             \
-        if (n > 2) Q4_T(2, a[2][c], o[2][c]);                                                             \
-        if (n > 3) Q4_T(3, a[3][c], o[3][c]);                                                             \
-    } while (0)
-
-/* Block kk (its lo / hi already split) against token t, scale already broadcast. */
-#define Q4_T_SCALED(t, c, scale)                                                                          \
-    do {                                                                                                  \
-        const int8_t *xs_ = x[t].qs + kk * 64;                                                            \
-        __m256i s_ = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_load_si256((const __m256i *)xs_)); \
-        s_ = _mm256_dpbusd_epi32(s_, hi, _mm256_load_si256((const __m256i *)(xs_ + 32)));                 \
-        a[t][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), (scale), a[t][c]);                              \
-    } while (0)
-
-/* Four blocks per step as dot_q4_g64_vnni: the (d, m) pairs converted once for the four
- * tokens, each token's [d dx, m ds2] in one multiply; chains and sums as there. */
-/* Block k + c of a four-block step into chain c of every token (scales from sc0..sc3). */
-#define Q4_GROUP_BLOCK(c)                                                                                 \
-    do {                                                                                                  \
-        kk = k + (c);                                                                                     \
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(w + kk * 36 + 4));                         \
-        const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4); \
-        const __m256i lane_ = _mm256_set1_epi32(2 * (c));                                                 \
-        Q4_T_SCALED(0, c, _mm256_permutexvar_ps(lane_, sc0));                                             \
-        if (n > 1) Q4_T_SCALED(1, c, _mm256_permutexvar_ps(lane_, sc1));                                  \
-        if (n > 2) Q4_T_SCALED(2, c, _mm256_permutexvar_ps(lane_, sc2));                                  \
-        if (n > 3) Q4_T_SCALED(3, c, _mm256_permutexvar_ps(lane_, sc3));                                  \
-    } while (0)
-
-/* Four blocks per step as dot_q4_g64_vnni: the (d, m) pairs converted once for the four
- * tokens, each token's [d dx, m ds2] in one multiply; chains and sums as there. */
-TARGET_VNNI static inline __attribute__((always_inline)) void dotn_q4_g64_vnni_body(const uint8_t *w, const col_xq_row *x,
-                                                                                   int64_t nb, const int n, float *out) {
-    const __m256i low4 = _mm256_set1_epi8(0x0f);
-    __m256 a[4][4]; /* (token, chain) */
-    for (int t = 0; t < 4; t++)
-        for (int c = 0; c < 4; c++) a[t][c] = _mm256_setzero_ps();
-    __m256 off0 = _mm256_setzero_ps(), off1 = off0, off2 = off0, off3 = off0; /* lanes 1, 3, 5, 7: offset chains */
-    const int64_t n64 = nb / 2;
-    int64_t k = 0, kk;
-    for (; k + 4 <= n64; k += 4) {
-        const uint8_t *blk = w + k * 36;
-        const __m256 dm = _mm256_cvtph_ps(_mm_set_epi32((int)load_u32(blk + 108), (int)load_u32(blk + 72),
-                                                        (int)load_u32(blk + 36), (int)load_u32(blk)));
-        const __m256 sc0 = _mm256_mul_ps(dm, _mm256_load_ps(x[0].dv + 2 * k));
-        const __m256 sc1 = n > 1 ? _mm256_mul_ps(dm, _mm256_load_ps(x[1].dv + 2 * k)) : dm;
-        const __m256 sc2 = n > 2 ? _mm256_mul_ps(dm, _mm256_load_ps(x[2].dv + 2 * k)) : dm;
-        const __m256 sc3 = n > 3 ? _mm256_mul_ps(dm, _mm256_load_ps(x[3].dv + 2 * k)) : dm;
-        off0 = _mm256_add_ps(off0, sc0);
-        if (n > 1) off1 = _mm256_add_ps(off1, sc1);
-        if (n > 2) off2 = _mm256_add_ps(off2, sc2);
-        if (n > 3) off3 = _mm256_add_ps(off3, sc3);
-        Q4_GROUP_BLOCK(0);
-        Q4_GROUP_BLOCK(1);
-        Q4_GROUP_BLOCK(2);
-        Q4_GROUP_BLOCK(3);
-    }
-    float o[4][4]; /* (token, chain) */
-    const __m256 offs[4] = {off0, off1, off2, off3};
-    for (int t = 0; t < n; t++) {
-        float lanes[8] __attribute__((aligned(32)));
-        _mm256_store_ps(lanes, offs[t]);
-        o[t][0] = lanes[1], o[t][1] = lanes[3], o[t][2] = lanes[5], o[t][3] = lanes[7];
-    }
-    for (; k < n64; k++) {
-        kk = k;
-        Q4_BLOCK4(0);
-    }
-    for (int t = 0; t < n; t++) {
-        const __m256 s = _mm256_add_ps(_mm256_add_ps(a[t][0], a[t][1]), _mm256_add_ps(a[t][2], a[t][3]));
-        out[t] = hsum256_vnni(s) + ((o[t][0] + o[t][1]) + (o[t][2] + o[t][3]));
-    }
-}
-
-TARGET_VNNI static void dotn_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb, int n, float *out) {
-    switch (n) {
-    case 2: dotn_q4_g64_vnni_body(w, x, nb, 2, out); break;
-    case 3: dotn_q4_g64_vnni_body(w, x, nb, 3, out); break;
-    default: dotn_q4_g64_vnni_body(w, x, nb, 4, out); break;
-    }
 }
 
 /* ---- mxfp4 --------------------------------------------------------------------------------
@@ -1223,6 +955,96 @@ TARGET_AVX512 static void dequantize_bf16_avx512(const uint8_t *src, float *y, i
 #define DEQUANTIZERS(level)                                                                             \
     {[COL_TYPE_BF16] = dequantize_bf16_##level, [COL_TYPE_Q8_0] = dequantize_q8_0_##level,                  \
      [COL_TYPE_Q4_G64] = dequantize_q4_g64_##level, [COL_TYPE_MXFP4] = dequantize_mxfp4_##level}
+
+/* ---- AVX-512 VNNI: the same panels, one vpdpbusd per row, block and token ----------------
+ * The AVX2 panel's arithmetic with VNNI's integer step: the weights, flipped to unsigned once
+ * per block (w + 128) for every token of the call, meet each token's activations in one
+ * vpdpbusd started from x->bias (-128 * sum(x) in lane 0), which leaves the exact integer sum
+ * sum(w * x) across the lanes; the fold tree and the float chain are the AVX2 panel's, so
+ * this level's q8_0 products are bit for bit the avx2 level's. */
+TARGET_VNNI static inline __attribute__((always_inline)) void q8_panel_vnni(const uint8_t *const *row, const col_xq_row *x,
+                                                                            const int nt, int64_t nb, __m256 *acc,
+                                                                            int64_t ahead) {
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t off = b * 34;
+        prefetch_panel_step(row, ahead, off);
+        const __m256 dw = f16_scales8(row, off);
+        __m256i u[PANEL_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < PANEL_ROWS; r++)
+            u[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row[r] + off + 2)), flip);
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            const __m256i xq = _mm256_load_si256((const __m256i *)(x[t].qs + b * 32));
+            const __m256i start = _mm256_load_si256((const __m256i *)(x[t].bias + b * 8));
+            __m256i h[PANEL_ROWS / 2];
+#pragma GCC unroll 4
+            for (int p = 0; p < PANEL_ROWS / 2; p++)
+                h[p] = pair_fold(_mm256_dpbusd_epi32(start, u[2 * p], xq), _mm256_dpbusd_epi32(start, u[2 * p + 1], xq));
+            const __m256i isum = fold_rows8(h[0], h[1], h[2], h[3]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(x[t].d[b])), acc[t]);
+        }
+    }
+}
+
+PANEL_ROWS_XQ(TARGET_VNNI, rows_q8_0_vnni, q8_panel_vnni)
+
+
+/* q4_g64 likewise: the nibbles are unsigned already, so each row's low and high halves meet
+ * the token's 64 activations in two vpdpbusd from zero; the nibble split is done once per
+ * block for every token; the float chain is the AVX2 panel's. */
+TARGET_VNNI static inline __attribute__((always_inline)) void q4_panel_vnni(const uint8_t *const *row, const col_xq_row *x,
+                                                                            const int nt, int64_t nb, __m256 *acc,
+                                                                            int64_t ahead) {
+    const __m256i low4 = _mm256_set1_epi8(0x0f);
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < nb / 2; k++) {
+        const int64_t off = k * 36;
+        prefetch_panel_step(row, ahead, off);
+        __m256 dw, mw;
+        q4_scales8(row, off, &dw, &mw);
+        __m256i lo[PANEL_ROWS], hi[PANEL_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < PANEL_ROWS; r++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(row[r] + off + 4));
+            lo[r] = _mm256_and_si256(q, low4);
+            hi[r] = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            const int8_t *xs = x[t].qs + k * 64;
+            const __m256i x0 = _mm256_load_si256((const __m256i *)xs), x1 = _mm256_load_si256((const __m256i *)(xs + 32));
+            __m256i p[PANEL_ROWS];
+#pragma GCC unroll 8
+            for (int r = 0; r < PANEL_ROWS; r++)
+                p[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[r], x0), hi[r], x1);
+            const __m256i isum = fold_rows8(pair_fold(p[0], p[1]), pair_fold(p[2], p[3]), pair_fold(p[4], p[5]),
+                                            pair_fold(p[6], p[7]));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(x[t].d[k])), acc[t]);
+            acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x[t].ds2[k]), acc[t]);
+        }
+    }
+}
+
+PANEL_ROWS_XQ(TARGET_VNNI, rows_q4_g64_vnni, q4_panel_vnni)
+
+/* One row, one token: the panel kernels' arithmetic (the kernel table's dot_xq). */
+TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    float y;
+    rows_q8_0_vnni(w, 0, 1, x, 1, nb, &y, 1);
+    return y;
+}
+
+TARGET_VNNI static float dot_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb) {
+    float y;
+    rows_q4_g64_vnni(w, 0, 1, x, 1, nb, &y, 1);
+    return y;
+}
+
 static const col_kernel_set avx2_kernels = {
     COL_KERNELS_AVX2, {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2, [COL_TYPE_MXFP4] = dot_mxfp4_avx2},
     dot_f32_avx2, axpy_f32_avx2, {NULL}, col_silu_mul_portable, quantize_block_avx2,
@@ -1238,10 +1060,10 @@ static const col_kernel_set vnni_kernels = {
     COL_KERNELS_AVX512_VNNI,
     {[COL_TYPE_Q8_0] = dot_q8_0_vnni, [COL_TYPE_Q4_G64] = dot_q4_g64_vnni, [COL_TYPE_MXFP4] = dot_mxfp4_vnni},
     dot_f32_avx512, axpy_f32_avx512,
-    {[COL_TYPE_Q8_0] = dotn_q8_0_vnni, [COL_TYPE_Q4_G64] = dotn_q4_g64_vnni, [COL_TYPE_MXFP4] = dotn_mxfp4_vnni},
+    {[COL_TYPE_MXFP4] = dotn_mxfp4_vnni},
     silu_mul_avx512,
     quantize_block_avx512, rms_norm_row_avx512, clamped_swiglu_avx512, {[COL_TYPE_Q4_G64] = col_quantize_row_q4_g64_avx512},
-    gelu_tanh_mul_avx512, DEQUANTIZERS(avx512), {NULL}};
+    gelu_tanh_mul_avx512, DEQUANTIZERS(avx512), {[COL_TYPE_Q8_0] = rows_q8_0_vnni, [COL_TYPE_Q4_G64] = rows_q4_g64_vnni}};
 
 static int has_avx2(void) {
     __builtin_cpu_init();

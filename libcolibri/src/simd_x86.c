@@ -151,6 +151,16 @@ static inline void prefetch_panel_step(const uint8_t *const *row, int64_t ahead,
     for (int i = 0; i < 5; i++) prefetch_line(p + 64 * i);
 }
 
+/* The float chain of a panel (see above), one block step of token t: the same code on every
+ * panel level, which is what makes their bits the same. */
+TARGET_AVX2 static inline __m256 q8_chain_step(__m256 acc, __m256i isum, __m256 dw, float dx) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc);
+}
+TARGET_AVX2 static inline __m256 q4_chain_step(__m256 acc, __m256i isum, __m256 dw, __m256 mw, float dx, float ds2) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(dx)), acc);
+    return _mm256_fmadd_ps(mw, _mm256_set1_ps(ds2), acc);
+}
+
 /* q8_0 block `off` of the eight rows against 32 activations xq: the exact int32 sums. |w|
  * and x with w's sign keep vpmaddubsw's u8 operand <= 128 (w = -128 included). */
 TARGET_AVX2 static inline __m256i q8_block_sums8(const uint8_t *const *row, int64_t off, __m256i xq) {
@@ -180,7 +190,7 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void q8_panel_avx2(cons
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
             const __m256i isum = q8_block_sums8(row, off, _mm256_load_si256((const __m256i *)(x[t].qs + b * 32)));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(x[t].d[b])), acc[t]);
+            acc[t] = q8_chain_step(acc[t], isum, dw, x[t].d[b]);
         }
     }
 }
@@ -258,26 +268,23 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void q4_panel_avx2(cons
             const int8_t *xs = x[t].qs + k * 64;
             const __m256i isum = q4_block_sums8(row, off, _mm256_load_si256((const __m256i *)xs),
                                                 _mm256_load_si256((const __m256i *)(xs + 32)));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(x[t].d[k])), acc[t]);
-            acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x[t].ds2[k]), acc[t]);
+            acc[t] = q4_chain_step(acc[t], isum, dw, mw, x[t].d[k], x[t].ds2[k]);
         }
     }
 }
 
 PANEL_ROWS_XQ(TARGET_AVX2, rows_q4_g64_avx2, q4_panel_avx2)
 
-/* One row, one token: the panel kernels' arithmetic (the kernel table's dot_xq). */
-TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const col_xq_row *x, int64_t nb) {
-    float y;
-    rows_q8_0_avx2(w, 0, 1, x, 1, nb, &y, 1);
-    return y;
-}
+/* One row, one token through a panel kernel (a kernel table's dot_xq): the same arithmetic. */
+#define PANEL_DOT_XQ(target, name, rows)                                        \
+    target static float name(const uint8_t *w, const col_xq_row *x, int64_t nb) { \
+        float y;                                                                \
+        rows(w, 0, 1, x, 1, nb, &y, 1);                                         \
+        return y;                                                               \
+    }
 
-TARGET_AVX2 static float dot_q4_g64_avx2(const uint8_t *w, const col_xq_row *x, int64_t nb) {
-    float y;
-    rows_q4_g64_avx2(w, 0, 1, x, 1, nb, &y, 1);
-    return y;
-}
+PANEL_DOT_XQ(TARGET_AVX2, dot_q8_0_avx2, rows_q8_0_avx2)
+PANEL_DOT_XQ(TARGET_AVX2, dot_q4_g64_avx2, rows_q4_g64_avx2)
 
 /* ---- AVX-512 (with and without VNNI) -------------------------------------------------- */
 
@@ -985,7 +992,7 @@ TARGET_VNNI static inline __attribute__((always_inline)) void q8_panel_vnni(cons
             for (int p = 0; p < PANEL_ROWS / 2; p++)
                 h[p] = pair_fold(_mm256_dpbusd_epi32(start, u[2 * p], xq), _mm256_dpbusd_epi32(start, u[2 * p + 1], xq));
             const __m256i isum = fold_rows8(h[0], h[1], h[2], h[3]);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(x[t].d[b])), acc[t]);
+            acc[t] = q8_chain_step(acc[t], isum, dw, x[t].d[b]);
         }
     }
 }
@@ -1024,26 +1031,15 @@ TARGET_VNNI static inline __attribute__((always_inline)) void q4_panel_vnni(cons
                 p[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[r], x0), hi[r], x1);
             const __m256i isum = fold_rows8(pair_fold(p[0], p[1]), pair_fold(p[2], p[3]), pair_fold(p[4], p[5]),
                                             pair_fold(p[6], p[7]));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(x[t].d[k])), acc[t]);
-            acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(x[t].ds2[k]), acc[t]);
+            acc[t] = q4_chain_step(acc[t], isum, dw, mw, x[t].d[k], x[t].ds2[k]);
         }
     }
 }
 
 PANEL_ROWS_XQ(TARGET_VNNI, rows_q4_g64_vnni, q4_panel_vnni)
 
-/* One row, one token: the panel kernels' arithmetic (the kernel table's dot_xq). */
-TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb) {
-    float y;
-    rows_q8_0_vnni(w, 0, 1, x, 1, nb, &y, 1);
-    return y;
-}
-
-TARGET_VNNI static float dot_q4_g64_vnni(const uint8_t *w, const col_xq_row *x, int64_t nb) {
-    float y;
-    rows_q4_g64_vnni(w, 0, 1, x, 1, nb, &y, 1);
-    return y;
-}
+PANEL_DOT_XQ(TARGET_VNNI, dot_q8_0_vnni, rows_q8_0_vnni)
+PANEL_DOT_XQ(TARGET_VNNI, dot_q4_g64_vnni, rows_q4_g64_vnni)
 
 static const col_kernel_set avx2_kernels = {
     COL_KERNELS_AVX2, {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2, [COL_TYPE_MXFP4] = dot_mxfp4_avx2},

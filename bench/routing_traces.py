@@ -63,6 +63,15 @@ def ensure_pack(model: Path, pack: Path) -> Path:
     return pack
 
 
+def model_name(path: str) -> str:
+    """What a trace's header calls its model: the path inside this repository (models/...)
+    when it is one, so a trace written from any checkout reads the same; else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return path
+
+
 def validation_windows(tokenizer, sequences: int, prompt_tokens: int) -> list[list[int]]:
     """``sequences`` prompts of ``prompt_tokens`` tokens, spread evenly over the validation text."""
     from bench_aepc import validation_text_ids
@@ -118,7 +127,7 @@ def record(pack_path: Path, out: Path, sequences: int, prompt_tokens: int, gener
         guesser = NextLayerGuesses(engine.model, guesses, guesses_per_row) if guesses != "none" else None
         capture.keep_hidden = guesser is not None  # the states the predictor reads
         eos = engine.tokenizer.eos_token_ids
-        header = {"trace": "colibri-routing", "version": 1, "model": pack.manifest.source.get("path", str(pack_path)),
+        header = {"trace": "colibri-routing", "version": 1, "model": model_name(pack.manifest.source.get("path", str(pack_path))),
                   "moe_layers": capture.moe_layers, "num_experts": config.num_experts,
                   "top_k": config.num_experts_per_tok,
                   "record_bytes": max(r.length for r in pack.manifest.expert_records),

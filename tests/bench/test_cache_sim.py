@@ -173,3 +173,12 @@ def test_next_use_keeps_the_expert_whose_layer_comes_round_first_and_then_the_fr
     policy.access((1, 0), 1, hit=True)  # a layer below the last request's: the next token
     policy.touched((1, 0), 1)
     assert policy.victim(candidates, 1, {}, 2) == (0, 0)
+
+
+def test_a_trace_names_a_model_of_this_repository_by_its_path_inside_it(tmp_path):
+    traces = load_bench_module("routing_traces")
+    assert traces.model_name(str(traces.ROOT / "models" / "colibri-olmoe-stdlib")) == "models/colibri-olmoe-stdlib"
+    assert traces.model_name(str(tmp_path / "elsewhere")) == str(tmp_path / "elsewhere")
+    for shipped in (traces.ROOT / "bench" / "traces").glob("*.jsonl"):
+        with shipped.open() as f:
+            assert json.loads(f.readline())["model"].startswith("models/"), shipped.name

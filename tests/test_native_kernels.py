@@ -127,8 +127,8 @@ PANEL_LEVELS = [level for level in ("avx2", "avx512_vnni") if level in native.su
 @pytest.mark.parametrize("type_", [native.TensorType.Q8_0, native.TensorType.Q4_G64], ids=lambda t: t.name_in_pack)
 def test_the_panel_levels_give_the_same_bits(type_, kernel_level):
     """avx2 and avx512_vnni compute q8_0 and q4_g64 products with the same panels and float
-    chain (only the exact integer step differs), so a model's tokens do not depend on which of
-    the two a machine has."""
+    chain (only the exact integer step differs), so these products do not depend on which of
+    the two a machine has (norms and activations still have their own kernels per level)."""
     packed, _, x, n_out, n_in = _inputs(type_, (21, 9, 6), 600)
     results = {}
     for level in PANEL_LEVELS:

@@ -89,11 +89,11 @@ TARGET_AVX2 static inline __m256i quad_fold(__m256i ab, __m256i cd) {
     return _mm256_add_epi32(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
 }
 
-/* Eight rows' int32 partial sums folded to one register, lane r = row r's total, from the
- * pair folds of rows (0, 1), (2, 3), (4, 5), (6, 7). */
-TARGET_AVX2 static inline __m256i fold_rows8(__m256i h01, __m256i h23, __m256i h45, __m256i h67) {
-    const __m256i lo = quad_fold(h01, h23); /* [rows 0-3, lanes 0-3 | rows 0-3, lanes 4-7] */
-    const __m256i hi = quad_fold(h45, h67); /* rows 4-7 likewise */
+/* Eight rows' int32 partial sums p[r] (eight lanes each) folded to one register, lane r =
+ * row r's total. */
+TARGET_AVX2 static inline __m256i fold_rows8(const __m256i *p) {
+    const __m256i lo = quad_fold(pair_fold(p[0], p[1]), pair_fold(p[2], p[3])); /* [rows 0-3, lanes 0-3 | rows 0-3, lanes 4-7] */
+    const __m256i hi = quad_fold(pair_fold(p[4], p[5]), pair_fold(p[6], p[7])); /* rows 4-7 likewise */
     return _mm256_add_epi32(_mm256_permute2x128_si256(lo, hi, 0x20), _mm256_permute2x128_si256(lo, hi, 0x31));
 }
 
@@ -165,16 +165,13 @@ TARGET_AVX2 static inline __m256 q4_chain_step(__m256 acc, __m256i isum, __m256 
  * and x with w's sign keep vpmaddubsw's u8 operand <= 128 (w = -128 included). */
 TARGET_AVX2 static inline __m256i q8_block_sums8(const uint8_t *const *row, int64_t off, __m256i xq) {
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i h[PANEL_ROWS / 2];
-#pragma GCC unroll 4
-    for (int p = 0; p < PANEL_ROWS / 2; p++) {
-        const __m256i wa = _mm256_loadu_si256((const __m256i *)(row[2 * p] + off + 2));
-        const __m256i wb = _mm256_loadu_si256((const __m256i *)(row[2 * p + 1] + off + 2));
-        const __m256i pa = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wa, wa), _mm256_sign_epi8(xq, wa)), ones);
-        const __m256i pb = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wb, wb), _mm256_sign_epi8(xq, wb)), ones);
-        h[p] = pair_fold(pa, pb);
+    __m256i p[PANEL_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < PANEL_ROWS; r++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(row[r] + off + 2));
+        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xq, w)), ones);
     }
-    return fold_rows8(h[0], h[1], h[2], h[3]);
+    return fold_rows8(p);
 }
 
 /* acc[t] (lane r) = row r . token t over nb blocks, for nt (1..4) tokens. always_inline: one copy per nt with the accumulators in registers. */
@@ -234,7 +231,7 @@ TARGET_AVX2 static inline __m256i q4_block_sums8(const uint8_t *const *row, int6
         const __m256i lo = _mm256_and_si256(q, low4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
         p[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)), ones);
     }
-    return fold_rows8(pair_fold(p[0], p[1]), pair_fold(p[2], p[3]), pair_fold(p[4], p[5]), pair_fold(p[6], p[7]));
+    return fold_rows8(p);
 }
 
 /* The (d, m) f16 pairs at byte `off` of the eight rows as float32 lanes: *d and *m. */
@@ -987,12 +984,10 @@ TARGET_VNNI static inline __attribute__((always_inline)) void q8_panel_vnni(cons
         for (int t = 0; t < nt; t++) {
             const __m256i xq = _mm256_load_si256((const __m256i *)(x[t].qs + b * 32));
             const __m256i start = _mm256_load_si256((const __m256i *)(x[t].bias + b * 8));
-            __m256i h[PANEL_ROWS / 2];
-#pragma GCC unroll 4
-            for (int p = 0; p < PANEL_ROWS / 2; p++)
-                h[p] = pair_fold(_mm256_dpbusd_epi32(start, u[2 * p], xq), _mm256_dpbusd_epi32(start, u[2 * p + 1], xq));
-            const __m256i isum = fold_rows8(h[0], h[1], h[2], h[3]);
-            acc[t] = q8_chain_step(acc[t], isum, dw, x[t].d[b]);
+            __m256i p[PANEL_ROWS];
+#pragma GCC unroll 8
+            for (int r = 0; r < PANEL_ROWS; r++) p[r] = _mm256_dpbusd_epi32(start, u[r], xq);
+            acc[t] = q8_chain_step(acc[t], fold_rows8(p), dw, x[t].d[b]);
         }
     }
 }
@@ -1029,9 +1024,7 @@ TARGET_VNNI static inline __attribute__((always_inline)) void q4_panel_vnni(cons
 #pragma GCC unroll 8
             for (int r = 0; r < PANEL_ROWS; r++)
                 p[r] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo[r], x0), hi[r], x1);
-            const __m256i isum = fold_rows8(pair_fold(p[0], p[1]), pair_fold(p[2], p[3]), pair_fold(p[4], p[5]),
-                                            pair_fold(p[6], p[7]));
-            acc[t] = q4_chain_step(acc[t], isum, dw, mw, x[t].d[k], x[t].ds2[k]);
+            acc[t] = q4_chain_step(acc[t], fold_rows8(p), dw, mw, x[t].d[k], x[t].ds2[k]);
         }
     }
 }

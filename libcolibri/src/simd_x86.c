@@ -962,10 +962,60 @@ TARGET_AVX512 static void dequantize_bf16_avx512(const uint8_t *src, float *y, i
 
 /* ---- AVX-512 VNNI: the same panels, one vpdpbusd per row, block and token ----------------
  * The AVX2 panel's arithmetic with VNNI's integer step: the weights, flipped to unsigned once
- * per block (w + 128) for every token of the call, meet each token's activations in one
- * vpdpbusd started from x->bias (-128 * sum(x) in lane 0), which leaves the exact integer sum
- * sum(w * x) across the lanes; the fold tree and the float chain are the AVX2 panel's, so
- * this level's q8_0 products are bit for bit the avx2 level's. */
+ * per block (w + 128) for every token of the call, meet each token's activations in
+ * vpdpbusd started from -128 * sum(x), which leaves the exact integer sum sum(w * x); the
+ * float chain is the AVX2 panel's, so this level's q8_0 and q4_g64 products are bit for bit
+ * the avx2 level's.
+ *
+ * q8_0 has two layouts of the integer step, the same sums:
+ *   - one token: each row's 32 products in its own register (eight lanes of four), folded to
+ *     one lane per row by fold_rows8 (21 shuffles and adds per block and token);
+ *   - two or more tokens: the block's eight rows transposed once (transpose8x8_epi32: register
+ *     j holds bytes 4j..4j+3 of every row, row r in lane r), then each token's four
+ *     activations j broadcast to every lane and one vpdpbusd per j adds them into row r's lane
+ *     directly: no fold per token, the 24 shuffles of the transpose shared by the tokens.
+ *     Measured on an Intel Xeon (Emerald Rapids), one thread, a 512 x 2048 matrix in L2: 17.6
+ *     against 23.1 us a token at 64 tokens, 17.7 against 23.5 at 8.
+ * q4_g64 keeps the fold: its two vpdpbusd per row and block already bound it, and the same
+ * transpose (of the packed nibbles, split after) measured 3-8 % slower. So does the AVX2
+ * level: its two multiplies per 32 products bound it in either layout (measured the same). */
+
+/* v[j] lane r = v[r] lane j (8 x 8 int32): the rows of a panel block into lanes. */
+TARGET_AVX2 static inline void transpose8x8_epi32(__m256i v[PANEL_ROWS]) {
+    __m256i t[8], s[8];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);     /* [a0 b0 a1 b1 | a4 b4 a5 b5] */
+        t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]); /* [a2 b2 a3 b3 | a6 b6 a7 b7] */
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) { /* rows 0-3, then 4-7 */
+        const __m256i *q = t + 4 * h;
+        s[4 * h + 0] = _mm256_unpacklo_epi64(q[0], q[2]); /* lanes 0 | 4 of four rows */
+        s[4 * h + 1] = _mm256_unpackhi_epi64(q[0], q[2]); /* 1 | 5 */
+        s[4 * h + 2] = _mm256_unpacklo_epi64(q[1], q[3]); /* 2 | 6 */
+        s[4 * h + 3] = _mm256_unpackhi_epi64(q[1], q[3]); /* 3 | 7 */
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_permute2x128_si256(s[j], s[4 + j], 0x20);
+        v[j + 4] = _mm256_permute2x128_si256(s[j], s[4 + j], 0x31);
+    }
+}
+
+/* Row r's lane of the result: start + sum over j of cols[j] (row r's four unsigned bytes j)
+ * times the token's four activations at x + 4j, in two chains (even and odd j) so that
+ * vpdpbusd's latency does not serialise a block. */
+TARGET_VNNI static inline __m256i lanes_dot8(__m256i start, const __m256i cols[PANEL_ROWS], const int8_t *x) {
+    __m256i even = start, odd = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < PANEL_ROWS; j += 2) {
+        even = _mm256_dpbusd_epi32(even, cols[j], _mm256_set1_epi32((int)load_u32((const uint8_t *)x + 4 * j)));
+        odd = _mm256_dpbusd_epi32(odd, cols[j + 1], _mm256_set1_epi32((int)load_u32((const uint8_t *)x + 4 * j + 4)));
+    }
+    return _mm256_add_epi32(even, odd);
+}
+
 TARGET_VNNI static inline __attribute__((always_inline)) void q8_panel_vnni(const uint8_t *const *row, const col_xq_row *x,
                                                                             const int nt, int64_t nb, __m256 *acc,
                                                                             int64_t ahead) {
@@ -980,15 +1030,21 @@ TARGET_VNNI static inline __attribute__((always_inline)) void q8_panel_vnni(cons
 #pragma GCC unroll 8
         for (int r = 0; r < PANEL_ROWS; r++)
             u[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row[r] + off + 2)), flip);
+        if (nt >= 2) { /* rows into lanes, once for the tokens */
+            transpose8x8_epi32(u);
 #pragma GCC unroll 4
-        for (int t = 0; t < nt; t++) {
-            const __m256i xq = _mm256_load_si256((const __m256i *)(x[t].qs + b * 32));
-            const __m256i start = _mm256_load_si256((const __m256i *)(x[t].bias + b * 8));
-            __m256i p[PANEL_ROWS];
-#pragma GCC unroll 8
-            for (int r = 0; r < PANEL_ROWS; r++) p[r] = _mm256_dpbusd_epi32(start, u[r], xq);
-            acc[t] = q8_chain_step(acc[t], fold_rows8(p), dw, x[t].d[b]);
+            for (int t = 0; t < nt; t++) {
+                const __m256i isum = lanes_dot8(_mm256_set1_epi32(x[t].bias[b * 8]), u, x[t].qs + b * 32);
+                acc[t] = q8_chain_step(acc[t], isum, dw, x[t].d[b]);
+            }
+            continue;
         }
+        const __m256i xq = _mm256_load_si256((const __m256i *)(x[0].qs + b * 32));
+        const __m256i start = _mm256_load_si256((const __m256i *)(x[0].bias + b * 8));
+        __m256i p[PANEL_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < PANEL_ROWS; r++) p[r] = _mm256_dpbusd_epi32(start, u[r], xq);
+        acc[0] = q8_chain_step(acc[0], fold_rows8(p), dw, x[0].d[b]);
     }
 }
 

@@ -21,7 +21,18 @@ def test_aggregate_rates_and_latencies_from_two_overlapping_requests():
     assert (r["ok"], r["short"], r["tokens"]) == (2, 0, 6)
     assert r["aggregate_tok_s"] == pytest.approx(6 / 3.5)  # every token, from the first request sent
     assert r["aggregate_decode_tok_s"] == pytest.approx(4 / 2.5)  # tokens after each first, first to last token
+    assert r["steady_decode_tok_s"] == pytest.approx(3 / 1.5)  # while both decode: 2.0, 2.5, 3.0 in (1.5, 3.0]
     assert (r["ttft_ms_p50"], r["itl_ms_p50"], r["itl_ms_p99"]) == pytest.approx((1000.0, 1000.0, 1000.0))
+
+
+def test_the_steady_rate_leaves_out_a_late_prompt_s_prefill():
+    """The first request decodes alone for a while (a late prompt prefilling): the aggregate
+    counts that span, the steady rate only the steps where both decode."""
+    timings = [RequestTiming(0, 0.0, [1.0, 5.0, 6.0, 7.0], "length", 16),
+               RequestTiming(1, 0.0, [5.0, 6.0, 7.0, 8.0], "length", 16)]
+    r = summarize(timings, expected_tokens=4)
+    assert r["aggregate_decode_tok_s"] == pytest.approx(6 / 7.0)
+    assert r["steady_decode_tok_s"] == pytest.approx(4 / 2.0)  # 6.0 and 7.0 of each, over (5.0, 7.0]
 
 
 def test_failed_and_short_requests_are_counted_not_averaged():

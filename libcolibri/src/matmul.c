@@ -14,9 +14,13 @@
 
 /* Output rows per tile (a 2048-wide q8_0 row is ~2.2 KiB: 16 rows sit in L1/L2). */
 #define COL_MATMUL_ROW_TILE 16
-/* Tokens per group that meets a row tile: four activation rows of 2048 values (~26 KiB in
- * quantized form) stay in L1 while the tile passes. */
-#define COL_MATMUL_TOKEN_GROUP 4
+/* Tokens per group that meets a row tile. A level's rows_xq kernel takes the whole group and
+ * walks it in its own smaller groups (four tokens), so a large group lets a kernel that
+ * repacks the tile (the AVX-512 VNNI tiles) do so once for many tokens; the activation rows
+ * (2048 values: ~2.3 KiB quantized each) stream from L2. Without one, four tokens meet the
+ * tile per dotn call. */
+#define COL_MATMUL_TOKEN_GROUP 64
+#define COL_MATMUL_DOTN_GROUP 4
 
 void col_rows_times_xq(const col_kernel_set *k, int type, const uint8_t *w, int64_t row_bytes, int64_t r0,
                        int64_t r1, const col_xq_row *x, int64_t n, int64_t nb, float *y, int64_t y_stride) {
@@ -60,8 +64,9 @@ void col_matrix_rows(const col_kernel_set *k, const col_matrix *m, int64_t r_beg
     const int64_t nb = m->n_in / COL_QK_X;
     for (int64_t r0 = r_begin; r0 < r_end; r0 += COL_MATMUL_ROW_TILE) {
         const int64_t r1 = r0 + COL_MATMUL_ROW_TILE < r_end ? r0 + COL_MATMUL_ROW_TILE : r_end;
-        for (int64_t t0 = 0; t0 < n_tok; t0 += COL_MATMUL_TOKEN_GROUP) {
-            const int64_t n = n_tok - t0 < COL_MATMUL_TOKEN_GROUP ? n_tok - t0 : COL_MATMUL_TOKEN_GROUP;
+        const int64_t group = k->rows_xq[m->type] ? COL_MATMUL_TOKEN_GROUP : COL_MATMUL_DOTN_GROUP;
+        for (int64_t t0 = 0; t0 < n_tok; t0 += group) {
+            const int64_t n = n_tok - t0 < group ? n_tok - t0 : group;
             float *yg = y + t0 * y_stride + (r0 - r_begin); /* token t0, row r0 */
             if (m->integer) {
                 col_xq_row xr[COL_MATMUL_TOKEN_GROUP];

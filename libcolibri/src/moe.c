@@ -26,8 +26,10 @@
 
 #define MOE_ROW_TILE 16
 
-/* Assignments per group that meet a tile of weight rows (the dotn kernels' widest). */
-#define MOE_TOKEN_GROUP 4
+/* Assignments per group that meet a tile of weight rows: a level's rows_xq kernel walks the
+ * group in its own groups of four (and may repack the tile once for all of them, as the
+ * AVX-512 VNNI tiles do); the dotn kernels take four at a time. */
+#define MOE_TOKEN_GROUP 64
 
 typedef struct {
     const col_type_traits *tt;

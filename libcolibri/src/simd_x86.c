@@ -1089,7 +1089,7 @@ PANEL_ROWS_XQ(TARGET_VNNI, rows_q4_g64_vnni_panels, q4_panel_vnni)
 
 /* ---- AVX-512 VNNI tiles: sixteen rows in the lanes of a 512-bit register ------------------
  * A call with several tokens (a prompt, a decode batch's dense products) spends its time in
- * arithmetic, and a 512-bit vpdpbusd does twice a 256-bit one's products at ~1.6 times its
+ * arithmetic, and a 512-bit vpdpbusd does twice a 256-bit one's products at 1.25 times its
  * cost on the Intel Xeon measured (0.217 against 0.174 ns per instruction, one thread). So
  * the tile of sixteen rows a caller passes is repacked once per call, a chunk of blocks at a
  * time, into L1: per block and four-byte column j one 512-bit register with row r's bytes

@@ -120,21 +120,23 @@ def test_a_long_prompt_gives_each_token_its_own_bits(type_, kernel_level):
                                           err_msg=f"{level} token {t}")
 
 
-PANEL_LEVELS = [level for level in ("avx2", "avx512_vnni") if level in native.supported_kernels()]
+PANEL_LEVELS = [level for level in ("avx2", "avx512", "avx512_vnni") if level in native.supported_kernels()]
 
 
-@pytest.mark.skipif(len(PANEL_LEVELS) < 2, reason="needs the avx2 and avx512_vnni levels")
+@pytest.mark.skipif(len(PANEL_LEVELS) < 2, reason="needs two of the avx2, avx512 and avx512_vnni levels")
 @pytest.mark.parametrize("type_", [native.TensorType.Q8_0, native.TensorType.Q4_G64], ids=lambda t: t.name_in_pack)
 def test_the_panel_levels_give_the_same_bits(type_, kernel_level):
-    """avx2 and avx512_vnni compute q8_0 and q4_g64 products with the same panels and float
-    chain (only the exact integer step differs), so these products do not depend on which of
-    the two a machine has (norms and activations still have their own kernels per level)."""
+    """avx2, avx512 and avx512_vnni compute q8_0 and q4_g64 products with the same panels and
+    float chain (only the exact integer step differs: VNNI's, in panels or 512-bit tiles), so
+    these products do not depend on which of the three a machine has (norms and activations
+    still have their own kernels per level)."""
     packed, _, x, n_out, n_in = _inputs(type_, (21, 9, 6), 600)
     results = {}
     for level in PANEL_LEVELS:
         kernel_level(level)
         results[level] = native.matmul(type_, packed, n_out, n_in, x)
-    np.testing.assert_array_equal(results["avx2"], results["avx512_vnni"])
+    for level in PANEL_LEVELS[1:]:
+        np.testing.assert_array_equal(results[level], results[PANEL_LEVELS[0]], err_msg=level)
 
 
 @pytest.mark.skipif(len(SIMD_LEVELS) < 2, reason="needs two SIMD levels to compare")

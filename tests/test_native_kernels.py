@@ -75,16 +75,17 @@ def test_simd_matmul_equals_portable_within_the_activation_bound(type_, shape, k
 
 @pytest.mark.parametrize("type_", QUANT_TYPES, ids=lambda t: t.name_in_pack)
 @pytest.mark.parametrize("n_in_64", [1, 3, 4, 9, 32])  # whole steps of the 4-block loops and tails
-def test_a_token_gets_the_same_bits_alone_or_in_a_batch(type_, n_in_64, kernel_level):
+def test_a_token_gets_the_same_bits_alone_or_in_a_batch(type_, n_in_64, kernel_level, pools):
     """The one-token kernels (decode) and the kernels that share a weight block among two to
-    four tokens (a decode batch, a prompt) do the same arithmetic: a row of a 2-, 3-, 6- or
-    7-token product (groups of 2, 3, 4 + 2 and 4 + 3) equals that token's product alone."""
+    four tokens (a decode batch, a prompt) do the same arithmetic: a row of a 2-, 3-, 4-, 5-,
+    6- or 7-token product (groups of 2, 3, 4, 4 + 1 ...; on AVX-512 VNNI also the sixteen-row
+    tile, which one thread gets whole from 21 rows) equals that token's product alone."""
     packed, _, x, n_out, n_in = _inputs(type_, (21, n_in_64, 7), 300 + n_in_64)
     for level in native.supported_kernels():
         kernel_level(level)
         alone = [native.matmul(type_, packed, n_out, n_in, x[t:t + 1]) for t in range(x.shape[0])]
-        for n_tok in (2, 3, 6, 7):
-            batch = native.matmul(type_, packed, n_out, n_in, x[:n_tok])
+        for n_tok in (2, 3, 4, 5, 6, 7):
+            batch = native.matmul(type_, packed, n_out, n_in, x[:n_tok], pool=pools[1])
             for t in range(n_tok):
                 np.testing.assert_array_equal(alone[t], batch[t:t + 1], err_msg=f"{level} {n_tok} tokens")
 
@@ -125,16 +126,16 @@ PANEL_LEVELS = [level for level in ("avx2", "avx512", "avx512_vnni") if level in
 
 @pytest.mark.skipif(len(PANEL_LEVELS) < 2, reason="needs two of the avx2, avx512 and avx512_vnni levels")
 @pytest.mark.parametrize("type_", [native.TensorType.Q8_0, native.TensorType.Q4_G64], ids=lambda t: t.name_in_pack)
-def test_the_panel_levels_give_the_same_bits(type_, kernel_level):
+def test_the_panel_levels_give_the_same_bits(type_, kernel_level, pools):
     """avx2, avx512 and avx512_vnni compute q8_0 and q4_g64 products with the same panels and
     float chain (only the exact integer step differs: VNNI's, in panels or 512-bit tiles), so
     these products do not depend on which of the three a machine has (norms and activations
     still have their own kernels per level)."""
-    packed, _, x, n_out, n_in = _inputs(type_, (21, 9, 6), 600)
+    packed, _, x, n_out, n_in = _inputs(type_, (21, 32, 6), 600)  # one thread: a whole tile, chunks of blocks
     results = {}
     for level in PANEL_LEVELS:
         kernel_level(level)
-        results[level] = native.matmul(type_, packed, n_out, n_in, x)
+        results[level] = native.matmul(type_, packed, n_out, n_in, x, pool=pools[1])
     for level in PANEL_LEVELS[1:]:
         np.testing.assert_array_equal(results[level], results[PANEL_LEVELS[0]], err_msg=level)
 
@@ -310,11 +311,13 @@ def test_fused_experts_match_the_per_expert_reference(type_, n_tok, kernel_level
 
 
 @pytest.mark.parametrize("type_", [TensorType.F32, *QUANT_TYPES], ids=lambda t: t.name_in_pack)
-def test_fused_experts_give_a_token_the_same_bits_alone_or_with_others(type_, kernel_level):
+@pytest.mark.parametrize("shape", [(3, 128, 192, 2, 11), (2, 64, 64, 2, 70)],
+                         ids=["5-9 tokens an expert", "70 tokens an expert"])
+def test_fused_experts_give_a_token_the_same_bits_alone_or_with_others(type_, shape, kernel_level):
     """The batching guarantee for the expert FFN: a token routed to experts that also serve
-    other tokens (groups of four, tails, any place in an expert's list) gets exactly the bits
-    it gets alone, on every level."""
-    n_experts, dim, ffn, top_k, n_tok = 3, 128, 192, 2, 11  # an expert serves 5-9 tokens
+    other tokens (groups of four, tails, any place in an expert's list, more than the 64 a
+    tile meets at once) gets exactly the bits it gets alone, on every level."""
+    n_experts, dim, ffn, top_k, n_tok = shape
     experts = _experts(type_, n_experts, dim, ffn, 70)
     rng = np.random.default_rng(7)
     x = gaussian((n_tok, dim), 80)

@@ -3,8 +3,9 @@
  *
  * Two inner paths, picked per call from the active kernel set:
  *   - integer: the activations are quantized once per call (col_quantize_x, tokens split
- *     across the pool), then a tile of weight rows meets groups of up to four tokens (dotn
- *     kernels decode each weight block once for the group);
+ *     across the pool), then a tile of weight rows meets groups of tokens: up to 64 for a
+ *     level's rows_xq kernel, four for its dotn kernel (which decodes each weight block once
+ *     for the group);
  *   - float: the reference vec_dot of the type, float32 activations (portable level, and
  *     f32/f16/bf16 weights everywhere).
  * Rows are processed in tiles: a tile of weight rows stays hot in cache while every token

@@ -1060,27 +1060,33 @@ TARGET_VNNI static inline __m512 join_ps(__m256 lo, __m256 hi) {
 }
 
 /* The sixteen-row tile's next stretch of memory, `ahead` bytes on (see prefetch_panel_step):
- * 9 lines cover a q8_0 block step of sixteen rows (544 bytes). */
+ * 9 lines cover a q8_0 block step of sixteen rows (544 bytes), 10 a q4_g64 one (576). */
 static inline void prefetch_tile_step(const uint8_t *w, int64_t ahead, int64_t off, int lines) {
     const uint8_t *p = (const uint8_t *)((uintptr_t)w + (uintptr_t)(ahead + TILE_ROWS * off));
     for (int i = 0; i < lines; i++) prefetch_line(p + 64 * i);
 }
 
+/* The 32 bytes at byte `off` of each of the tile's sixteen rows, xor `flip`, transposed into
+ * columns (join_rows16). */
+TARGET_VNNI static inline void tile_columns(const uint8_t *w, int64_t row_bytes, int64_t off, __m256i flip,
+                                            __m512i col[PANEL_ROWS]) {
+    __m256i lo[PANEL_ROWS], hi[PANEL_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < PANEL_ROWS; r++) {
+        lo[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + r * row_bytes + off)), flip);
+        hi[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + (r + 8) * row_bytes + off)), flip);
+    }
+    join_rows16(lo, hi, col);
+}
+
 TARGET_VNNI static void q8_tile_repack(const uint8_t *w, int64_t row_bytes, int64_t b0, int64_t n_blocks,
                                        int64_t ahead, q8_tile_block *out) {
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
     const uint8_t *row[TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; r++) row[r] = w + r * row_bytes;
     for (int64_t i = 0; i < n_blocks; i++) {
         const int64_t off = (b0 + i) * 34;
         prefetch_tile_step(w, ahead, off, 9);
-        __m256i lo[PANEL_ROWS], hi[PANEL_ROWS];
-#pragma GCC unroll 8
-        for (int r = 0; r < PANEL_ROWS; r++) {
-            lo[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row[r] + off + 2)), flip);
-            hi[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row[r + 8] + off + 2)), flip);
-        }
-        join_rows16(lo, hi, out[i].col);
+        tile_columns(w, row_bytes, off + 2, _mm256_set1_epi8((char)0x80), out[i].col);
         out[i].dw = join_ps(f16_scales8(row, off), f16_scales8(row + 8, off));
     }
 }
@@ -1122,14 +1128,8 @@ TARGET_VNNI static void q4_tile_repack(const uint8_t *w, int64_t row_bytes, int6
     for (int64_t i = 0; i < n_blocks; i++) {
         const int64_t off = (k0 + i) * 36;
         prefetch_tile_step(w, ahead, off, 10);
-        __m256i lo[PANEL_ROWS], hi[PANEL_ROWS];
-#pragma GCC unroll 8
-        for (int r = 0; r < PANEL_ROWS; r++) {
-            lo[r] = _mm256_loadu_si256((const __m256i *)(row[r] + off + 4));
-            hi[r] = _mm256_loadu_si256((const __m256i *)(row[r + 8] + off + 4));
-        }
         __m512i packed[PANEL_ROWS];
-        join_rows16(lo, hi, packed);
+        tile_columns(w, row_bytes, off + 4, _mm256_setzero_si256(), packed);
 #pragma GCC unroll 8
         for (int j = 0; j < PANEL_ROWS; j++) {
             out[i].col[j] = _mm512_and_si512(packed[j], low4);
@@ -1198,37 +1198,30 @@ static inline int64_t tile_ahead_bytes(int64_t row_bytes) {
     return tile_bytes > 0 ? (STREAM_AHEAD + tile_bytes - 1) / tile_bytes * tile_bytes : 0;
 }
 
-TARGET_VNNI static void rows_q8_0_vnni(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const col_xq_row *x,
-                                       int64_t n_tok, int64_t nb, float *y, int64_t y_stride) {
-    int64_t r0 = 0;
-    if (n_tok >= TILE_MIN_TOKENS_Q8) {
-        q8_tile_block blk[TILE_Q8_BLOCKS];
-        const int64_t ahead = tile_ahead_bytes(row_bytes);
-        for (; r0 + TILE_ROWS <= n_rows; r0 += TILE_ROWS)
-            for (int64_t b0 = 0; b0 < nb; b0 += TILE_Q8_BLOCKS) {
-                const int64_t n_blocks = nb - b0 < TILE_Q8_BLOCKS ? nb - b0 : TILE_Q8_BLOCKS;
-                q8_tile_repack(w + r0 * row_bytes, row_bytes, b0, n_blocks, ahead, blk);
-                TILE_TOKEN_GROUPS(q8_tile_tokens, blk, b0, n_blocks, x, n_tok, y + r0, y_stride)
-            }
+/* rows_xq of a tiled kernel: whole sixteen-row tiles by chunks of `chunk` repacked blocks
+ * (`n_blocks` of a row: an expression of nb) when the call has min_tokens tokens or more; the
+ * remaining rows, and calls with fewer tokens, through the level's panels. */
+#define TILE_ROWS_XQ(name, block_t, chunk, min_tokens, n_blocks_of_row, repack, tokens, panels)                     \
+    TARGET_VNNI static void name(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const col_xq_row *x,          \
+                                 int64_t n_tok, int64_t nb, float *y, int64_t y_stride) {                           \
+        int64_t r0 = 0;                                                                                             \
+        if (n_tok >= (min_tokens)) {                                                                                \
+            block_t blk[chunk];                                                                                     \
+            const int64_t ahead = tile_ahead_bytes(row_bytes), total = (n_blocks_of_row);                           \
+            for (; r0 + TILE_ROWS <= n_rows; r0 += TILE_ROWS)                                                       \
+                for (int64_t b0 = 0; b0 < total; b0 += (chunk)) {                                                   \
+                    const int64_t n_blocks = total - b0 < (chunk) ? total - b0 : (chunk);                           \
+                    repack(w + r0 * row_bytes, row_bytes, b0, n_blocks, ahead, blk);                                \
+                    TILE_TOKEN_GROUPS(tokens, blk, b0, n_blocks, x, n_tok, y + r0, y_stride)                        \
+                }                                                                                                   \
+        }                                                                                                           \
+        if (r0 < n_rows) panels(w + r0 * row_bytes, row_bytes, n_rows - r0, x, n_tok, nb, y + r0, y_stride);        \
     }
-    if (r0 < n_rows) rows_q8_0_vnni_panels(w + r0 * row_bytes, row_bytes, n_rows - r0, x, n_tok, nb, y + r0, y_stride);
-}
 
-TARGET_VNNI static void rows_q4_g64_vnni(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const col_xq_row *x,
-                                         int64_t n_tok, int64_t nb, float *y, int64_t y_stride) {
-    int64_t r0 = 0;
-    if (n_tok >= TILE_MIN_TOKENS_Q4) {
-        q4_tile_block blk[TILE_Q4_BLOCKS];
-        const int64_t ahead = tile_ahead_bytes(row_bytes);
-        for (; r0 + TILE_ROWS <= n_rows; r0 += TILE_ROWS)
-            for (int64_t k0 = 0; k0 < nb / 2; k0 += TILE_Q4_BLOCKS) {
-                const int64_t n_blocks = nb / 2 - k0 < TILE_Q4_BLOCKS ? nb / 2 - k0 : TILE_Q4_BLOCKS;
-                q4_tile_repack(w + r0 * row_bytes, row_bytes, k0, n_blocks, ahead, blk);
-                TILE_TOKEN_GROUPS(q4_tile_tokens, blk, k0, n_blocks, x, n_tok, y + r0, y_stride)
-            }
-    }
-    if (r0 < n_rows) rows_q4_g64_vnni_panels(w + r0 * row_bytes, row_bytes, n_rows - r0, x, n_tok, nb, y + r0, y_stride);
-}
+TILE_ROWS_XQ(rows_q8_0_vnni, q8_tile_block, TILE_Q8_BLOCKS, TILE_MIN_TOKENS_Q8, nb, q8_tile_repack, q8_tile_tokens,
+             rows_q8_0_vnni_panels)
+TILE_ROWS_XQ(rows_q4_g64_vnni, q4_tile_block, TILE_Q4_BLOCKS, TILE_MIN_TOKENS_Q4, nb / 2, q4_tile_repack,
+             q4_tile_tokens, rows_q4_g64_vnni_panels)
 
 PANEL_DOT_XQ(TARGET_VNNI, dot_q8_0_vnni, rows_q8_0_vnni_panels)
 PANEL_DOT_XQ(TARGET_VNNI, dot_q4_g64_vnni, rows_q4_g64_vnni_panels)

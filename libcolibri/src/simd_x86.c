@@ -132,9 +132,8 @@ TARGET_AVX2 static inline void panel_store(const __m256 *acc, int nt, int64_t n_
  * order. Measured on a cold 32768 x 2048 q8_0 product, one token, AVX2 on Zen 5: 36-38 GB/s
  * (as the one-row kernel before); a line 0.5 / 1 / 2 KiB ahead in each of the eight rows gave
  * 22 / 30 / 35. */
-static inline int64_t panel_ahead_bytes(int64_t row_bytes) {
-    const int64_t panel_bytes = PANEL_ROWS * row_bytes;
-    return panel_bytes > 0 ? (STREAM_AHEAD + panel_bytes - 1) / panel_bytes * panel_bytes : 0;
+static inline int64_t stream_ahead_bytes(int64_t group_bytes) { /* a group: a panel's or a tile's rows */
+    return group_bytes > 0 ? (STREAM_AHEAD + group_bytes - 1) / group_bytes * group_bytes : 0;
 }
 
 /* prefetcht0 of the line at p. An asm statement: GCC 12 silently deleted every _mm_prefetch
@@ -142,13 +141,18 @@ static inline int64_t panel_ahead_bytes(int64_t row_bytes) {
  * waiting on DRAM at a third of the bandwidth. */
 static inline void prefetch_line(const uint8_t *p) { __asm__ volatile("prefetcht0 %0" : : "m"(*(const char *)p)); }
 
-/* Block step `off` (bytes into each row) of the panel at row[0]: 5 lines cover the 272 / 288
- * bytes of a q8_0 / q4_g64 step. */
-static inline void prefetch_panel_step(const uint8_t *const *row, int64_t ahead, int64_t off) {
+/* Block step `off` (bytes into each row) of the group of `rows` rows from first: `lines`
+ * lines from first + ahead + rows * off. */
+static inline void prefetch_group_step(const uint8_t *first, int64_t rows, int64_t ahead, int64_t off, int lines) {
     /* an address past the matrix is harmless for a prefetch; computed as an integer because
      * C does not allow such a pointer */
-    const uint8_t *p = (const uint8_t *)((uintptr_t)row[0] + (uintptr_t)(ahead + PANEL_ROWS * off));
-    for (int i = 0; i < 5; i++) prefetch_line(p + 64 * i);
+    const uint8_t *p = (const uint8_t *)((uintptr_t)first + (uintptr_t)(ahead + rows * off));
+    for (int i = 0; i < lines; i++) prefetch_line(p + 64 * i);
+}
+
+/* A panel's step: 5 lines cover the 272 / 288 bytes of a q8_0 / q4_g64 step. */
+static inline void prefetch_panel_step(const uint8_t *const *row, int64_t ahead, int64_t off) {
+    prefetch_group_step(row[0], PANEL_ROWS, ahead, off, 5);
 }
 
 /* The float chain of a panel (see above), one block step of token t: the same code on every
@@ -198,7 +202,7 @@ TARGET_AVX2 static inline __attribute__((always_inline)) void q8_panel_avx2(cons
 #define PANEL_ROWS_XQ(target, name, panel)                                                                          \
     target static void name(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const col_xq_row *x,          \
                                  int64_t n_tok, int64_t nb, float *y, int64_t y_stride) {                           \
-        const int64_t ahead = panel_ahead_bytes(row_bytes);                                                         \
+        const int64_t ahead = stream_ahead_bytes(PANEL_ROWS * row_bytes);                                                         \
         for (int64_t r0 = 0; r0 < n_rows; r0 += PANEL_ROWS) {                                                       \
             const int64_t nr = n_rows - r0 < PANEL_ROWS ? n_rows - r0 : PANEL_ROWS;                                 \
             const uint8_t *row[PANEL_ROWS];                                                                         \
@@ -905,9 +909,10 @@ TARGET_AVX512 static void dequantize_bf16_avx512(const uint8_t *src, float *y, i
  *     Measured on an Intel Xeon (Emerald Rapids), one thread, a 512 x 2048 matrix in L2: 17.6
  *     against 23.1 us a token at 64 tokens, 17.7 against 23.5 at 8. Calls with more tokens
  *     and whole sixteen-row tiles go further, to the 512-bit tiles below.
- * q4_g64 keeps the fold in its panel: its two vpdpbusd per row and block already bound it, and the same
- * transpose (of the packed nibbles, split after) measured 3-8 % slower. So does the AVX2
- * level: its two multiplies per 32 products bound it in either layout (measured the same). */
+ * q4_g64 keeps the fold in its panel: its two vpdpbusd per row and block already bound it,
+ * and the same transpose (of the packed nibbles, split after) measured 3-8 % slower. So does
+ * the AVX2 level: its two multiplies per 32 products bound it in either layout (measured the
+ * same). */
 
 /* v[j] lane r = v[r] lane j (8 x 8 int32): the rows of a panel block into lanes. */
 TARGET_AVX2 static inline void transpose8x8_epi32(__m256i v[PANEL_ROWS]) {
@@ -1060,13 +1065,6 @@ TARGET_VNNI static inline __m512 join_ps(__m256 lo, __m256 hi) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
 
-/* The sixteen-row tile's next stretch of memory, `ahead` bytes on (see prefetch_panel_step):
- * 9 lines cover a q8_0 block step of sixteen rows (544 bytes), 10 a q4_g64 one (576). */
-static inline void prefetch_tile_step(const uint8_t *w, int64_t ahead, int64_t off, int lines) {
-    const uint8_t *p = (const uint8_t *)((uintptr_t)w + (uintptr_t)(ahead + TILE_ROWS * off));
-    for (int i = 0; i < lines; i++) prefetch_line(p + 64 * i);
-}
-
 /* The 32 bytes at byte `off` of each of the tile's sixteen rows, xor `flip`, transposed into
  * columns (join_rows16). */
 TARGET_VNNI static inline void tile_columns(const uint8_t *w, int64_t row_bytes, int64_t off, __m256i flip,
@@ -1086,7 +1084,7 @@ TARGET_VNNI static void q8_tile_repack(const uint8_t *w, int64_t row_bytes, int6
     for (int r = 0; r < TILE_ROWS; r++) row[r] = w + r * row_bytes;
     for (int64_t i = 0; i < n_blocks; i++) {
         const int64_t off = (b0 + i) * 34;
-        prefetch_tile_step(w, ahead, off, 9);
+        prefetch_group_step(w, TILE_ROWS, ahead, off, 9); /* 544 bytes a step */
         tile_columns(w, row_bytes, off + 2, _mm256_set1_epi8((char)0x80), out[i].col);
         out[i].dw = join_ps(f16_scales8(row, off), f16_scales8(row + 8, off));
     }
@@ -1128,7 +1126,7 @@ TARGET_VNNI static void q4_tile_repack(const uint8_t *w, int64_t row_bytes, int6
     for (int r = 0; r < TILE_ROWS; r++) row[r] = w + r * row_bytes;
     for (int64_t i = 0; i < n_blocks; i++) {
         const int64_t off = (k0 + i) * 36;
-        prefetch_tile_step(w, ahead, off, 10);
+        prefetch_group_step(w, TILE_ROWS, ahead, off, 10); /* 576 bytes a step */
         __m512i packed[PANEL_ROWS];
         tile_columns(w, row_bytes, off + 4, _mm256_setzero_si256(), packed);
 #pragma GCC unroll 8
@@ -1193,12 +1191,6 @@ TARGET_VNNI static inline __attribute__((always_inline)) void q4_tile_tokens(con
         for (int t = 0; t < nt; t++) _mm512_storeu_ps((y) + (t0 + t) * (y_stride), acc[t]);                        \
     }
 
-/* Bytes ahead for a tile's prefetch: whole tiles, at least STREAM_AHEAD. */
-static inline int64_t tile_ahead_bytes(int64_t row_bytes) {
-    const int64_t tile_bytes = TILE_ROWS * row_bytes;
-    return tile_bytes > 0 ? (STREAM_AHEAD + tile_bytes - 1) / tile_bytes * tile_bytes : 0;
-}
-
 /* rows_xq of a tiled kernel: whole sixteen-row tiles by chunks of `chunk` repacked blocks
  * (`n_blocks` of a row: an expression of nb) when the call has min_tokens tokens or more; the
  * remaining rows, and calls with fewer tokens, through the level's panels. */
@@ -1208,7 +1200,7 @@ static inline int64_t tile_ahead_bytes(int64_t row_bytes) {
         int64_t r0 = 0;                                                                                             \
         if (n_tok >= (min_tokens)) {                                                                                \
             block_t blk[chunk];                                                                                     \
-            const int64_t ahead = tile_ahead_bytes(row_bytes), total = (n_blocks_of_row);                           \
+            const int64_t ahead = stream_ahead_bytes(TILE_ROWS * row_bytes), total = (n_blocks_of_row);                           \
             for (; r0 + TILE_ROWS <= n_rows; r0 += TILE_ROWS)                                                       \
                 for (int64_t b0 = 0; b0 < total; b0 += (chunk)) {                                                   \
                     const int64_t n_blocks = total - b0 < (chunk) ? total - b0 : (chunk);                           \

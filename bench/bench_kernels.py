@@ -92,7 +92,7 @@ def active_bytes_per_token(pack) -> int:
     return dense + len(c.moe_layer_ids) * c.num_experts_per_tok * expert
 
 
-def run_colibri(pack_dir: Path, threads: int, repeat: int, profile: bool) -> dict:
+def run_colibri(pack_dir: Path, threads: int, repeat: int, profile: bool, prompt_tokens: int = PROMPT_TOKENS) -> dict:
     """One configuration, in this (fresh) process."""
     from colibrid import native
     from colibrid.engine.engine import Engine
@@ -103,13 +103,13 @@ def run_colibri(pack_dir: Path, threads: int, repeat: int, profile: bool) -> dic
     engine = Engine(pack, experts=ResidentExpertSource(pack))
     V = engine.config.vocab_size
     rng = np.random.default_rng(0)
-    prompt = rng.integers(0, V, PROMPT_TOKENS)
+    prompt = rng.integers(0, V, prompt_tokens)
 
     def prefill() -> float:
-        session = engine.new_session(PROMPT_TOKENS + 8)
+        session = engine.new_session(prompt_tokens + 8)
         t0 = time.perf_counter()
         session.forward(prompt, all_logits=False)
-        return PROMPT_TOKENS / (time.perf_counter() - t0)
+        return prompt_tokens / (time.perf_counter() - t0)
 
     def decode() -> float:  # like llama-bench tg: from an empty context, one token at a time
         session = engine.new_session(DECODE_TOKENS + 8)
@@ -135,8 +135,8 @@ def run_colibri(pack_dir: Path, threads: int, repeat: int, profile: bool) -> dic
             "kernels": native.kernels(), "active_bytes": active_bytes_per_token(pack)}
 
 
-def run_llama_bench(binary: Path, gguf_path: Path, threads: int, repeat: int) -> dict:
-    cmd = [str(binary), "-m", str(gguf_path), "-p", str(PROMPT_TOKENS), "-n", str(DECODE_TOKENS), "-t", str(threads),
+def run_llama_bench(binary: Path, gguf_path: Path, threads: int, repeat: int, prompt_tokens: int = PROMPT_TOKENS) -> dict:
+    cmd = [str(binary), "-m", str(gguf_path), "-p", str(prompt_tokens), "-n", str(DECODE_TOKENS), "-t", str(threads),
            "-r", str(repeat), "-o", "json"]
     log(" ".join(cmd))
     result = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", action="append", type=int, help="default: 1 and 2")
     parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the best is reported")
     parser.add_argument("--profile", action="store_true", help="cProfile one decode run (stderr)")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                        help=f"the prefill measurement's prompt, both sides (default {PROMPT_TOKENS}; a long one "
+                             "weighs attention over the prompt)")
     parser.add_argument("--skip-llama", action="store_true")
     parser.add_argument("--keep-checkpoint", action="store_true", help="keep the random checkpoint after converting")
     parser.add_argument("--prepare-only", action="store_true", help="build the files and llama-bench, measure nothing")
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.run_colibri:
-        print(json.dumps(run_colibri(args.run_colibri, args.threads[0], args.repeat, args.profile)))
+        print(json.dumps(run_colibri(args.run_colibri, args.threads[0], args.repeat, args.profile, args.prompt_tokens)))
         return 0
 
     shape = SHAPES[args.shape]
@@ -246,22 +249,24 @@ def main(argv: list[str] | None = None) -> int:
             env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
             if args.isa == "avx2":
                 env["COLIBRI_KERNELS"] = "avx2"
-            cmd = [sys.executable, __file__, "--run-colibri", str(pack), "--threads", str(threads), "--repeat", str(args.repeat)]
+            cmd = [sys.executable, __file__, "--run-colibri", str(pack), "--threads", str(threads), "--repeat", str(args.repeat),
+                   "--prompt-tokens", str(args.prompt_tokens)]
             if args.profile:
                 cmd.append("--profile")
             log(f"colibri {shape.name} {variant.name} {threads} thread(s)")
             ours = json.loads(subprocess.run(cmd, check=True, env=env, stdout=subprocess.PIPE, text=True).stdout)
-            theirs = run_llama_bench(llama_bench, gguf_path, threads, args.repeat) if llama_bench else {}
+            theirs = run_llama_bench(llama_bench, gguf_path, threads, args.repeat, args.prompt_tokens) if llama_bench else {}
             roofline = bandwidth * 1e9 / ours["active_bytes"]
             row = {"shape": shape.name, "layers": layers, "isa": args.isa, "quant": variant.name,
                    "gguf": variant.gguf_label, "threads": threads, "bandwidth_gb_s": bandwidth,
                    "active_mb_per_token": ours["active_bytes"] / 1e6, "roofline_tok_s": roofline, "colibri": ours,
-                   "llama_cpp": theirs}
+                   "prompt_tokens": args.prompt_tokens, "llama_cpp": theirs}
             results.append(row)
             log(json.dumps(row))
 
     print(f"{shape.description}; {layers} layers; --isa {args.isa} (Colibri kernels: "
-          f"{', '.join(sorted({r['colibri']['kernels'] for r in results}))}); {cpu_model()}")
+          f"{', '.join(sorted({r['colibri']['kernels'] for r in results}))}); {cpu_model()}; "
+          f"prefill of {args.prompt_tokens} tokens")
     header = (f"{'quant':7} {'thr':>3} {'BW GB/s':>7} {'MB/tok':>7} {'roof t/s':>8} | {'decode':>7} {'llama':>7} {'ratio':>5} "
               f"{'%roof':>5} | {'prefill':>7} {'llama':>7} {'ratio':>5}")
     print(header)

@@ -32,6 +32,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=0, help="decode N sequences together (0: one, unbatched)")
+    parser.add_argument("--context", type=int, default=0,
+                        help="prompt tokens each sequence holds before decoding (bench_serving's prompts: ~128)")
     args = parser.parse_args()
 
     from colibrid import native
@@ -54,8 +56,15 @@ def main() -> int:
 
         setattr(lib, name, timed)
 
+    def prompt(seed: int) -> np.ndarray:
+        """A different prompt for each sequence, as bench_serving's clients ask."""
+        return np.random.default_rng(seed).integers(1, engine.model.config.vocab_size, args.context).astype(np.int32)
+
     def decode() -> float:
-        session = engine.new_session(args.tokens + 8)
+        session = engine.new_session(args.context + args.tokens + 8)
+        if args.context:
+            session.forward(prompt(0), all_logits=False)
+            spent.clear()
         token = 1
         t0 = time.perf_counter()
         for _ in range(args.tokens):
@@ -67,11 +76,14 @@ def main() -> int:
         from colibrid.engine.sampling import Sampler
         from colibrid.sampling_params import SamplingParams
 
-        sessions = [engine.new_session(args.tokens + 8) for _ in range(args.batch)]
+        sessions = [engine.new_session(args.context + args.tokens + 8) for _ in range(args.batch)]
+        if args.context:
+            engine.model.forward_batch([StepInput(s.state, prompt(i), "last") for i, s in enumerate(sessions)])
+            spent.clear()
         samplers = [Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=i))
                     for i in range(args.batch)]
         tokens = list(range(1, args.batch + 1))
-        history = np.zeros(args.tokens + 8, np.int64)
+        history = np.zeros(args.context + args.tokens + 8, np.int64)
         t0 = time.perf_counter()
         for _ in range(args.tokens):
             logits = engine.model.forward_batch([StepInput(s.state, np.array([t], np.int32), "last")

@@ -509,13 +509,13 @@ ATTENTION_CASES = [  # (qkv type, o type, qk_norm, biases, clip, window)
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"{c[0].name_in_pack}-{c[1].name_in_pack}-{c[2]}-bias{int(c[3])}-clip{c[4]}-win{c[5]}")
-@pytest.mark.parametrize("n_tok", [1, 3])
+@pytest.mark.parametrize("n_tok", [1, 3, 20])  # 20: the block's queries in several blocks of 8 tokens x 2 heads
 def test_attention_block_equals_the_separate_steps_bit_for_bit(case, n_tok, kernel_level, pools):
     qkv_type, o_type, qk_norm, biases, clip, window = case
     norm, w, extra = _attention_weights(qkv_type, o_type, qk_norm, biases, 70)
     layer = native.attention_layer(D_ATTN, H_ATTN, K_ATTN, HD_ATTN, norm, qkv_type, w["wq"], w["wk"], w["wv"], o_type, w["wo"],
                                    eps=1e-5, scale=HD_ATTN ** -0.5, window=window, clip_qkv=clip, qk_norm=qk_norm, **extra)
-    n_past, capacity = 5, 11
+    n_past, capacity = 5, 8 + n_tok
     x = gaussian((n_tok, D_ATTN), 80)
     angles = gaussian((n_tok, HD_ATTN), 81)
     cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

@@ -18,14 +18,15 @@
  *   1. qkv[t] = h[t] @ [wq; wk; wv; wg]^T + [bq; bk; bv; 0]                R rows split
  *   2. q/k/v norms, clamp, RoPE, temperature; k, v stored at n_past + t    tokens split
  *   3. a[t, head] = attention over keys 0 .. n_past + t (window, chunk, sink),
- *      times sigmoid(g[t, head]) with an output gate                       (t, head) dealt
+ *      times sigmoid(g[t, head]) with an output gate         blocks of (t, head) dealt
  *   4. a[t] quantized for wo's type (integer kernels only)                  tokens split
  *   5. x[t] += a[t] @ wo^T + bo                                             D rows split
  *      (with a post norm: o = a @ wo^T + bo, D rows split; a barrier; then
  *      x[t] += rms_norm(o[t]) * post_norm, tokens split)
  * Each phase calls the code of the separate entry points (col_rms_norm, col_matrix_rows as in
- * col_matmul, col_rope, col_attend_head as in col_attention) on the same values, so this call
- * returns bit for bit what the sequence of those calls returns.
+ * col_matmul, col_rope, and col_attend_block, which col_attention's col_attend_head also
+ * runs) on the same values, so this call returns bit for bit what the sequence of those calls
+ * returns.
  */
 #include <math.h>
 
@@ -37,6 +38,7 @@ typedef struct {
     col_matrix mq, mk, mv, mo, mg; /* mg: the output gate's, when l->wg */
     int64_t n_tok, Q, KV, R;
     const col_attention_seq *seqs; /* each sequence's cache, position and rows of x */
+    int64_t n_seqs;
     const int32_t *seq_of;    /* (T) the sequence of each row */
     const int64_t *first_of;  /* (N) each sequence's first row */
     float *x;                 /* (T, D) */
@@ -49,7 +51,7 @@ typedef struct {
     uint8_t *aq;              /* (T, aq_bytes) a quantized, integer wo only */
     size_t aq_bytes;
     float *o;                 /* (T, D) a @ wo^T */
-    float *scores;            /* (nth, scores_per_thread) one row per thread */
+    float *scores;            /* (nth, COL_ATTEND_BLOCK, scores_per_thread) rows of each thread */
     int64_t scores_per_thread; /* the most keys a query sees: S, or the ring's rows */
     col_barrier barrier;
 } block_job;
@@ -141,10 +143,52 @@ static void finish_qkv(const block_job *j, int64_t t) {
 }
 
 
+/* Phase 3: items of up to COL_ATTEND_BLOCK queries that read one kv head of one sequence's
+ * cache (a chunk of its tokens, times the query heads of the group, or part of a large group),
+ * numbered chunk-major and dealt round-robin: a later chunk sees more keys, and neighbours in
+ * the numbering are the same chunk's other heads. */
+static void attend_phase(const block_job *j, int ith, int nth) {
+    const col_attention_layer *l = j->l;
+    const int64_t H = l->n_heads, K = l->n_kv_heads, Hd = l->head_dim, group = H / K;
+    const int64_t heads_per = group < COL_ATTEND_BLOCK ? group : COL_ATTEND_BLOCK;
+    const int64_t head_blocks = (group + heads_per - 1) / heads_per, tokens_per = COL_ATTEND_BLOCK / heads_per;
+    const int64_t stride = j->scores_per_thread;
+    float *sc = j->scores + ith * COL_ATTEND_BLOCK * stride;
+    col_attend_query q[COL_ATTEND_BLOCK];
+    int64_t item = 0;
+    for (int64_t i = 0; i < j->n_seqs; i++) {
+        const col_attention_seq *seq = j->seqs + i;
+        const int64_t chunks = (seq->n_tok + tokens_per - 1) / tokens_per;
+        for (int64_t c = 0; c < chunks; c++)
+            for (int64_t kh = 0; kh < K; kh++)
+                for (int64_t hb = 0; hb < head_blocks; hb++, item++) {
+                    if (item % nth != ith) continue;
+                    const int64_t t0 = j->first_of[i] + c * tokens_per;
+                    const int64_t t1 = t0 + tokens_per < j->first_of[i] + seq->n_tok ? t0 + tokens_per
+                                                                                      : j->first_of[i] + seq->n_tok;
+                    const int64_t h0 = kh * group + hb * heads_per;
+                    const int64_t h1 = h0 + heads_per < (kh + 1) * group ? h0 + heads_per : (kh + 1) * group;
+                    int n = 0;
+                    for (int64_t t = t0; t < t1; t++) {
+                        const int64_t pos = position_of(j, t);
+                        const int64_t lo = col_first_visible_key(pos, l->window, l->chunk, seq->ring_rows);
+                        for (int64_t head = h0; head < h1; head++, n++)
+                            q[n] = (col_attend_query){j->qkv + t * j->R + head * Hd, lo, pos,
+                                                      l->sinks ? l->sinks + head : NULL, j->a + (t * H + head) * Hd};
+                    }
+                    col_attend_block(j->k, q, n, seq->keys, seq->vals, K, kh, Hd, seq->ring_rows, l->scale, sc, stride);
+                    if (!l->wg) continue;
+                    for (int64_t t = t0; t < t1; t++)
+                        for (int64_t head = h0; head < h1; head++)
+                            gate_head(j->a + (t * H + head) * Hd, j->qkv + t * j->R + j->Q + 2 * j->KV + head * Hd, Hd);
+                }
+    }
+}
+
 static void block_task(void *arg, int ith, int nth) {
     block_job *j = arg;
     const col_attention_layer *l = j->l;
-    const int64_t T = j->n_tok, D = l->dim, H = l->n_heads, Hd = l->head_dim;
+    const int64_t T = j->n_tok, D = l->dim;
     int64_t b, e;
 
     col_input_norm_phase(&j->mq, &j->barrier, ith, nth, T, D, j->x, l->norm, l->eps, j->h, j->hq, j->hq_bytes); /* 0. */
@@ -160,16 +204,7 @@ static void block_task(void *arg, int ith, int nth) {
     for (int64_t t = b; t < e; t++) finish_qkv(j, t);
     col_barrier_wait(&j->barrier, nth);
 
-    const int64_t group = H / l->n_kv_heads; /* 3. attention */
-    float *sc = j->scores + ith * j->scores_per_thread;
-    for (int64_t item = ith; item < T * H; item += nth) { /* round-robin, as col_attention */
-        const int64_t t = item / H, head = item % H, pos = position_of(j, t);
-        const col_attention_seq *seq = j->seqs + j->seq_of[t];
-        const int64_t lo = col_first_visible_key(pos, l->window, l->chunk, seq->ring_rows);
-        col_attend_head(j->k, j->qkv + t * j->R + head * Hd, seq->keys, seq->vals, l->n_kv_heads, head / group, Hd,
-                        lo, pos, seq->ring_rows, l->scale, l->sinks ? l->sinks + head : NULL, sc, j->a + item * Hd);
-        if (l->wg) gate_head(j->a + item * Hd, j->qkv + t * j->R + j->Q + 2 * j->KV + head * Hd, Hd);
-    }
+    attend_phase(j, ith, nth); /* 3. */
     col_barrier_wait(&j->barrier, nth);
 
     /* 4. quantize a, 5. output product and residual */
@@ -291,17 +326,18 @@ int col_attention_block_batch(col_pool *pool, const col_attention_layer *layer, 
         return COL_EINVAL;
     job.n_tok = n_tok;
     job.seqs = seqs;
+    job.n_seqs = n_seqs;
     job.x = x;
     job.cos = cos;
     job.sin = sin;
 
-    /* scratch: h (T, D) | qkv (T, R) | a (T, Q) | o (T, D) | scores (nth, S) | hq | aq | seq_of (T) | first_of (N) */
+    /* scratch: h (T, D) | qkv (T, R) | a (T, Q) | o (T, D) | scores (nth, COL_ATTEND_BLOCK, S) | hq | aq | seq_of (T) | first_of (N) */
     const int nth = col_pool_n_threads(pool);
     const size_t T = (size_t)n_tok, S = (size_t)most_keys;
     job.scores_per_thread = (int64_t)S;
 #define F32_BYTES(n) (((n) * sizeof(float) + 63) / 64 * 64)
     const size_t sz_h = F32_BYTES(T * (size_t)l->dim), sz_qkv = F32_BYTES(T * (size_t)job.R);
-    const size_t sz_a = F32_BYTES(T * (size_t)job.Q), sz_scores = F32_BYTES((size_t)nth * S);
+    const size_t sz_a = F32_BYTES(T * (size_t)job.Q), sz_scores = F32_BYTES((size_t)nth * COL_ATTEND_BLOCK * S);
 #undef F32_BYTES
     job.hq_bytes = job.mq.integer ? col_xq_bytes(l->dim / COL_QK_X) : 0;
     job.aq_bytes = job.mo.integer ? col_xq_bytes(job.Q / COL_QK_X) : 0;

@@ -252,6 +252,13 @@ typedef float (*col_dot_xq_fn)(const uint8_t *w, const col_xq_row *x, int64_t nb
 /* Float vector helpers (attention): sum a[i] * b[i]; y[i] += a * x[i]. */
 typedef float (*col_dot_f32_fn)(const float *a, const float *b, int64_t n);
 typedef void (*col_axpy_f32_fn)(float *y, float a, const float *x, int64_t n);
+/* x[i] = exp(x[i] - mx) for i < n; returns their sum (softmax's numerators and denominator). */
+typedef float (*col_exp_sum_fn)(float *x, int64_t n, float mx);
+struct col_attend_query;
+/* col_attend_block with the level's dot_f32 and axpy_f32 inlined (same operations). */
+typedef void (*col_attend_block_fn)(const struct col_attend_query *q, int n, const float *keys, const float *vals,
+                                    int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring, float scale,
+                                    float *sc, int64_t stride);
 
 /* One weight row times n (2..4) activation rows x[0..n): out[t] = dot(w, x[t]), with the
  * bits dot_xq gives each token alone; the weight blocks are decoded once for the n tokens. */
@@ -300,11 +307,13 @@ typedef struct {
     col_dequantize_row_fn dequantize_row[COL_TYPE_COUNT]; /* NULL: the type's reference
                                                              dequantizer; else the same bits */
     col_rows_xq_fn rows_xq[COL_TYPE_COUNT]; /* NULL: dotn_xq / dot_xq per row */
+    col_attend_block_fn attend_block;       /* NULL: COL_ATTEND_BLOCK_STEPS through dot_f32, axpy_f32 */
 } col_kernel_set;
 
 /* The portable float helpers (kernels.c), also used by levels without their own. */
 float col_dot_f32_portable(const float *a, const float *b, int64_t n);
 void col_axpy_f32_portable(float *y, float a, const float *x, int64_t n);
+float col_exp_sum_portable(float *x, int64_t n, float mx);
 void col_silu_mul_portable(const float *g, const float *u, float *h, int64_t n);
 void col_clamped_swiglu_portable(const float *g, const float *u, float *h, int64_t n, float alpha, float limit);
 void col_gelu_tanh_mul_portable(const float *g, const float *u, float *h, int64_t n);
@@ -358,7 +367,8 @@ void col_matrix_rows(const col_kernel_set *k, const col_matrix *m, int64_t r_beg
  * each head rotated (rotate-half within them) by c, s (rotary_dim), the rest untouched. */
 void col_rope_heads(float *x, int64_t n_heads, int64_t head_dim, int64_t rotary_dim, const float *c, const float *s);
 
-/* One query head's attention over the keys at positions lo..hi (ops.c): ov (Hd) =
+/* One query head's attention over the keys at positions lo..hi (ops.c, col_attend_block for
+ * one query): ov (Hd) =
  * softmax(scale * q.k_s) v_s, keys/vals read at kv head kh from rows of K * Hd floats: position
  * s in row s % ring of a ring buffer (ring > 0) or row s (ring 0); sc (>= hi - lo + 1) scratch;
  * zeros if hi < lo. With a sink (NULL: none), *sink is one more logit in the softmax
@@ -366,6 +376,69 @@ void col_rope_heads(float *x, int64_t n_heads, int64_t head_dim, int64_t rotary_
 void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys, const float *vals,
                      int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, int64_t ring, float scale,
                      const float *sink, float *sc, float *ov);
+
+/* One query of col_attend_block: its vector (Hd), the key positions lo..hi it sees, its sink
+ * (NULL: none) and its output (Hd). */
+typedef struct col_attend_query {
+    const float *qv;
+    int64_t lo, hi;
+    const float *sink;
+    float *ov;
+} col_attend_query;
+
+/* The most queries col_attend_block takes at once: 16 score rows and 16 outputs stay in L1
+ * and L2 while each key and value row is read once for them. */
+#define COL_ATTEND_BLOCK 16
+
+/* col_attend_head for n (1..COL_ATTEND_BLOCK) queries that read kv head kh of the same cache
+ * (the tokens of one sequence in a step, and the query heads of a group), bit for bit (ops.c);
+ * sc: (n, stride) scratch, stride >= the most keys one query sees. */
+void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n, const float *keys, const float *vals,
+                      int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring, float scale, float *sc,
+                      int64_t stride);
+
+/* The body of col_attend_block, expanded with a level's dot, axpy and exp_sum (function
+ * names or pointers) over the parameters of col_attend_block_fn. Each key and value row is brought
+ * into L1 once for all n queries instead of once per query (a prompt of 2048 tokens read each
+ * row from memory about 2048 times), and the dot products of different queries overlap. Per
+ * query the operations are col_attend_head's, in its order: the dot products in key order,
+ * the max, the exponentials and their sum (exp_sum), then the weighted values added in key
+ * order, so each q[i].ov is bit for bit what the same level gives the query alone. Key
+ * position s lives in row s % ring of a ring buffer (ring > 0), else in row s: the keys are
+ * visited in position order either way, so a ring gives the same sums as a flat cache. */
+#define COL_ATTEND_BLOCK_STEPS(dot, axpy, exp_sum)                                                                           \
+    const int64_t Hd_ = head_dim, K_ = n_kv_heads;                                                                  \
+    int64_t first_ = INT64_MAX, last_ = -1;                                                                         \
+    float mx_[COL_ATTEND_BLOCK], inv_[COL_ATTEND_BLOCK];                                                            \
+    for (int i = 0; i < n; i++) {                                                                                   \
+        for (int64_t d = 0; d < Hd_; d++) q[i].ov[d] = 0.0f;                                                        \
+        mx_[i] = -INFINITY;                                                                                         \
+        if (q[i].hi < q[i].lo) continue;                                                                            \
+        if (q[i].lo < first_) first_ = q[i].lo;                                                                     \
+        if (q[i].hi > last_) last_ = q[i].hi;                                                                       \
+    }                                                                                                               \
+    for (int64_t s = first_; s <= last_; s++) {                                                                     \
+        const float *ks = keys + ((ring > 0 ? s % ring : s) * K_ + kh) * Hd_;                                       \
+        for (int i = 0; i < n; i++) {                                                                               \
+            if (s < q[i].lo || s > q[i].hi) continue;                                                               \
+            const float score = dot(q[i].qv, ks, Hd_) * scale;                                                      \
+            sc[i * stride + (s - q[i].lo)] = score;                                                                 \
+            if (score > mx_[i]) mx_[i] = score;                                                                     \
+        }                                                                                                           \
+    }                                                                                                               \
+    for (int i = 0; i < n; i++) {                                                                                   \
+        if (q[i].hi < q[i].lo) continue;                                                                            \
+        const float *sink = q[i].sink;                                                                              \
+        if (sink && *sink > mx_[i]) mx_[i] = *sink;                                                                 \
+        float sum = exp_sum(sc + i * stride, q[i].hi - q[i].lo + 1, mx_[i]);                                       \
+        if (sink) sum += expf(*sink - mx_[i]); /* the sink's share of the denominator; it has no value */           \
+        inv_[i] = 1.0f / sum;                                                                                       \
+    }                                                                                                               \
+    for (int64_t s = first_; s <= last_; s++) {                                                                     \
+        const float *vs = vals + ((ring > 0 ? s % ring : s) * K_ + kh) * Hd_;                                       \
+        for (int i = 0; i < n; i++)                                                                                 \
+            if (s >= q[i].lo && s <= q[i].hi) axpy(q[i].ov, sc[i * stride + (s - q[i].lo)] * inv_[i], vs, Hd_);     \
+    }
 
 /* The first key position a query at pos sees: the start of its sliding window (window > 0),
  * of its attention chunk (chunk > 0: pos - pos % chunk) and of what a ring of `ring` rows

@@ -17,6 +17,15 @@ float col_dot_f32_portable(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
+float col_exp_sum_portable(float *x, int64_t n, float mx) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - mx);
+        sum += x[i];
+    }
+    return sum;
+}
+
 void col_axpy_f32_portable(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
@@ -49,7 +58,7 @@ static const col_kernel_set portable_kernels = {COL_KERNELS_PORTABLE, {NULL}, co
                                                 col_axpy_f32_portable, {NULL}, col_silu_mul_portable,
                                                 col_quantize_block_portable, col_rms_norm_row_portable,
                                                 col_clamped_swiglu_portable, {NULL}, col_gelu_tanh_mul_portable, {NULL},
-                                                {NULL}};
+                                                {NULL}, NULL};
 
 static _Atomic(const col_kernel_set *) active_kernels = NULL;
 

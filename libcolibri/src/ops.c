@@ -85,28 +85,20 @@ typedef struct {
 void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys, const float *vals,
                      int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, int64_t ring, float scale,
                      const float *sink, float *sc, float *ov) {
-    const int64_t Hd = head_dim, K = n_kv_heads;
-    for (int64_t i = 0; i < Hd; i++) ov[i] = 0.0f;
-    if (hi < lo) return;
-    /* Key position s lives in row s % ring of a ring buffer (ring > 0), else in row s. The keys
-     * are visited in position order either way, so a ring gives the same sums as a flat cache. */
-#define KEY_ROW(s) (ring > 0 ? (s) % ring : (s))
-    float mx = -INFINITY;
-    for (int64_t s = lo; s <= hi; s++) {
-        float *score = sc + (s - lo);
-        *score = k->dot_f32(qv, keys + (KEY_ROW(s) * K + kh) * Hd, Hd) * scale;
-        if (*score > mx) mx = *score;
+    const col_attend_query q = {qv, lo, hi, sink, ov};
+    col_attend_block(k, &q, 1, keys, vals, n_kv_heads, kh, head_dim, ring, scale, sc, 0);
+}
+
+/* col_attend_block (col_internal.h): the level's own, with its dot and axpy inlined, or
+ * these steps through the level's dot_f32 and axpy_f32. */
+void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n, const float *keys, const float *vals,
+                      int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring, float scale, float *sc,
+                      int64_t stride) {
+    if (k->attend_block) {
+        k->attend_block(q, n, keys, vals, n_kv_heads, kh, head_dim, ring, scale, sc, stride);
+        return;
     }
-    if (sink && *sink > mx) mx = *sink;
-    float sum = 0.0f;
-    for (int64_t s = lo; s <= hi; s++) {
-        sc[s - lo] = expf(sc[s - lo] - mx);
-        sum += sc[s - lo];
-    }
-    if (sink) sum += expf(*sink - mx); /* the sink's share of the denominator; it has no value */
-    const float inv = 1.0f / sum;
-    for (int64_t s = lo; s <= hi; s++) k->axpy_f32(ov, sc[s - lo] * inv, vals + (KEY_ROW(s) * K + kh) * Hd, Hd);
-#undef KEY_ROW
+    COL_ATTEND_BLOCK_STEPS(k->dot_f32, k->axpy_f32, col_exp_sum_portable)
 }
 
 int64_t col_first_visible_key(int64_t pos, int64_t window, int64_t chunk, int64_t ring) {

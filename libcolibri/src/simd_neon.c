@@ -135,7 +135,7 @@ static const col_kernel_set neon_kernels = {
     COL_KERNELS_NEON,
     {[COL_TYPE_Q8_0] = dot_q8_0_neon, [COL_TYPE_Q4_G64] = dot_q4_g64_neon, [COL_TYPE_MXFP4] = dot_mxfp4_neon},
     col_dot_f32_portable, col_axpy_f32_portable, {NULL}, col_silu_mul_portable, col_quantize_block_portable,
-    col_rms_norm_row_portable, col_clamped_swiglu_portable, {NULL}, col_gelu_tanh_mul_portable, {NULL}, {NULL}};
+    col_rms_norm_row_portable, col_clamped_swiglu_portable, {NULL}, col_gelu_tanh_mul_portable, {NULL}, {NULL}, NULL};
 
 const col_kernel_set *col_kernels_neon(void) { return &neon_kernels; }
 

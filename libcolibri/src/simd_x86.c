@@ -455,7 +455,10 @@ TARGET_VNNI static void dotn_mxfp4_vnni(const uint8_t *w, const col_xq_row *x, i
 
 /* ---- float helpers for attention -------------------------------------------------------- */
 
-TARGET_AVX2 static float dot_f32_avx2(const float *a, const float *b, int64_t n) {
+/* The dot and axpy of each level, always inlined: col_attend_block's level versions expand
+ * them in place, the kernel set's entries call them, so both do the same operations. */
+TARGET_AVX2 static inline __attribute__((always_inline)) float dot_f32_avx2_inline(const float *a, const float *b,
+                                                                                  int64_t n) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -467,14 +470,16 @@ TARGET_AVX2 static float dot_f32_avx2(const float *a, const float *b, int64_t n)
     return sum;
 }
 
-TARGET_AVX2 static void axpy_f32_avx2(float *y, float a, const float *x, int64_t n) {
+TARGET_AVX2 static inline __attribute__((always_inline)) void axpy_f32_avx2_inline(float *y, float a, const float *x,
+                                                                                  int64_t n) {
     const __m256 va = _mm256_set1_ps(a);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
     for (; i < n; i++) y[i] += a * x[i];
 }
 
-TARGET_AVX512 static float dot_f32_avx512(const float *a, const float *b, int64_t n) {
+TARGET_AVX512 static inline __attribute__((always_inline)) float dot_f32_avx512_inline(const float *a, const float *b,
+                                                                                      int64_t n) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
@@ -487,12 +492,29 @@ TARGET_AVX512 static float dot_f32_avx512(const float *a, const float *b, int64_
     return sum;
 }
 
-TARGET_AVX512 static void axpy_f32_avx512(float *y, float a, const float *x, int64_t n) {
+TARGET_AVX512 static inline __attribute__((always_inline)) void axpy_f32_avx512_inline(float *y, float a,
+                                                                                      const float *x, int64_t n) {
     const __m512 va = _mm512_set1_ps(a);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
     for (; i < n; i++) y[i] += a * x[i];
 }
+
+#define LEVEL_FLOAT_HELPERS(target, level)                                                                          \
+    target static float dot_f32_##level(const float *a, const float *b, int64_t n) {                                \
+        return dot_f32_##level##_inline(a, b, n);                                                                   \
+    }                                                                                                               \
+    target static void axpy_f32_##level(float *y, float a, const float *x, int64_t n) {                             \
+        axpy_f32_##level##_inline(y, a, x, n);                                                                      \
+    }                                                                                                               \
+    target static void attend_block_##level(const col_attend_query *q, int n, const float *keys, const float *vals, \
+                                            int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring,         \
+                                            float scale, float *sc, int64_t stride) {                               \
+        COL_ATTEND_BLOCK_STEPS(dot_f32_##level##_inline, axpy_f32_##level##_inline, exp_sum_##level)                \
+    }
+
+#define exp_sum_avx2 col_exp_sum_portable /* no vector exp at this level */
+LEVEL_FLOAT_HELPERS(TARGET_AVX2, avx2)
 
 /* ---- SwiGLU ------------------------------------------------------------------------------ */
 
@@ -530,6 +552,28 @@ TARGET_AVX512 static void silu_mul_avx512(const float *g, const float *u, float 
         _mm512_mask_storeu_ps(h + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, u + i)));
     }
 }
+
+/* col_exp_sum_portable sixteen values at a time with exp_avx512 (within about 1 ulp of expf),
+ * summed in sixteen lanes; the tail through a mask, so every value gets the same exp. */
+TARGET_AVX512 static float exp_sum_avx512(float *x, int64_t n, float mx) {
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 sum = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(x + i), m));
+        _mm512_storeu_ps(x + i, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (i < n) {
+        const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1u);
+        const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), m));
+        _mm512_mask_storeu_ps(x + i, tail, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+
+LEVEL_FLOAT_HELPERS(TARGET_AVX512, avx512)
 
 /* col_clamped_swiglu_portable sixteen values at a time with exp_avx512; min/max take the
  * value as their second operand, so a NaN passes the clamps as the portable comparisons
@@ -1223,7 +1267,8 @@ static const col_kernel_set avx2_kernels = {
     COL_KERNELS_AVX2, {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2, [COL_TYPE_MXFP4] = dot_mxfp4_avx2},
     dot_f32_avx2, axpy_f32_avx2, {NULL}, col_silu_mul_portable, quantize_block_avx2,
     col_rms_norm_row_portable, col_clamped_swiglu_portable, {[COL_TYPE_Q4_G64] = col_quantize_row_q4_g64_avx2},
-    col_gelu_tanh_mul_portable, DEQUANTIZERS(avx2), {[COL_TYPE_Q8_0] = rows_q8_0_avx2, [COL_TYPE_Q4_G64] = rows_q4_g64_avx2}};
+    col_gelu_tanh_mul_portable, DEQUANTIZERS(avx2), {[COL_TYPE_Q8_0] = rows_q8_0_avx2, [COL_TYPE_Q4_G64] = rows_q4_g64_avx2},
+    attend_block_avx2};
 /* AVX-512 without VNNI (Skylake-SP and -X) computes q8_0 and q4_g64 in the AVX2 panels: its
  * own one-row kernels (512-bit vpmaddubsw over two blocks) measured slower at every token
  * count on the Intel Xeon (one token 7.3-9.1 against 6.2-6.3 ms over a 32768 x 2048 q8_0
@@ -1234,7 +1279,7 @@ static const col_kernel_set avx512_kernels = {
     {[COL_TYPE_Q8_0] = dot_q8_0_avx2, [COL_TYPE_Q4_G64] = dot_q4_g64_avx2, [COL_TYPE_MXFP4] = dot_mxfp4_avx512},
     dot_f32_avx512, axpy_f32_avx512, {NULL}, silu_mul_avx512, quantize_block_avx512, rms_norm_row_avx512,
     clamped_swiglu_avx512, {[COL_TYPE_Q4_G64] = col_quantize_row_q4_g64_avx512}, gelu_tanh_mul_avx512,
-    DEQUANTIZERS(avx512), {[COL_TYPE_Q8_0] = rows_q8_0_avx2, [COL_TYPE_Q4_G64] = rows_q4_g64_avx2}};
+    DEQUANTIZERS(avx512), {[COL_TYPE_Q8_0] = rows_q8_0_avx2, [COL_TYPE_Q4_G64] = rows_q4_g64_avx2}, attend_block_avx512};
 static const col_kernel_set vnni_kernels = {
     COL_KERNELS_AVX512_VNNI,
     {[COL_TYPE_Q8_0] = dot_q8_0_vnni, [COL_TYPE_Q4_G64] = dot_q4_g64_vnni, [COL_TYPE_MXFP4] = dot_mxfp4_vnni},
@@ -1242,7 +1287,8 @@ static const col_kernel_set vnni_kernels = {
     {[COL_TYPE_MXFP4] = dotn_mxfp4_vnni},
     silu_mul_avx512,
     quantize_block_avx512, rms_norm_row_avx512, clamped_swiglu_avx512, {[COL_TYPE_Q4_G64] = col_quantize_row_q4_g64_avx512},
-    gelu_tanh_mul_avx512, DEQUANTIZERS(avx512), {[COL_TYPE_Q8_0] = rows_q8_0_vnni, [COL_TYPE_Q4_G64] = rows_q4_g64_vnni}};
+    gelu_tanh_mul_avx512, DEQUANTIZERS(avx512), {[COL_TYPE_Q8_0] = rows_q8_0_vnni, [COL_TYPE_Q4_G64] = rows_q4_g64_vnni},
+    attend_block_avx512};
 
 static int has_avx2(void) {
     __builtin_cpu_init();

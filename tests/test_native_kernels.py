@@ -430,8 +430,10 @@ def test_partial_rope_rotates_the_leading_dims_only(rotary_dim):
 
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("n_q", [1, 4])
-def test_attention_matches_masked_softmax(window, n_q, kernel_level, pools):
-    S, H, K, Hd = 9, 6, 2, 32
+# 150 keys: the values in several tiles of 64 keys; head dims of whole and partial chunks of four vectors
+@pytest.mark.parametrize("S, Hd", [(9, 32), (150, 80), (70, 128)])
+def test_attention_matches_masked_softmax(window, n_q, S, Hd, kernel_level, pools):
+    H, K = 6, 2
     keys, values = gaussian((S, K, Hd), 12), gaussian((S, K, Hd), 13)
     q = gaussian((n_q, H, Hd), 14)
     positions = np.arange(S - n_q, S)

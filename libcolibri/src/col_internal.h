@@ -397,8 +397,9 @@ void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n,
                       int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring, float scale, float *sc,
                       int64_t stride);
 
-/* The body of col_attend_block, expanded with a level's dot, axpy and exp_sum (function
- * names or pointers) over the parameters of col_attend_block_fn. Each key and value row is brought
+/* The body of col_attend_block (COL_ATTEND_BLOCK_STEPS: COL_ATTEND_WEIGHTS, then
+ * COL_ATTEND_VALUES), expanded with a level's dot, axpy and exp_sum (function names or
+ * pointers) over the parameters of col_attend_block_fn. Each key and value row is brought
  * into L1 once for all n queries instead of once per query (a prompt of 2048 tokens read each
  * row from memory about 2048 times), and the dot products of different queries overlap. Per
  * query the operations are col_attend_head's, in its order: the dot products in key order,
@@ -406,7 +407,7 @@ void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n,
  * order, so each q[i].ov is bit for bit what the same level gives the query alone. Key
  * position s lives in row s % ring of a ring buffer (ring > 0), else in row s: the keys are
  * visited in position order either way, so a ring gives the same sums as a flat cache. */
-#define COL_ATTEND_BLOCK_STEPS(dot, axpy, exp_sum)                                                                           \
+#define COL_ATTEND_WEIGHTS(dot, exp_sum)                                                                           \
     const int64_t Hd_ = head_dim, K_ = n_kv_heads;                                                                  \
     int64_t first_ = INT64_MAX, last_ = -1;                                                                         \
     float mx_[COL_ATTEND_BLOCK], inv_[COL_ATTEND_BLOCK];                                                            \
@@ -433,12 +434,19 @@ void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n,
         float sum = exp_sum(sc + i * stride, q[i].hi - q[i].lo + 1, mx_[i]);                                       \
         if (sink) sum += expf(*sink - mx_[i]); /* the sink's share of the denominator; it has no value */           \
         inv_[i] = 1.0f / sum;                                                                                       \
-    }                                                                                                               \
+    }
+
+/* Then the weighted values, added to each q[i].ov in key order. */
+#define COL_ATTEND_VALUES(axpy)                                                                                     \
     for (int64_t s = first_; s <= last_; s++) {                                                                     \
         const float *vs = vals + ((ring > 0 ? s % ring : s) * K_ + kh) * Hd_;                                       \
         for (int i = 0; i < n; i++)                                                                                 \
             if (s >= q[i].lo && s <= q[i].hi) axpy(q[i].ov, sc[i * stride + (s - q[i].lo)] * inv_[i], vs, Hd_);     \
     }
+
+#define COL_ATTEND_BLOCK_STEPS(dot, axpy, exp_sum)                                                                  \
+    COL_ATTEND_WEIGHTS(dot, exp_sum)                                                                                \
+    COL_ATTEND_VALUES(axpy)
 
 /* The first key position a query at pos sees: the start of its sliding window (window > 0),
  * of its attention chunk (chunk > 0: pos - pos % chunk) and of what a ring of `ring` rows

@@ -500,7 +500,48 @@ TARGET_AVX512 static inline __attribute__((always_inline)) void axpy_f32_avx512_
     for (; i < n; i++) y[i] += a * x[i];
 }
 
-#define LEVEL_FLOAT_HELPERS(target, level)                                                                          \
+/* COL_ATTEND_VALUES with each query's output held in registers over a tile of keys: per
+ * (query, key) LANES * VECS loads and fmas, and the output stored once a tile instead of once
+ * a key. Each output element gets the same fmas in the same key order as through axpy, the
+ * weight sc * inv rounded the same way, so the bits are COL_ATTEND_VALUES'. Needs head_dim a
+ * multiple of the lanes (the callers check). */
+#define VALUE_TILE_KEYS 64 /* the tile's value rows of one kv head: 32 KiB at head_dim 128 */
+#define VALUES_IN_REGISTERS(target, level, vec, lanes, loadu, storeu, fmadd, set1)                                   \
+    target static inline __attribute__((always_inline)) void values_chunk_##level(                                  \
+        float *ov, const float *vals, int64_t row_floats, int64_t kh, int64_t Hd, int64_t ring, const float *p,     \
+        float inv, int64_t b, int64_t e, const int vecs) {                                                          \
+        vec acc[4];                                                                                                 \
+        _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[v] = loadu(ov + v * (lanes));                    \
+        for (int64_t s = b; s <= e; s++) {                                                                          \
+            const float *vs = vals + (ring > 0 ? s % ring : s) * row_floats + kh * Hd;                              \
+            const vec a = set1(p[s] * inv);                                                                         \
+            _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[v] = fmadd(a, loadu(vs + v * (lanes)), acc[v]); \
+        }                                                                                                           \
+        _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) storeu(ov + v * (lanes), acc[v]);                    \
+    }                                                                                                               \
+    target static void values_in_registers_##level(const col_attend_query *q, int n, const float *vals, int64_t K,  \
+                                                   int64_t kh, int64_t Hd, int64_t ring, const float *sc,           \
+                                                   int64_t stride, const float *inv, int64_t first, int64_t last) { \
+        for (int64_t s0 = first; s0 <= last; s0 += VALUE_TILE_KEYS) {                                               \
+            const int64_t s1 = s0 + VALUE_TILE_KEYS - 1 < last ? s0 + VALUE_TILE_KEYS - 1 : last;                   \
+            for (int i = 0; i < n; i++) {                                                                           \
+                const int64_t b = s0 > q[i].lo ? s0 : q[i].lo, e = s1 < q[i].hi ? s1 : q[i].hi;                     \
+                if (b > e) continue;                                                                                \
+                const float *p = sc + i * stride - q[i].lo; /* p[s]: key s's weight before 1 / sum */               \
+                int64_t c = 0;                                                                                      \
+                for (; c + 4 * (lanes) <= Hd; c += 4 * (lanes))                                                     \
+                    values_chunk_##level(q[i].ov + c, vals + c, K * Hd, kh, Hd, ring, p, inv[i], b, e, 4);          \
+                for (; c < Hd; c += (lanes))                                                                        \
+                    values_chunk_##level(q[i].ov + c, vals + c, K * Hd, kh, Hd, ring, p, inv[i], b, e, 1);          \
+            }                                                                                                       \
+        }                                                                                                           \
+    }
+
+VALUES_IN_REGISTERS(TARGET_AVX2, avx2, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps)
+VALUES_IN_REGISTERS(TARGET_AVX512, avx512, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps,
+                    _mm512_set1_ps)
+
+#define LEVEL_FLOAT_HELPERS(target, level, lanes)                                                                   \
     target static float dot_f32_##level(const float *a, const float *b, int64_t n) {                                \
         return dot_f32_##level##_inline(a, b, n);                                                                   \
     }                                                                                                               \
@@ -510,11 +551,16 @@ TARGET_AVX512 static inline __attribute__((always_inline)) void axpy_f32_avx512_
     target static void attend_block_##level(const col_attend_query *q, int n, const float *keys, const float *vals, \
                                             int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring,         \
                                             float scale, float *sc, int64_t stride) {                               \
-        COL_ATTEND_BLOCK_STEPS(dot_f32_##level##_inline, axpy_f32_##level##_inline, exp_sum_##level)                \
+        COL_ATTEND_WEIGHTS(dot_f32_##level##_inline, exp_sum_##level)                                              \
+        if (Hd_ % (lanes) == 0) {                                                                                   \
+            values_in_registers_##level(q, n, vals, K_, kh, Hd_, ring, sc, stride, inv_, first_, last_);            \
+            return;                                                                                                 \
+        }                                                                                                           \
+        COL_ATTEND_VALUES(axpy_f32_##level##_inline)                                                                \
     }
 
 #define exp_sum_avx2 col_exp_sum_portable /* no vector exp at this level */
-LEVEL_FLOAT_HELPERS(TARGET_AVX2, avx2)
+LEVEL_FLOAT_HELPERS(TARGET_AVX2, avx2, 8)
 
 /* ---- SwiGLU ------------------------------------------------------------------------------ */
 
@@ -573,7 +619,7 @@ TARGET_AVX512 static float exp_sum_avx512(float *x, int64_t n, float mx) {
     return _mm512_reduce_add_ps(sum);
 }
 
-LEVEL_FLOAT_HELPERS(TARGET_AVX512, avx512)
+LEVEL_FLOAT_HELPERS(TARGET_AVX512, avx512, 16)
 
 /* col_clamped_swiglu_portable sixteen values at a time with exp_avx512; min/max take the
  * value as their second operand, so a NaN passes the clamps as the portable comparisons

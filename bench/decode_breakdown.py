@@ -4,6 +4,9 @@ rest is Python (wrappers, routing, numpy glue). Uses the packs bench_kernels.py 
     python bench/decode_breakdown.py ~/.cache/colibri-bench/olmoe-q4_g64.pack --threads 2
     python bench/decode_breakdown.py ~/.cache/colibri-bench/olmoe-4l-q8_0.pack --batch 8
 
+With --prompt N, one N-token prompt is prefilled instead (in the daemon's steps of up to 512
+tokens) and its time broken down the same way.
+
 With --batch N, N sequences decode together through Model.forward_batch (one step = one
 token of each), as the daemon's batch runs them, and each step's sampling (seeded,
 temperature 1, as bench_serving asks) is timed on its own line.
@@ -32,6 +35,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=0, help="decode N sequences together (0: one, unbatched)")
+    parser.add_argument("--prompt", type=int, default=0, help="break down the prefill of an N-token prompt instead")
     parser.add_argument("--context", type=int, default=0,
                         help="prompt tokens each sequence holds before decoding (bench_serving's prompts: ~128)")
     args = parser.parse_args()
@@ -93,10 +97,24 @@ def main() -> int:
             spent["sampling"] = spent.get("sampling", 0.0) + time.perf_counter() - t_sample
         return time.perf_counter() - t0
 
-    run = decode_batch if args.batch else decode
+    def prefill() -> float:
+        session = engine.new_session(args.prompt + 8)
+        tokens = np.random.default_rng(0).integers(1, engine.model.config.vocab_size, args.prompt).astype(np.int32)
+        t0 = time.perf_counter()
+        session.forward(tokens, all_logits=False)
+        return time.perf_counter() - t0
+
+    run = prefill if args.prompt else decode_batch if args.batch else decode
     run()
     spent.clear()
     total = run()
+    if args.prompt:
+        print(f"{args.pack.name}, {args.threads} thread(s), kernels {native.kernels()}: a {args.prompt}-token prompt "
+              f"in {1e3 * total:.0f} ms ({args.prompt / total:.1f} tok/s)")
+        for name, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:18s} {1e3 * seconds:8.1f} ms")
+        print(f"  {'python / other':18s} {1e3 * (total - sum(spent.values())):8.1f} ms")
+        return 0
     per = lambda s: 1e3 * s / args.tokens  # noqa: E731
     what = f"ms/step of {args.batch} tokens" if args.batch else "ms/token"
     print(f"{args.pack.name}, {args.threads} thread(s), kernels {native.kernels()}: {per(total):.2f} {what} "

@@ -108,20 +108,17 @@ def main() -> int:
     run()
     spent.clear()
     total = run()
-    if args.prompt:
-        print(f"{args.pack.name}, {args.threads} thread(s), kernels {native.kernels()}: a {args.prompt}-token prompt "
-              f"in {1e3 * total:.0f} ms ({args.prompt / total:.1f} tok/s)")
-        for name, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
-            print(f"  {name:18s} {1e3 * seconds:8.1f} ms")
-        print(f"  {'python / other':18s} {1e3 * (total - sum(spent.values())):8.1f} ms")
-        return 0
-    per = lambda s: 1e3 * s / args.tokens  # noqa: E731
-    what = f"ms/step of {args.batch} tokens" if args.batch else "ms/token"
-    print(f"{args.pack.name}, {args.threads} thread(s), kernels {native.kernels()}: {per(total):.2f} {what} "
-          f"({max(args.batch, 1) * args.tokens / total:.1f} tok/s)")
+    if args.prompt:  # the whole prompt, in ms
+        scale, what, rate = 1e3, f"ms for a {args.prompt}-token prompt", args.prompt / total
+    else:  # per step or token
+        scale = 1e3 / args.tokens
+        what = f"ms/step of {args.batch} tokens" if args.batch else "ms/token"
+        rate = max(args.batch, 1) * args.tokens / total
+    print(f"{args.pack.name}, {args.threads} thread(s), kernels {native.kernels()}: {scale * total:.2f} {what} "
+          f"({rate:.1f} tok/s)")
     for name, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:18s} {per(seconds):6.2f} ms")
-    print(f"  {'python / other':18s} {per(total - sum(spent.values())):6.2f} ms")
+        print(f"  {name:18s} {scale * seconds:8.2f} ms")
+    print(f"  {'python / other':18s} {scale * (total - sum(spent.values())):8.2f} ms")
     return 0
 
 

@@ -252,10 +252,9 @@ typedef float (*col_dot_xq_fn)(const uint8_t *w, const col_xq_row *x, int64_t nb
 /* Float vector helpers (attention): sum a[i] * b[i]; y[i] += a * x[i]. */
 typedef float (*col_dot_f32_fn)(const float *a, const float *b, int64_t n);
 typedef void (*col_axpy_f32_fn)(float *y, float a, const float *x, int64_t n);
-/* x[i] = exp(x[i] - mx) for i < n; returns their sum (softmax's numerators and denominator). */
-typedef float (*col_exp_sum_fn)(float *x, int64_t n, float mx);
 struct col_attend_query;
-/* col_attend_block with the level's dot_f32 and axpy_f32 inlined (same operations). */
+/* col_attend_block as a level computes it: COL_ATTEND_BLOCK_STEPS with its own dot, axpy and
+ * exponentials inlined (and the weighted values in registers), one set of bits per level. */
 typedef void (*col_attend_block_fn)(const struct col_attend_query *q, int n, const float *keys, const float *vals,
                                     int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring, float scale,
                                     float *sc, int64_t stride);
@@ -307,12 +306,14 @@ typedef struct {
     col_dequantize_row_fn dequantize_row[COL_TYPE_COUNT]; /* NULL: the type's reference
                                                              dequantizer; else the same bits */
     col_rows_xq_fn rows_xq[COL_TYPE_COUNT]; /* NULL: dotn_xq / dot_xq per row */
-    col_attend_block_fn attend_block;       /* NULL: COL_ATTEND_BLOCK_STEPS through dot_f32, axpy_f32 */
+    col_attend_block_fn attend_block;       /* NULL: COL_ATTEND_BLOCK_STEPS through dot_f32, axpy_f32
+                                               and col_exp_sum_portable */
 } col_kernel_set;
 
 /* The portable float helpers (kernels.c), also used by levels without their own. */
 float col_dot_f32_portable(const float *a, const float *b, int64_t n);
 void col_axpy_f32_portable(float *y, float a, const float *x, int64_t n);
+/* x[i] = expf(x[i] - mx) for i < n, summed in order: a softmax's numerators and denominator. */
 float col_exp_sum_portable(float *x, int64_t n, float mx);
 void col_silu_mul_portable(const float *g, const float *u, float *h, int64_t n);
 void col_clamped_swiglu_portable(const float *g, const float *u, float *h, int64_t n, float alpha, float limit);
@@ -402,9 +403,9 @@ void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n,
  * pointers) over the parameters of col_attend_block_fn. Each key and value row is brought
  * into L1 once for all n queries instead of once per query (a prompt of 2048 tokens read each
  * row from memory about 2048 times), and the dot products of different queries overlap. Per
- * query the operations are col_attend_head's, in its order: the dot products in key order,
- * the max, the exponentials and their sum (exp_sum), then the weighted values added in key
- * order, so each q[i].ov is bit for bit what the same level gives the query alone. Key
+ * query the operations depend on nothing but that query: the dot products in key order, the
+ * max, the exponentials and their sum (exp_sum), then the weighted values added in key order,
+ * so each q[i].ov is bit for bit what the same level gives the query alone. Key
  * position s lives in row s % ring of a ring buffer (ring > 0), else in row s: the keys are
  * visited in position order either way, so a ring gives the same sums as a flat cache. */
 #define COL_ATTEND_WEIGHTS(dot, exp_sum)                                                                           \

@@ -501,8 +501,8 @@ TARGET_AVX512 static inline __attribute__((always_inline)) void axpy_f32_avx512_
 }
 
 /* COL_ATTEND_VALUES with each query's output held in registers over a tile of keys: per
- * (query, key) LANES * VECS loads and fmas, and the output stored once a tile instead of once
- * a key. Each output element gets the same fmas in the same key order as through axpy, the
+ * (query, key) one load and one fma a vector of the head, and the output stored once a tile
+ * instead of once a key (axpy loads and stores it at every key). Each output element gets the same fmas in the same key order as through axpy, the
  * weight sc * inv rounded the same way, so the bits are COL_ATTEND_VALUES'. Needs head_dim a
  * multiple of the lanes (the callers check). */
 #define VALUE_TILE_KEYS 64 /* the tile's value rows of one kv head: 32 KiB at head_dim 128 */
@@ -541,6 +541,9 @@ VALUES_IN_REGISTERS(TARGET_AVX2, avx2, __m256, 8, _mm256_loadu_ps, _mm256_storeu
 VALUES_IN_REGISTERS(TARGET_AVX512, avx512, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps,
                     _mm512_set1_ps)
 
+/* A level's float helpers for attention: the kernel set's dot_f32 and axpy_f32, and its
+ * attend_block with them and exp_sum_<level> inlined, the values in registers when the head
+ * is whole vectors of `lanes` floats. */
 #define LEVEL_FLOAT_HELPERS(target, level, lanes)                                                                   \
     target static float dot_f32_##level(const float *a, const float *b, int64_t n) {                                \
         return dot_f32_##level##_inline(a, b, n);                                                                   \
@@ -559,7 +562,9 @@ VALUES_IN_REGISTERS(TARGET_AVX512, avx512, __m512, 16, _mm512_loadu_ps, _mm512_s
         COL_ATTEND_VALUES(axpy_f32_##level##_inline)                                                                \
     }
 
-#define exp_sum_avx2 col_exp_sum_portable /* no vector exp at this level */
+/* expf one value at a time: an AVX2 exp with exp_avx512's bits measured no faster on a
+ * prompt's attention at this level, where the q/k/v/o products take most of it */
+#define exp_sum_avx2 col_exp_sum_portable
 LEVEL_FLOAT_HELPERS(TARGET_AVX2, avx2, 8)
 
 /* ---- SwiGLU ------------------------------------------------------------------------------ */

@@ -398,6 +398,15 @@ void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n,
                       int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring, float scale, float *sc,
                       int64_t stride);
 
+/* Keys ahead of the one being read whose rows are prefetched: one kv head's part of a cache
+ * row is a few lines, a row (all kv heads) apart, which the hardware's stream prefetchers
+ * do not follow across pages. */
+#define COL_ATTEND_AHEAD 8
+
+static inline void col_prefetch_floats(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
+
 /* The body of col_attend_block (COL_ATTEND_BLOCK_STEPS: COL_ATTEND_WEIGHTS, then
  * COL_ATTEND_VALUES), expanded with a level's dot, axpy and exp_sum (function names or
  * pointers) over the parameters of col_attend_block_fn. Each key and value row is brought
@@ -421,6 +430,8 @@ void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n,
     }                                                                                                               \
     for (int64_t s = first_; s <= last_; s++) {                                                                     \
         const float *ks = keys + ((ring > 0 ? s % ring : s) * K_ + kh) * Hd_;                                       \
+        if (s + COL_ATTEND_AHEAD <= last_) /* rows of a head are K * Hd floats apart: no stream to detect */       \
+            col_prefetch_floats(keys + ((ring > 0 ? (s + COL_ATTEND_AHEAD) % ring : s + COL_ATTEND_AHEAD) * K_ + kh) * Hd_, Hd_); \
         for (int i = 0; i < n; i++) {                                                                               \
             if (s < q[i].lo || s > q[i].hi) continue;                                                               \
             const float score = dot(q[i].qv, ks, Hd_) * scale;                                                      \

@@ -514,6 +514,9 @@ TARGET_AVX512 static inline __attribute__((always_inline)) void axpy_f32_avx512_
         _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[v] = loadu(ov + v * (lanes));                    \
         for (int64_t s = b; s <= e; s++) {                                                                          \
             const float *vs = vals + (ring > 0 ? s % ring : s) * row_floats + kh * Hd;                              \
+            if (s + COL_ATTEND_AHEAD <= e)                                                                          \
+                col_prefetch_floats(vals + (ring > 0 ? (s + COL_ATTEND_AHEAD) % ring : s + COL_ATTEND_AHEAD) * row_floats \
+                                    + kh * Hd, vecs * (lanes));                                                     \
             const vec a = set1(p[s] * inv);                                                                         \
             _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[v] = fmadd(a, loadu(vs + v * (lanes)), acc[v]); \
         }                                                                                                           \

@@ -137,7 +137,7 @@ static void finish_qkv(const block_job *j, int64_t t) {
     }
     const col_attention_seq *seq = j->seqs + j->seq_of[t];
     const int64_t pos = position_of(j, t);
-    const int64_t row = seq->ring_rows > 0 ? pos % seq->ring_rows : pos;
+    const int64_t row = col_cache_row(pos, seq->ring_rows);
     memcpy(seq->keys + row * j->KV, kt, (size_t)j->KV * sizeof(float));
     memcpy(seq->vals + row * j->KV, vt, (size_t)j->KV * sizeof(float));
 }

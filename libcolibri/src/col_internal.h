@@ -368,6 +368,16 @@ void col_matrix_rows(const col_kernel_set *k, const col_matrix *m, int64_t r_beg
  * each head rotated (rotate-half within them) by c, s (rotary_dim), the rest untouched. */
 void col_rope_heads(float *x, int64_t n_heads, int64_t head_dim, int64_t rotary_dim, const float *c, const float *s);
 
+/* The row of a KV cache that holds position pos: pos % ring in a ring buffer of `ring` rows
+ * (ring > 0), else pos. */
+static inline int64_t col_cache_row(int64_t pos, int64_t ring) { return ring > 0 ? pos % ring : pos; }
+
+/* Kv head kh's head_dim floats of position pos in a cache of rows of n_kv_heads * head_dim. */
+static inline const float *col_cache_head(const float *cache, int64_t pos, int64_t ring, int64_t n_kv_heads, int64_t kh,
+                                          int64_t head_dim) {
+    return cache + (col_cache_row(pos, ring) * n_kv_heads + kh) * head_dim;
+}
+
 /* One query head's attention over the keys at positions lo..hi (ops.c, col_attend_block for
  * one query): ov (Hd) =
  * softmax(scale * q.k_s) v_s, keys/vals read at kv head kh from rows of K * Hd floats: position
@@ -429,9 +439,9 @@ static inline void col_prefetch_floats(const float *p, int64_t n) {
         if (q[i].hi > last_) last_ = q[i].hi;                                                                       \
     }                                                                                                               \
     for (int64_t s = first_; s <= last_; s++) {                                                                     \
-        const float *ks = keys + ((ring > 0 ? s % ring : s) * K_ + kh) * Hd_;                                       \
+        const float *ks = col_cache_head(keys, s, ring, K_, kh, Hd_);                                               \
         if (s + COL_ATTEND_AHEAD <= last_) /* rows of a head are K * Hd floats apart: no stream to detect */       \
-            col_prefetch_floats(keys + ((ring > 0 ? (s + COL_ATTEND_AHEAD) % ring : s + COL_ATTEND_AHEAD) * K_ + kh) * Hd_, Hd_); \
+            col_prefetch_floats(col_cache_head(keys, s + COL_ATTEND_AHEAD, ring, K_, kh, Hd_), Hd_);                \
         for (int i = 0; i < n; i++) {                                                                               \
             if (s < q[i].lo || s > q[i].hi) continue;                                                               \
             const float score = dot(q[i].qv, ks, Hd_) * scale;                                                      \
@@ -451,7 +461,7 @@ static inline void col_prefetch_floats(const float *p, int64_t n) {
 /* Then the weighted values, added to each q[i].ov in key order. */
 #define COL_ATTEND_VALUES(axpy)                                                                                     \
     for (int64_t s = first_; s <= last_; s++) {                                                                     \
-        const float *vs = vals + ((ring > 0 ? s % ring : s) * K_ + kh) * Hd_;                                       \
+        const float *vs = col_cache_head(vals, s, ring, K_, kh, Hd_);                                               \
         for (int i = 0; i < n; i++)                                                                                 \
             if (s >= q[i].lo && s <= q[i].hi) axpy(q[i].ov, sc[i * stride + (s - q[i].lo)] * inv_[i], vs, Hd_);     \
     }

@@ -502,21 +502,21 @@ TARGET_AVX512 static inline __attribute__((always_inline)) void axpy_f32_avx512_
 
 /* COL_ATTEND_VALUES with each query's output held in registers over a tile of keys: per
  * (query, key) one load and one fma a vector of the head, and the output stored once a tile
- * instead of once a key (axpy loads and stores it at every key). Each output element gets the same fmas in the same key order as through axpy, the
- * weight sc * inv rounded the same way, so the bits are COL_ATTEND_VALUES'. Needs head_dim a
- * multiple of the lanes (the callers check). */
+ * instead of once a key (axpy loads and stores it at every key). Each output element gets the
+ * same fmas in the same key order as through axpy, the weight sc * inv rounded the same way,
+ * so the bits are COL_ATTEND_VALUES'. Needs head_dim a multiple of the lanes (the callers
+ * check); vals + c: the chunk's first float of a row. */
 #define VALUE_TILE_KEYS 64 /* the tile's value rows of one kv head: 32 KiB at head_dim 128 */
 #define VALUES_IN_REGISTERS(target, level, vec, lanes, loadu, storeu, fmadd, set1)                                   \
     target static inline __attribute__((always_inline)) void values_chunk_##level(                                  \
-        float *ov, const float *vals, int64_t row_floats, int64_t kh, int64_t Hd, int64_t ring, const float *p,     \
-        float inv, int64_t b, int64_t e, const int vecs) {                                                          \
+        float *ov, const float *vals, int64_t K, int64_t kh, int64_t Hd, int64_t ring, const float *p, float inv,   \
+        int64_t b, int64_t e, const int vecs) {                                                                     \
         vec acc[4];                                                                                                 \
         _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[v] = loadu(ov + v * (lanes));                    \
         for (int64_t s = b; s <= e; s++) {                                                                          \
-            const float *vs = vals + (ring > 0 ? s % ring : s) * row_floats + kh * Hd;                              \
+            const float *vs = col_cache_head(vals, s, ring, K, kh, Hd);                                             \
             if (s + COL_ATTEND_AHEAD <= e)                                                                          \
-                col_prefetch_floats(vals + (ring > 0 ? (s + COL_ATTEND_AHEAD) % ring : s + COL_ATTEND_AHEAD) * row_floats \
-                                    + kh * Hd, vecs * (lanes));                                                     \
+                col_prefetch_floats(col_cache_head(vals, s + COL_ATTEND_AHEAD, ring, K, kh, Hd), vecs * (lanes));   \
             const vec a = set1(p[s] * inv);                                                                         \
             _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[v] = fmadd(a, loadu(vs + v * (lanes)), acc[v]); \
         }                                                                                                           \
@@ -533,9 +533,9 @@ TARGET_AVX512 static inline __attribute__((always_inline)) void axpy_f32_avx512_
                 const float *p = sc + i * stride - q[i].lo; /* p[s]: key s's weight before 1 / sum */               \
                 int64_t c = 0;                                                                                      \
                 for (; c + 4 * (lanes) <= Hd; c += 4 * (lanes))                                                     \
-                    values_chunk_##level(q[i].ov + c, vals + c, K * Hd, kh, Hd, ring, p, inv[i], b, e, 4);          \
+                    values_chunk_##level(q[i].ov + c, vals + c, K, kh, Hd, ring, p, inv[i], b, e, 4);               \
                 for (; c < Hd; c += (lanes))                                                                        \
-                    values_chunk_##level(q[i].ov + c, vals + c, K * Hd, kh, Hd, ring, p, inv[i], b, e, 1);          \
+                    values_chunk_##level(q[i].ov + c, vals + c, K, kh, Hd, ring, p, inv[i], b, e, 1);               \
             }                                                                                                       \
         }                                                                                                           \
     }

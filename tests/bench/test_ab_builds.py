@@ -1,0 +1,31 @@
+"""bench/ab_builds.py: two builds loaded side by side and swapped call by call inside one
+engine, on the demo pack (the same build twice: both must run and be reported)."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colibrid.native import library
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("extra", [[], ["--batch", "3"], ["--prompt", "12"]])
+def test_every_build_runs_inside_one_engine_and_is_reported(demo_pack, extra):
+    build = str(library.library_path())
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "ab_builds.py"), "decode", str(demo_pack), build, build,
+                          "--threads", "1", "--rounds", "3", *extra],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    medians = re.findall(r"(\d):\S+ ([0-9.]+) \[([0-9.]+), ([0-9.]+)\]", out)
+    assert [m[0] for m in medians] == ["0", "1"], out
+    for _, median, low, high in medians:
+        assert 0 < float(low) <= float(median) <= float(high), out
+
+
+def test_one_build_is_refused(demo_pack):
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "ab_builds.py"), "decode", str(demo_pack),
+                             str(library.library_path())], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "two builds or more" in result.stderr

@@ -222,7 +222,8 @@ KEYS: tuple[_Key, ...] = (
     _Key("max_batch", "requests decoding together: each step advances all of them and reads each expert once for all",
          "must be an integer in [1, 256]", _parse_int_flag, _int_at_least(1, 256), "N"),
     _Key("prefill_chunk", "prompt tokens per step in all: a long prompt is fed in chunks of this size between the "
-         "other requests' tokens", "must be an integer in [1, 512]", _parse_int_flag, _int_at_least(1, 512), "TOKENS"),
+         "other requests' tokens (twice that in a step where none is generating yet)",
+         "must be an integer in [1, 512]", _parse_int_flag, _int_at_least(1, 512), "TOKENS"),
     _Key("kv_cache_size", 'memory for the running requests\' KV caches together: bytes, "2G", "512M" or "10%" of the '
          'memory budget; a request is admitted when its prompt plus max_tokens fits',
          'must be a size above 0: bytes (123), K/M/G/T ("512M", "2G") or a percentage of the memory budget ("10%")',

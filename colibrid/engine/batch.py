@@ -2,8 +2,8 @@
 
 A step carries one decode token for every running sequence that has sampled, and chunks of
 prompt from the sequences still prefilling (at most ``prefill_chunk`` prompt tokens per step
-in all, whole chunks in arrival order), so a long prompt never stalls the others' tokens for
-more than one chunk. The model runs each sequence's token mixer on its own state and the
+in all while any sequence decodes, twice that while none does; whole chunks in arrival
+order), so a long prompt never stalls the others' tokens for more than one chunk. The model runs each sequence's token mixer on its own state and the
 feed-forward half once over every row of the step: each routed expert is acquired and
 computed once per layer for all the sequences routed to it (Model.forward_batch).
 
@@ -78,6 +78,12 @@ class StepFailed(Exception):
 
 class KVBudgetExceeded(ValueError):
     """The sequence cannot fit in the KV budget even alone: it will never be admitted."""
+
+
+# Prompt tokens a step takes while no sequence decodes, in prefill_chunks: twice a normal
+# step's, which keeps its transient memory (activations, the experts' inputs) within twice
+# what the daemon already needs for a step with a chunk and max_batch decoding rows.
+IDLE_PREFILL_CHUNKS = 2
 
 
 class Batch:
@@ -210,8 +216,16 @@ class Batch:
 
         A prompt is always cut at the same places, every prefill_chunk tokens of its own,
         whatever else runs: DeltaNet's chunked prefill rounds differently for different
-        cuts, and a request's numbers must not depend on its neighbours."""
-        plan, prompt_budget = [], self.prefill_chunk
+        cuts, and a request's numbers must not depend on its neighbours.
+
+        The budget bounds how long a step keeps the decoding sequences from their next token.
+        While none decodes, nobody waits on the step, so it takes IDLE_PREFILL_CHUNKS times
+        as many prompt tokens (whole chunks of different prompts): requests that arrive
+        together get their first tokens together, in one pass over the experts' weights
+        instead of one per chunk, and no request's first tokens then wait on a second
+        prompt step."""
+        decoding = any(not sequence.generation.prefilling for sequence in self.sequences)
+        plan, prompt_budget = [], self.prefill_chunk * (1 if decoding else IDLE_PREFILL_CHUNKS)
         for sequence in self.sequences:
             generation = sequence.generation
             if not generation.prefilling:

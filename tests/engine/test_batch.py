@@ -117,6 +117,48 @@ def test_a_long_prompt_is_fed_in_chunks_while_the_others_keep_their_token_per_st
     assert steps_while_prefilling == -(-len(long_prompt) // 16)
 
 
+def test_prompts_arriving_together_share_a_step_until_someone_decodes(demo_engine):
+    from colibrid.engine.batch import IDLE_PREFILL_CHUNKS
+
+    engine = demo_engine
+    chunk = 16
+    batch = engine.new_batch(max_batch=8, prefill_chunk=chunk, kv_budget_bytes=BIG_BUDGET)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    together = IDLE_PREFILL_CHUNKS + 1  # one prompt more than an idle step takes
+    generations = []
+    for i in range(together):
+        generation, session = engine.start_generation(list(range(10 + i, 10 + i + chunk)), params)
+        batch.admit(i, generation, session)
+        generations.append(generation)
+    long_prompt, session = engine.start_generation(list(range(40, 40 + 3 * chunk)), params)
+    batch.admit("long", long_prompt, session)
+
+    batch.step()  # nobody decodes yet: IDLE_PREFILL_CHUNKS whole prompts, their first tokens together
+    assert [g.generated_tokens for g in generations] == [1] * IDLE_PREFILL_CHUNKS + [0]
+    assert generations[-1].pending_tokens == chunk and long_prompt.pending_tokens == 3 * chunk
+
+    batch.step()  # now some decode: one chunk of prompt, the next in arrival order
+    assert [g.generated_tokens for g in generations] == [2] * IDLE_PREFILL_CHUNKS + [1]
+    assert long_prompt.pending_tokens == 3 * chunk
+    while long_prompt.prefilling:
+        pending = long_prompt.pending_tokens
+        batch.step()
+        assert pending - long_prompt.pending_tokens <= chunk  # its own cuts, one chunk a step
+
+
+def test_a_long_prompt_alone_is_still_fed_one_chunk_a_step(demo_engine):
+    engine = demo_engine
+    batch = engine.new_batch(max_batch=4, prefill_chunk=16, kv_budget_bytes=BIG_BUDGET)
+    generation, session = engine.start_generation(list(range(10, 60)), SamplingParams(temperature=0.0, max_tokens=2))
+    batch.admit("long", generation, session)
+    fed = []
+    while generation.prefilling:
+        pending = generation.pending_tokens
+        batch.step()
+        fed.append(pending - generation.pending_tokens)
+    assert len(fed) == 4 and fed[:3] == [16, 16, 16]  # 50 tokens; the last step also samples a token
+
+
 def test_the_kv_budget_admits_what_fits_and_refuses_what_never_can(demo_engine):
     from colibrid.engine.batch import KVBudgetExceeded
 

@@ -3,9 +3,10 @@
 A step carries one decode token for every running sequence that has sampled, and chunks of
 prompt from the sequences still prefilling (at most ``prefill_chunk`` prompt tokens per step
 in all while any sequence decodes, twice that while none does; whole chunks in arrival
-order), so a long prompt never stalls the others' tokens for more than one chunk. The model runs each sequence's token mixer on its own state and the
-feed-forward half once over every row of the step: each routed expert is acquired and
-computed once per layer for all the sequences routed to it (Model.forward_batch).
+order), so a long prompt never stalls the others' tokens for more than one chunk. The model
+runs each sequence's token mixer on its own state and the feed-forward half once over every
+row of the step: each routed expert is acquired and computed once per layer for all the
+sequences routed to it (Model.forward_batch).
 
 A sequence's tokens do not depend on what else runs: the kernels compute each row alone and
 every sequence keeps its own sampler, seed and stop strings (Generation). Each sequence's
@@ -220,7 +221,7 @@ class Batch:
 
         The budget bounds how long a step keeps the decoding sequences from their next token.
         While none decodes, nobody waits on the step, so it takes IDLE_PREFILL_CHUNKS times
-        as many prompt tokens (whole chunks of different prompts): requests that arrive
+        as many prompt tokens (whole chunks of different prompts): requests waiting
         together get their first tokens together, in one pass over the experts' weights
         instead of one per chunk, and no request's first tokens then wait on a second
         prompt step."""

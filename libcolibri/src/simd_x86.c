@@ -147,12 +147,13 @@ static inline void prefetch_line_l2(const uint8_t *p) { __asm__ volatile("prefet
  * (first + 2 * ahead + rows * off) into L2; ahead 0: none (the later token groups of a
  * panel, whose first group asked for the lines).
  * Why two distances: one core keeps only as many lines in flight as L1 has fill buffers
- * (16 on these Intel cores), too few to cover DRAM's latency at its bandwidth; the L2 requests run a group
- * further ahead, so the L1 requests mostly meet the lines in L2. Measured on cold products,
- * one token, one thread, alternating call by call (Xeon Emerald Rapids, membw 12.7 GB/s):
- * 2048-wide q8_0 rows 12.7 -> 15.2 GB/s, q4_g64 11.1 -> 13.1, the fused expert call 12.0 ->
- * 14.1 (q8_0) and 10.8 -> 12.7 (q4_g64) on AVX2, the same on AVX-512 VNNI; 3 or 5 groups
- * ahead instead of 2 measured the same, and the L1 requests alone a group further ahead slower. */
+ * (16 on these Intel cores), too few to cover DRAM's latency at its bandwidth; the L2
+ * requests run a group further ahead, so the L1 requests mostly meet the lines in L2.
+ * Measured on cold products, one token, one thread, alternating call by call (Xeon Emerald
+ * Rapids, membw 12.7 GB/s): 2048-wide q8_0 rows 12.7 -> 15.2 GB/s, q4_g64 11.1 -> 13.1, the
+ * fused expert call 12.0 -> 14.1 (q8_0) and 10.8 -> 12.7 (q4_g64) on AVX2, the same on
+ * AVX-512 VNNI; 3 or 5 groups ahead instead of 2 measured the same, and the L1 requests alone
+ * a group further ahead slower. */
 static inline void prefetch_group_step(const uint8_t *first, int64_t rows, int64_t ahead, int64_t off, int lines) {
     if (!ahead) return;
     /* an address past the matrix is harmless for a prefetch; computed as an integer because

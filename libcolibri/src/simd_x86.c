@@ -1139,7 +1139,7 @@ PANEL_ROWS_XQ(TARGET_VNNI, rows_q4_g64_vnni_panels, q4_panel_vnni)
  * cost on the Intel Xeon measured (0.217 against 0.174 ns per instruction, one thread). So
  * the tile of sixteen rows a caller passes is repacked once per call, a chunk of blocks at a
  * time, into L1: per block and four-byte column j one 512-bit register with row r's bytes
- * 4j..4j+3 in lane r (two transpose8x8_epi32 joined), and the sixteen rows' scales as float
+ * 4j..4j+3 in lane r (tile_columns), and the sixteen rows' scales as float
  * lanes. Every token then runs over the chunk with one 512-bit vpdpbusd per column and no
  * shuffles: the exact integer sums of the panels, in sixteen lanes, and the panels' float
  * chain per lane (the partial accumulators wait in y between chunks, float32 both ways), so
@@ -1164,30 +1164,45 @@ typedef struct {
     __m512 dw, mw;   /* the sixteen rows' d and m */
 } q4_tile_block;
 
-/* Sixteen 256-bit rows lo (rows 0-7) and hi (8-15) transposed and joined: v[j] lane r =
- * row r's int32 j. */
-TARGET_VNNI static inline void join_rows16(__m256i lo[PANEL_ROWS], __m256i hi[PANEL_ROWS], __m512i v[PANEL_ROWS]) {
-    transpose8x8_epi32(lo);
-    transpose8x8_epi32(hi);
-#pragma GCC unroll 8
-    for (int j = 0; j < PANEL_ROWS; j++) v[j] = _mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1);
-}
-
 TARGET_VNNI static inline __m512 join_ps(__m256 lo, __m256 hi) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
 }
 
 /* The 32 bytes at byte `off` of each of the tile's sixteen rows, xor `flip`, transposed into
- * columns (join_rows16). */
-TARGET_VNNI static inline void tile_columns(const uint8_t *w, int64_t row_bytes, int64_t off, __m256i flip,
+ * columns: col[j] lane r = row r's int32 j. Rows r and r + 8 share a register (r in the low
+ * half), and the two halves go through transpose8x8_epi32's steps side by side: 512-bit
+ * unpacks work within 128-bit lanes as the 256-bit ones do, and its last step (halves
+ * across) becomes one two-source qword permute per column. 32 shuffles a block against 56
+ * for two 256-bit transposes joined after; the bytes are the same. */
+TARGET_VNNI static inline void tile_columns(const uint8_t *w, int64_t row_bytes, int64_t off, __m512i flip,
                                             __m512i col[PANEL_ROWS]) {
-    __m256i lo[PANEL_ROWS], hi[PANEL_ROWS];
+    __m512i v[PANEL_ROWS], t[PANEL_ROWS], s[PANEL_ROWS];
 #pragma GCC unroll 8
     for (int r = 0; r < PANEL_ROWS; r++) {
-        lo[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + r * row_bytes + off)), flip);
-        hi[r] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + (r + 8) * row_bytes + off)), flip);
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(w + r * row_bytes + off));
+        const __m256i hi = _mm256_loadu_si256((const __m256i *)(w + (r + 8) * row_bytes + off));
+        v[r] = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), flip);
     }
-    join_rows16(lo, hi, col);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m512i *q = t + 4 * h;
+        s[4 * h + 0] = _mm512_unpacklo_epi64(q[0], q[2]);
+        s[4 * h + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
+        s[4 * h + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
+        s[4 * h + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
+    }
+    /* qwords of a (0-7) and b (8-15): [a's first 128 bits, b's | the same of the rows r + 8] */
+    const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), second = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        col[j] = _mm512_permutex2var_epi64(s[j], first, s[4 + j]);
+        col[j + 4] = _mm512_permutex2var_epi64(s[j], second, s[4 + j]);
+    }
 }
 
 TARGET_VNNI static void q8_tile_repack(const uint8_t *w, int64_t row_bytes, int64_t b0, int64_t n_blocks,
@@ -1197,7 +1212,7 @@ TARGET_VNNI static void q8_tile_repack(const uint8_t *w, int64_t row_bytes, int6
     for (int64_t i = 0; i < n_blocks; i++) {
         const int64_t off = (b0 + i) * 34;
         prefetch_group_step(w, TILE_ROWS, ahead, off, 9); /* 544 bytes a step */
-        tile_columns(w, row_bytes, off + 2, _mm256_set1_epi8((char)0x80), out[i].col);
+        tile_columns(w, row_bytes, off + 2, _mm512_set1_epi8((char)0x80), out[i].col);
         out[i].dw = join_ps(f16_scales8(row, off), f16_scales8(row + 8, off));
     }
 }
@@ -1240,7 +1255,7 @@ TARGET_VNNI static void q4_tile_repack(const uint8_t *w, int64_t row_bytes, int6
         const int64_t off = (k0 + i) * 36;
         prefetch_group_step(w, TILE_ROWS, ahead, off, 10); /* 576 bytes a step */
         __m512i packed[PANEL_ROWS];
-        tile_columns(w, row_bytes, off + 4, _mm256_setzero_si256(), packed);
+        tile_columns(w, row_bytes, off + 4, _mm512_setzero_si512(), packed);
 #pragma GCC unroll 8
         for (int j = 0; j < PANEL_ROWS; j++) {
             out[i].col[j] = _mm512_and_si512(packed[j], low4);

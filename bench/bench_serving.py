@@ -7,6 +7,7 @@ OLMoE-1B-7B-shaped weights.
     python bench/bench_serving.py --layers 16 --quant q8_0 --memory limited --clients 1,8
     python bench/bench_serving.py --isa avx2 --threads 2 --clients 1,2,4,8 --json serving.json
     python bench/bench_serving.py --pack PACK --skip-llama --clients 1,2   # any pack, Colibri only
+    python bench/bench_serving.py --quant q8_0 --memory cached --clients 1,8 --rounds 3 --skip-llama
 
 Each client asks once (``--requests`` times, one after another) for ``--tokens`` tokens after a
 prompt of about ``--prompt-tokens`` tokens of its own, with the end-of-sequence token ignored so
@@ -38,6 +39,11 @@ against N x (dense + top-k experts) one at a time. Printed from the measured dis
 and from random routing's expectation (E (1 - (1 - k/E)^N)), with the roofline (this machine's
 read bandwidth / bytes of a step x N) when fully cached; and the ratios issue 16 sets targets
 for, at 8 clients.
+
+``--rounds R`` runs the whole sweep of client counts R times, one round after another, and
+gives each round's ratios and then their median and range: on a host whose speed drifts over
+minutes (a shared cloud machine), the single client and the 8 clients measured a minute apart
+make a fairer ratio than a single client measured once against 8 measured much later.
 
 Not a test: numbers depend on the machine and on what else runs on it. Every result names the
 CPU, Colibri's kernel level and the llama.cpp build.
@@ -690,6 +696,30 @@ def print_bound(rows: list[dict], step: StepBytes, bandwidth_gb_s: float | None,
               f"{_f(_number(batch.get('max_batch')), '9.0f')}")
 
 
+def target_medians(rounds: list[dict]) -> dict:
+    """Per ratio of print_targets: its median over the rounds that have it, with the least and
+    the greatest (None where no round has it)."""
+    out = {}
+    for key in rounds[0] if rounds else ():
+        values = sorted(r[key] for r in rounds if r.get(key) is not None)
+        out[key] = {"median": float(np.median(values)), "min": values[0], "max": values[-1],
+                    "rounds": len(values)} if values else None
+    return out
+
+
+def print_target_medians(rounds: list[dict]) -> dict:
+    medians = target_medians(rounds)
+
+    def show(key: str) -> str:
+        m = medians.get(key)
+        return "n/a" if m is None else f"{m['median']:.2f}x ({m['min']:.2f}-{m['max']:.2f})"
+
+    print(f"  over {len(rounds)} rounds, median (range): aggregate {show('vs_own_single')} Colibri's single client, "
+          f"steady {show('steady_vs_own_single')}, {show('vs_llama_server')} llama-server's; p99 inter-token latency "
+          f"{show('p99_itl_vs_single_median')} the single client's median", flush=True)
+    return medians
+
+
 def print_targets(rows: list[dict], cached: bool) -> dict:
     """Issue 16's ratios at TARGET_CLIENTS clients (n/a when a number is missing)."""
     by_n = {row["clients"]: row for row in rows}
@@ -740,6 +770,28 @@ def packs_to_measure(args) -> list[tuple[str, Path, Path | None]]:
     return [(v.name, *files[v.name]) for v in variants]
 
 
+def sweep(setup: Setup, clients: list[int], prompt_tokens: int, name: str, pack: Path, gguf: Path | None, memory,
+          texts: list[str], ids: list, llama_server: Path | None) -> list[dict]:
+    """One row per number of clients: Colibri (and llama-server) started afresh for each."""
+    rows = []
+    print(f"{'N':>3} {'server':8} {'dec t/s':>8} {'steady':>8} {'all t/s':>8}   {'TTFT p50':>8} {'p99 ms':>8}   "
+          f"{'ITL p50':>7} {'p99 ms':>7}   {'prompt'}", flush=True)
+    for n in clients:
+        tokens = prompt_tokens + setup.sampling_for(memory).max_tokens
+        cache_bytes = colibri_cache_bytes(pack, memory, n, tokens)
+        if isinstance(cache_bytes, str):  # no comparison to make: llama-server is not run either
+            print(f"{n:>3} skipped: {cache_bytes}", flush=True)
+            continue
+        row = {"variant": name, "memory": memory.name, "limit_bytes": memory.limit_bytes, "clients": n,
+               "colibri": measure_colibri(setup, pack, memory, cache_bytes, texts[:n], texts[max(clients):])}
+        print_row(n, "colibri", row["colibri"])
+        if llama_server and gguf:
+            row["llama_server"] = measure_llama(setup, gguf, memory, ids[:n], ids[max(clients)])
+            print_row(n, "llama", row["llama_server"])
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path.home() / ".cache" / "colibri-bench")
@@ -767,8 +819,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--daemon-args", default="", help="more colibrid flags, e.g. \"--max-batch 8\"")
     parser.add_argument("--llama-args", default="", help="more llama-server flags, e.g. \"--no-repack\"")
     parser.add_argument("--prepare-only", action="store_true", help="build the files and llama-server, measure nothing")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the sweep of client counts this many times; also the ratios' median over rounds")
     parser.add_argument("--json", type=Path, help="also write every result (each request's timings too) here")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     clients = sorted({int(n) for n in args.clients.split(",")})
     if args.gguf and not args.pack:
         parser.error("--gguf goes with --pack")
@@ -808,28 +864,19 @@ def main(argv: list[str] | None = None) -> int:
         step = StepBytes.of(pack)
         ids = llama_prompts(step.vocab_size, max(clients) + 1, args.prompt_tokens, PROMPT_SEED)
         for memory in memory_settings(args.memory, pack, args.limit, args.limit_fraction):
-            rows = []
             limit = f", limit {memory.limit_bytes / 2**30:.2f} GiB" if memory.limit_bytes else ""
-            print(f"\n{name} {memory.name}{limit}")
-            print(f"{'N':>3} {'server':8} {'dec t/s':>8} {'steady':>8} {'all t/s':>8}   {'TTFT p50':>8} {'p99 ms':>8}   "
-                  f"{'ITL p50':>7} {'p99 ms':>7}   {'prompt'}", flush=True)
-            for n in clients:
-                tokens = args.prompt_tokens + setup.sampling_for(memory).max_tokens
-                cache_bytes = colibri_cache_bytes(pack, memory, n, tokens)
-                if isinstance(cache_bytes, str):  # no comparison to make: llama-server is not run either
-                    print(f"{n:>3} skipped: {cache_bytes}", flush=True)
-                    continue
-                row = {"variant": name, "memory": memory.name, "limit_bytes": memory.limit_bytes, "clients": n,
-                       "colibri": measure_colibri(setup, pack, memory, cache_bytes, texts[:n], texts[max(clients):])}
-                print_row(n, "colibri", row["colibri"])
-                if llama_server and gguf:
-                    row["llama_server"] = measure_llama(setup, gguf, memory, ids[:n], ids[max(clients)])
-                    print_row(n, "llama", row["llama_server"])
-                rows.append(row)
-            if rows:
-                print_bound(rows, step, bandwidth, memory.limit_bytes is None)
-                targets = print_targets(rows, memory.limit_bytes is None)
-                results.append({"variant": name, "memory": asdict(memory), "rows": rows, "targets": targets})
+            rounds = []
+            for round_number in range(1, args.rounds + 1):
+                print(f"\n{name} {memory.name}{limit}" + (f", round {round_number} of {args.rounds}" if args.rounds > 1 else ""))
+                rows = sweep(setup, clients, args.prompt_tokens, name, pack, gguf, memory, texts, ids, llama_server)
+                if rows:
+                    print_bound(rows, step, bandwidth, memory.limit_bytes is None)
+                    targets = print_targets(rows, memory.limit_bytes is None)
+                    rounds.append(targets)
+                    results.append({"variant": name, "memory": asdict(memory), "round": round_number, "rows": rows,
+                                    "targets": targets})
+            if len(rounds) > 1:
+                results[-1]["targets_over_rounds"] = print_target_medians(rounds)
     if args.json:
         args.json.write_text(json.dumps({"machine": machine, "args": {k: str(v) for k, v in vars(args).items()},
                                          "results": results}, indent=1))

@@ -97,3 +97,13 @@ def test_prompts_differ_per_client_and_hold_about_the_tokens_asked(demo_pack):
     tokenizer = Tokenizer.from_dir(demo_pack)
     assert all(28 <= len(tokenizer.encode(t, add_special_tokens=False)) <= 32 for t in texts)
     assert texts == bench_serving.colibri_prompts(demo_pack, 3, 32, seed=1)
+
+
+def test_the_ratios_over_rounds_are_their_median_and_range():
+    rounds = [{"vs_own_single": 2.0, "vs_llama_server": None, "steady_vs_own_single": 2.4},
+              {"vs_own_single": 1.6, "vs_llama_server": None, "steady_vs_own_single": 2.1},
+              {"vs_own_single": 2.3, "vs_llama_server": None, "steady_vs_own_single": None}]
+    medians = bench_serving.target_medians(rounds)
+    assert medians["vs_own_single"] == {"median": 2.0, "min": 1.6, "max": 2.3, "rounds": 3}
+    assert medians["steady_vs_own_single"] == {"median": pytest.approx(2.25), "min": 2.1, "max": 2.4, "rounds": 2}
+    assert medians["vs_llama_server"] is None  # no round had llama-server

@@ -200,6 +200,8 @@ class CachedExpertSource(ExpertSource):
             log.info("cache_size holds %d slots, the pack has %d experts: using %d", n_slots, len(records), len(records))
             n_slots = len(records)
         self.n_slots = int(n_slots)
+        self._n_records = len(records)
+        self._holds_every_expert = False  # once every record is resident (it stays so: nothing is evicted)
         self.notes: list[str] = []  # every fallback taken, for status
         self._check_budget(cache_bytes)
 
@@ -361,6 +363,14 @@ class CachedExpertSource(ExpertSource):
     @property
     def prefetch_enabled(self) -> bool:
         return self._prefetch_enabled
+
+    @property
+    def holds_every_expert(self) -> bool:
+        """Every record resident or loading. Only a cache with a slot for each can get there, and
+        then it never evicts, so the answer, once yes, stays yes."""
+        if not self._holds_every_expert and self.n_slots >= self._n_records:
+            self._holds_every_expert = self._cache.count()[0] >= self._n_records
+        return self._holds_every_expert
 
     @property
     def io_queue_depth(self) -> int:

@@ -6,7 +6,7 @@ bytes come from - a plain read (PreadExpertSource, here) or the AEPC slab cache
 checked against its CRC-32C before use.
 
 ExpertSource declares every member its callers use - the MoE block (acquire, prefetch,
-max_pinned, prefetch_enabled), the engine (summary, close) and the thermal watch (the
+max_pinned, prefetch_enabled, holds_every_expert), the engine (summary, close) and the thermal watch (the
 loader's queue depth, prefetch and loading pause) - so no caller probes a source for what it
 can do. A source without a capability implements it trivially and says so (PlainExpertSource).
 """
@@ -85,7 +85,7 @@ class ExpertSource(ABC):
     one-off convenience for tools and tests. ``max_pinned`` is how many experts one
     ``acquire`` may name (a cache's slot count); callers with more split the work into waves.
     ``prefetch`` starts reads of experts a later step will likely need, when
-    ``prefetch_enabled``. ``summary`` gives the counters status shows (kind, hits, misses,
+    ``prefetch_enabled`` and until the source ``holds_every_expert``. ``summary`` gives the counters status shows (kind, hits, misses,
     bytes_read, and what the cache is made of).
 
     The loader's settings (``io_queue_depth``, prefetch, ``loading_pause``) change at run time,
@@ -119,6 +119,13 @@ class ExpertSource(ABC):
     @abstractmethod
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start reads of ``experts`` of ``layer`` without waiting; returns reads started."""
+
+    @property
+    def holds_every_expert(self) -> bool:
+        """Whether every expert of the pack is in memory (or on its way) for good, so that no read
+        will start again: a lookahead then has nothing to fetch and makes no guesses. False
+        unless a source knows better."""
+        return False
 
     @abstractmethod
     def summary(self) -> dict: ...

@@ -119,6 +119,7 @@ def _wrapping(source):
         prefetch_enabled = property(lambda self: source.prefetch_enabled)
         io_queue_depth = property(lambda self: source.io_queue_depth)
         loading_pause = property(lambda self: source.loading_pause)
+        holds_every_expert = property(lambda self: source.holds_every_expert)
 
         def acquire(self, layer, experts):
             return source.acquire(layer, experts)
@@ -258,6 +259,48 @@ def test_lookahead_reads_the_next_layer_only_once_this_layer_is_loaded(pack_path
         assert len(decode) <= LOOKAHEAD_TOP and len(set(decode)) == len(decode)
         total = source.stats()["total"]
         assert total["misses"] > 0 and total["prefetch_issued"] > 0  # the cache is small: reads happen
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("predictor", ["router-on-moe-input", "router-on-residual"])
+def test_the_lookahead_stops_guessing_once_the_cache_holds_every_expert(pack_path, reference, predictor):
+    """A cache with a slot for every expert: the lookahead guesses until every record is in,
+    then no more (each guess would be a hit); a smaller cache never gets there."""
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(pack_path)
+    records = len(pack.manifest.expert_records)
+    small = CachedExpertSource(pack, (records - 1) * _slot_bytes(pack_path), hugepages="off")
+    try:
+        for layer, expert in ((r.layer, r.expert) for r in pack.manifest.expert_records):
+            with small.acquire(layer, [expert]):
+                pass
+        assert not small.holds_every_expert  # one slot short: something is always out
+    finally:
+        small.close()
+    source = CachedExpertSource(pack, records * _slot_bytes(pack_path), hugepages="off", prefetch=True)
+    guesses = []
+
+    class Counting(_wrapping(source)):
+        def prefetch(self, layer, experts):
+            guesses.append(layer)
+            return source.prefetch(layer, experts)
+
+    try:
+        engine = Engine(pack, experts=Counting(), lookahead_predictor=predictor)
+        assert not source.holds_every_expert
+        assert engine.greedy(PROMPT, 10) == reference[1]
+        assert guesses  # the cache was filling up
+        for layer, expert in ((r.layer, r.expert) for r in pack.manifest.expert_records):
+            with source.acquire(layer, [expert]):
+                pass
+        assert source.holds_every_expert
+        before = len(guesses)
+        assert engine.greedy(PROMPT, 10) == reference[1]
+        assert len(guesses) == before
     finally:
         source.close()
 

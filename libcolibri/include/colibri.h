@@ -366,6 +366,13 @@ COL_API int col_moe_experts_ffn(col_pool *pool, const col_expert_ffn *ffn_kind, 
 COL_API int col_rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, float eps,
                          float *y);
 
+/* A sampler's draw by inverting a cumulative distribution, in place:
+ *   c: (n) float64 probabilities (>= 0), replaced by their running sums, added in order
+ *   (c[i] = c[i-1] + c[i]: numpy's cumsum, bit for bit); *position = the number of running
+ *   sums <= u * c[n-1] (numpy's searchsorted(c, u * c[-1], side="right")), in 0..n.
+ * COL_EINVAL: n < 1 or NULL buffers; c untouched. */
+COL_API int col_draw_cumulative(double *c, int64_t n, double u, int64_t *position);
+
 /* Rotary embedding, rotate-half convention, in place:
  *   x: (n_tok, n_heads, head_dim) float32; cos, sin: (n_tok, head_dim) float32.
  *   x[t,h,i] = x[t,h,i] * cos[t,i] + r[t,h,i] * sin[t,i], r = (-x[half:], x[:half]).

@@ -24,6 +24,25 @@ int col_rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, f
     return COL_OK;
 }
 
+/* Why in C: numpy's cumsum walks the vocabulary at three times the latency of the adds
+ * (190 against ~65 us over 50k entries), once per sampled token of every sequence. The sums
+ * are non-decreasing, so the first one above the target ends a binary search as it ends
+ * numpy's. */
+int col_draw_cumulative(double *c, int64_t n, double u, int64_t *position) {
+    if (n < 1 || !c || !position) return COL_EINVAL;
+    double sum = c[0];
+    for (int64_t i = 1; i < n; i++) c[i] = sum = sum + c[i];
+    const double target = u * c[n - 1];
+    int64_t lo = 0, hi = n; /* the answer is in [lo, hi]: c[lo-1] <= target, c[hi] > target */
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (c[mid] <= target) lo = mid + 1;
+        else hi = mid;
+    }
+    *position = lo;
+    return COL_OK;
+}
+
 int col_silu_mul(const float *g, const float *u, float *h, int64_t n) {
     if (n < 0) return COL_EINVAL;
     if (n == 0) return COL_OK;

@@ -203,6 +203,42 @@ def test_draws_follow_the_processed_distribution():
     assert chi_square < 13.8  # p = 0.001 for 2 degrees of freedom
 
 
+@pytest.mark.parametrize("vocab_size", [1, 7, 50304])
+def test_the_native_draw_is_numpy_s_cumsum_and_searchsorted_bit_for_bit(vocab_size):
+    """libcolibri's col_draw_cumulative against what the sampler did in numpy before: the same
+    running sums and the same position for every u, the edges included (u = 0 with leading
+    zero probabilities, u just below 1, a target that rounds up to the total)."""
+    from colibrid import native
+
+    rng = np.random.default_rng(vocab_size)
+    for trial in range(20):
+        weights = np.exp(rng.standard_normal(vocab_size) * 4)
+        weights[: min(trial % 3, vocab_size - 1)] = 0.0  # tokens whose exp underflowed
+        probabilities = weights / weights.sum()
+        for u in (0.0, rng.random(), 0.5, float(np.nextafter(1.0, 0.0)), 1.0):
+            expected = np.cumsum(probabilities)
+            got = probabilities.copy()
+            position = native.draw_cumulative(got, u)
+            assert np.array_equal(got, expected)
+            assert position == int(np.searchsorted(expected, u * expected[-1], side="right"))
+    with pytest.raises(native.InvalidArgumentError):
+        native.draw_cumulative(np.ones(4, np.float32), 0.5)
+
+
+def test_seeded_draws_are_those_of_the_numpy_draw():
+    """The sampler's tokens with the native draw are the tokens numpy's cumsum and searchsorted
+    gave: a seeded request answers as it did before the change."""
+    logits = (np.random.default_rng(3).standard_normal(50304) * 3).astype(np.float32)
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=11))
+    reference_rng = np.random.default_rng(11)
+    numerators = np.exp(logits.astype(np.float64) - logits.astype(np.float64).max())
+    cumulative = np.cumsum(numerators / numerators.sum())
+    for _ in range(200):
+        expected = min(int(np.searchsorted(cumulative, reference_rng.random() * cumulative[-1], side="right")),
+                       logits.shape[0] - 1)
+        assert sampler.sample(logits, []).token_id == expected
+
+
 # ---- logprobs --------------------------------------------------------------------------------------
 
 

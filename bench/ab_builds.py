@@ -12,9 +12,13 @@ medians are printed side by side.
     python bench/ab_builds.py decode PACK OLD NEW --batch 8       # steps of 8 sequences
     python bench/ab_builds.py decode PACK OLD NEW --prompt 512    # a 512-token prefill
     python bench/ab_builds.py kernels OLD NEW --quant q4_g64      # cold one-token products
+    python bench/ab_builds.py products OLD NEW --rows 512 --tokens 4,8,64 --threads 1   # several tokens
 
 ``kernels`` times a one-token product of a 16384 x 2048 matrix and one fused expert call
 (8 experts, D 2048, F 1024: OLMoE's), rotating through 2 GB of weights so nothing is cached.
+``products`` times products of several tokens (a batch step's dense products, a prompt) with
+one rows x 2048 matrix, the same every call: with 512 rows it stays in L2, which leaves the
+arithmetic (and a kernel's repacking) alone; reported in microseconds a token.
 The builds must come from the same tree apart from the change under test: the thread pool is
 started by the first and used by all. COLIBRI_KERNELS applies to every build.
 """
@@ -151,6 +155,20 @@ def run_kernels(args, builds) -> None:
            "GB/s", lambda s: E * record.nbytes / s / 1e9)
 
 
+def run_products(args, builds) -> None:
+    from colibrid.native.compute import matmul, quantize
+
+    D = 2048
+    rng = np.random.default_rng(0)
+    w = quantize(args.quant, rng.standard_normal((args.rows, D), dtype=np.float32) * 0.05).reshape(-1)
+    label = f"{args.threads} thread(s), {native.kernels()}, {args.quant}"
+    for n_tok in args.tokens:
+        x = rng.standard_normal((n_tok, D), dtype=np.float32)
+        seconds = alternate(builds, args.rounds, lambda _r: matmul(args.quant, w, args.rows, D, x), warmup=3)
+        report(f"{label}: {args.rows} x {D} product, {n_tok} tokens", seconds, "us a token",
+               lambda s, n=n_tok: s * 1e6 / n)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -162,7 +180,13 @@ def main() -> int:
     kernels = sub.add_parser("kernels", help="cold one-token products and fused expert calls")
     kernels.add_argument("builds", type=Path, nargs="+")
     kernels.add_argument("--quant", default="q8_0", choices=["q8_0", "q4_g64"])
-    for p in (decode, kernels):
+    products = sub.add_parser("products", help="products of several tokens with a matrix kept in cache")
+    products.add_argument("builds", type=Path, nargs="+")
+    products.add_argument("--quant", default="q8_0", choices=["q8_0", "q4_g64"])
+    products.add_argument("--rows", type=int, default=512, help="matrix rows (default 512: in L2)")
+    products.add_argument("--tokens", type=lambda v: [int(n) for n in v.split(",")], default=[4, 8, 64],
+                          help="tokens per product, comma-separated (default 4,8,64)")
+    for p in (decode, kernels, products):
         p.add_argument("--threads", type=int, default=2)
         p.add_argument("--rounds", type=int, default=0, help="measured calls per build (default: by mode)")
     args = parser.parse_args()
@@ -171,7 +195,7 @@ def main() -> int:
     args.rounds = args.rounds or (6 if args.mode == "decode" and args.prompt else 40 if args.mode == "decode" else 150)
     builds = load_builds(args.builds)
     native.configure_default_pool(n_threads=args.threads)
-    (run_decode if args.mode == "decode" else run_kernels)(args, builds)
+    {"decode": run_decode, "kernels": run_kernels, "products": run_products}[args.mode](args, builds)
     return 0
 
 

@@ -25,6 +25,16 @@ def test_every_build_runs_inside_one_engine_and_is_reported(demo_pack, extra):
         assert 0 < float(low) <= float(median) <= float(high), out
 
 
+def test_products_of_several_tokens_are_reported_per_token():
+    build = str(library.library_path())
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "ab_builds.py"), "products", build, build, "--rows", "64",
+                          "--tokens", "2,5", "--threads", "1", "--rounds", "3"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    lines = [line for line in out.splitlines() if "product" in line]
+    assert [re.search(r"(\d+) tokens", line).group(1) for line in lines] == ["2", "5"], out
+    assert all("us a token" in line and len(re.findall(r"\d:\S+ [0-9.]+ \[", line)) == 2 for line in lines), out
+
+
 def test_one_build_is_refused(demo_pack):
     result = subprocess.run([sys.executable, str(REPO / "bench" / "ab_builds.py"), "decode", str(demo_pack),
                              str(library.library_path())], capture_output=True, text=True, timeout=120)

@@ -6,9 +6,9 @@ bytes come from - a plain read (PreadExpertSource, here) or the AEPC slab cache
 checked against its CRC-32C before use.
 
 ExpertSource declares every member its callers use - the MoE block (acquire, prefetch,
-max_pinned, prefetch_enabled, holds_every_expert), the engine (summary, close) and the thermal watch (the
-loader's queue depth, prefetch and loading pause) - so no caller probes a source for what it
-can do. A source without a capability implements it trivially and says so (PlainExpertSource).
+max_pinned, prefetch_enabled, holds_every_expert), the engine (summary, close) and the
+thermal watch (the loader's queue depth, prefetch and loading pause) - so no caller probes a
+source for what it can do. A source without a capability implements it trivially and says so (PlainExpertSource).
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ class ExpertSource(ABC):
     one-off convenience for tools and tests. ``max_pinned`` is how many experts one
     ``acquire`` may name (a cache's slot count); callers with more split the work into waves.
     ``prefetch`` starts reads of experts a later step will likely need, when
-    ``prefetch_enabled`` and until the source ``holds_every_expert``. ``summary`` gives the counters status shows (kind, hits, misses,
-    bytes_read, and what the cache is made of).
+    ``prefetch_enabled`` and until the source ``holds_every_expert``. ``summary`` gives the
+    counters status shows (kind, hits, misses, bytes_read, and what the cache is made of).
 
     The loader's settings (``io_queue_depth``, prefetch, ``loading_pause``) change at run time,
     from any thread: the thermal watch lowers them on a hot drive (apply_loading_limits).

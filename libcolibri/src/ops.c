@@ -24,10 +24,9 @@ int col_rms_norm(const float *x, const float *weight, int64_t rows, int64_t n, f
     return COL_OK;
 }
 
-/* Why in C: numpy's cumsum walks the vocabulary at three times the latency of the adds
- * (190 against ~65 us over 50k entries), once per sampled token of every sequence. The sums
- * are non-decreasing, so the first one above the target ends a binary search as it ends
- * numpy's. */
+/* Why in C: numpy's cumsum and search take 166 us over a 50k-entry vocabulary, this 39 (Xeon
+ * Emerald Rapids), once per sampled token of every sequence. The sums are non-decreasing, so
+ * the binary search ends where numpy's does. */
 int col_draw_cumulative(double *c, int64_t n, double u, int64_t *position) {
     if (n < 1 || !c || !position) return COL_EINVAL;
     double sum = c[0];

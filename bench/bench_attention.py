@@ -2,14 +2,15 @@
 layer's weights and its KV cache are read once a token, so their bytes over the read bandwidth
 measured in the same run is the fastest the step can be.
 
-Two shapes of attention (q8_0 weights, float32 cache, head dim 128, hidden 2048):
+Two shapes of attention (q8_0 weights, head dim 128, hidden 2048), each over a float32 and a
+float16 cache (kv_cache_type):
 - mha: OLMoE-1B-7B's, 16 query heads over 16 kv heads;
 - gqa: Qwen3-30B-A3B's, 32 query heads over 4 kv heads (groups of 8 share a kv head).
 
 Not a test; the machine should be quiet. Best of --repeat steps, each through 1.5 GB of layers:
 
     python bench/bench_attention.py
-    python bench/bench_attention.py --context 1000 --context 4000 --threads 1
+    python bench/bench_attention.py --context 1000 --context 4000 --threads 1 --kv-cache-type f16
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ SHAPES = {"mha": (16, 16), "gqa": (32, 4)}  # (query heads, kv heads)
 ROTATION = 1_500_000_000  # bytes of layers a step runs through
 
 
-def step_ms(n_heads: int, n_kv_heads: int, context: int, pool, repeat: int) -> tuple[float, int]:
+KV_DTYPES = {"f32": np.float32, "f16": np.float16}
+
+
+def step_ms(n_heads: int, n_kv_heads: int, context: int, kv_type: str, pool, repeat: int) -> tuple[float, int]:
     """(best ms per layer of a decode step, bytes a layer reads: its weights and its KV cache up
     to context). A step runs through as many layers, each with its own copy of the weights and
     its own cache, as make ROTATION bytes, so no layer is still in the caches (this Xeon has a
@@ -46,13 +50,14 @@ def step_ms(n_heads: int, n_kv_heads: int, context: int, pool, repeat: int) -> t
     t = TensorType.Q8_0
     Q, KV = n_heads * HEAD_DIM, n_kv_heads * HEAD_DIM
     weights = [native.quantize(t, gaussian(shape)) for shape in ((Q, D), (KV, D), (KV, D), (D, Q))]
-    read = sum(w.nbytes for w in weights) + 2 * (context + 1) * KV * 4
+    dtype = KV_DTYPES[kv_type]
+    read = sum(w.nbytes for w in weights) + 2 * (context + 1) * KV * np.dtype(dtype).itemsize
     layers = []
     for _ in range(-(-ROTATION // read)):
         w = [m.copy() for m in weights]
         layer = native.attention_layer(D, n_heads, n_kv_heads, HEAD_DIM, np.ones(D, np.float32), t, *w[:3], t, w[3],
                                        eps=1e-5, scale=HEAD_DIM ** -0.5)
-        cache = gaussian((context + 1, n_kv_heads, HEAD_DIM), 1.0), gaussian((context + 1, n_kv_heads, HEAD_DIM), 1.0)
+        cache = tuple(gaussian((context + 1, n_kv_heads, HEAD_DIM), 1.0).astype(dtype) for _ in range(2))
         layers.append((layer, w, cache))
     angles = gaussian((1, HEAD_DIM), 1.0)
     cos, sin = np.cos(angles), np.sin(angles)
@@ -71,19 +76,23 @@ def main() -> int:
     parser.add_argument("--context", type=int, action="append", help="keys before the token (default 1000 and 4000)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--kv-cache-type", action="append", choices=list(KV_DTYPES),
+                        help="the cache's element type (default both)")
     args = parser.parse_args()
-    contexts = args.context or [1000, 4000]
+    contexts, kv_types = args.context or [1000, 4000], args.kv_cache_type or list(KV_DTYPES)
     pool = native.ThreadPool(args.threads)
     bandwidth = memory_bandwidth(args.threads)
     print(f"{cpu_model()}; kernels {native.kernels()}; {args.threads} thread(s); memory read bandwidth "
           f"{bandwidth:.1f} GB/s")
-    print(f"{'shape':5} {'heads':>7} {'context':>7} {'MB read':>8} {'ms/step':>8} {'roof ms':>8} {'% roof':>6}")
+    print(f"{'shape':5} {'heads':>7} {'context':>7} {'kv':>3} {'MB read':>8} {'ms/step':>8} {'roof ms':>8} "
+          f"{'% roof':>6}")
     for name, (n_heads, n_kv_heads) in SHAPES.items():
         for context in contexts:
-            ms, read = step_ms(n_heads, n_kv_heads, context, pool, args.repeat)
-            roof = read / (bandwidth * 1e9) * 1e3
-            print(f"{name:5} {n_heads:>3}/{n_kv_heads:<3} {context:>7} {read / 1e6:8.1f} {ms:8.3f} {roof:8.3f} "
-                  f"{100 * roof / ms:6.0f}")
+            for kv_type in kv_types:
+                ms, read = step_ms(n_heads, n_kv_heads, context, kv_type, pool, args.repeat)
+                roof = read / (bandwidth * 1e9) * 1e3
+                print(f"{name:5} {n_heads:>3}/{n_kv_heads:<3} {context:>7} {kv_type:>3} {read / 1e6:8.1f} {ms:8.3f} "
+                      f"{roof:8.3f} {100 * roof / ms:6.0f}")
     return 0
 
 

@@ -60,6 +60,7 @@ class DaemonConfig:
     max_batch: int = 8  # requests decoding together in one batch (each step advances them all)
     prefill_chunk: int = 512  # prompt tokens per step, in all: a long prompt runs in chunks beside the others' tokens
     kv_cache_size: str = "10%"  # the running requests' KV caches together: bytes, "2G", or "10%" of the memory budget
+    kv_cache_type: str = "f32"  # attention keys and values as "f32" (exact) or "f16" (half the memory and reads)
     prefix_cache_size: str = "5%"  # finished requests' states kept for prefix reuse: bytes, "1G", "5%"; 0: off
     max_frame_bytes: int = 1024 * 1024  # largest frame accepted or sent, length prefix excluded
     max_connections: int = 128  # clients connected at once; one more gets `busy` and is closed
@@ -228,6 +229,9 @@ KEYS: tuple[_Key, ...] = (
          'memory budget; a request is admitted when its prompt plus max_tokens fits',
          'must be a size above 0: bytes (123), K/M/G/T ("512M", "2G") or a percentage of the memory budget ("10%")',
          _parse_int_flag, _is_size, "SIZE"),
+    _Key("kv_cache_type", 'what attention layers store their keys and values as: f32 (the model\'s numbers '
+         'exactly) or f16 (half the KV memory and reads, each key and value rounded to float16 as it is stored)',
+         'must be "f32" or "f16"', str, lambda v: v in ("f32", "f16"), "TYPE"),
     _Key("prefix_cache_size", 'memory for finished requests\' states kept so that a request beginning with the same '
          'tokens (the next turn of a chat) prefills only the rest: bytes, "1G", "512M" or "5%" of the memory budget; '
          '0 turns prefix reuse off',

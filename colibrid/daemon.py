@@ -182,8 +182,8 @@ class Daemon:
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         self._kv_budget_line = (f"KV cache budget {format_bytes(kv_bytes)} (kv_cache_size = {self.config.kv_cache_size} "
-                                f"of the {budget.describe()}): a request joins the batch when its prompt plus "
-                                "max_tokens fits")
+                                f"of the {budget.describe()}), keys and values as {self.config.kv_cache_type} "
+                                "(kv_cache_type): a request joins the batch when its prompt plus max_tokens fits")
         return kv_bytes
 
     def _prefix_cache_bytes(self) -> int:
@@ -251,7 +251,7 @@ class Daemon:
             pack = Pack.open(c.model)
             engine = Engine(pack, max_context=c.max_context, cache=self._cache_settings(),
                             parse_special_tokens_in_content=c.parse_special_tokens_in_content,
-                            lookahead_predictor=c.lookahead_predictor)
+                            lookahead_predictor=c.lookahead_predictor, kv_cache_type=c.kv_cache_type)
         except PackError as exc:  # its message already names the pack and the fix
             raise StartupError(f"cannot load the model: {exc}") from None
         except ExpertCacheError as exc:  # its message says how to fix the machine

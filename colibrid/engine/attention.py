@@ -80,13 +80,14 @@ class Attention(TokenMixer):
             wg=w["gate"].data if "gate" in w else None, v_norm=self.v_norm,
             post_norm=None if self.post_norm is None else self.post_norm.data)
 
-    def new_state(self, max_tokens: int, max_step_tokens: int, resumable: bool = False) -> KVCache | RingKVCache:
-        """A sequence's cache for this layer: a ring of the keys a window or chunk can still
-        see, when that is smaller than the whole context; else every key."""
+    def new_state(self, max_tokens: int, max_step_tokens: int, resumable: bool = False,
+                  kv_dtype: type = np.float32) -> KVCache | RingKVCache:
+        """A sequence's cache for this layer, of ``kv_dtype`` values: a ring of the keys a
+        window or chunk can still see, when that is smaller than the whole context; else every key."""
         spans = [span for span in (self.window, self.chunk) if span]
         if spans and min(spans) + max_step_tokens - 1 < max_tokens:
-            return RingKVCache(self.kv_heads, self.head_dim, min(spans), max_step_tokens)
-        return KVCache(self.kv_heads, self.head_dim, max_tokens)
+            return RingKVCache(self.kv_heads, self.head_dim, min(spans), max_step_tokens, kv_dtype)
+        return KVCache(self.kv_heads, self.head_dim, max_tokens, kv_dtype)
 
     def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                  kv: KVCache | RingKVCache, start: int) -> np.ndarray:

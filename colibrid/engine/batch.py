@@ -256,7 +256,7 @@ class Batch:
 
     def kv_status(self) -> dict:
         return {"budget_bytes": self.kv_budget_bytes, "used_bytes": self.kv_used_bytes,
-                "sequences": len(self.sequences)}
+                "sequences": len(self.sequences), "type": self.model.kv_cache_type}
 
     def prefix_cache_status(self) -> dict:
         """The prefix cache's size and counters (budget 0: prefix reuse is off)."""

@@ -119,7 +119,8 @@ class DeltaNet(TokenMixer):
                                      d.value_head_dim, d.conv_kernel, self.input_norm.data, weights,
                                      eps=self.c.rms_norm_eps, norm_eps=self.c.rms_norm_eps)
 
-    def new_state(self, max_tokens: int, max_step_tokens: int, resumable: bool = False) -> DeltaNetState:
+    def new_state(self, max_tokens: int, max_step_tokens: int, resumable: bool = False,
+                  kv_dtype: type = np.float32) -> DeltaNetState:
         """A fresh sequence's state; its size depends on neither the context nor the step."""
         return DeltaNetState(self.d, resumable)
 

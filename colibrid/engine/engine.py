@@ -55,7 +55,7 @@ class Engine:
 
     def __init__(self, pack: Pack, experts: ExpertSource | None = None, max_context: int | None = None,
                  parse_special_tokens_in_content: bool = False, cache: ExpertCacheSettings | None = None,
-                 lookahead_predictor: str = "router-on-moe-input") -> None:
+                 lookahead_predictor: str = "router-on-moe-input", kv_cache_type: str = "f32") -> None:
         if experts is not None and cache is not None:
             raise ValueError("an engine takes an expert source or the settings to build its cache, not both")
         self.pack = pack
@@ -83,7 +83,7 @@ class Engine:
         elif experts is None:
             experts = PreadExpertSource(pack)
         try:
-            self.model = Model(pack, experts, lookahead_predictor)
+            self.model = Model(pack, experts, lookahead_predictor, kv_cache_type)
         except BaseException:
             if made_here:
                 experts.close()  # frees the cache and gives back the hugepages raised for it

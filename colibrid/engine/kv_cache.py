@@ -39,7 +39,7 @@ class PositionRows(LayerPrefix):
 
     def __init__(self, first: int, buffers: tuple[np.ndarray, ...], span: int | None) -> None:
         self.first = first
-        self.buffers = buffers  # each (n, ...) float32
+        self.buffers = buffers  # each (n, ...) of the cache's dtype
         n = buffers[0].shape[0]
         self.resume_from = 0 if first == 0 else first + span - 1
         self.resume_to = first + n
@@ -54,14 +54,21 @@ class PositionRows(LayerPrefix):
         into.put_rows(self.first, tuple(buffer[: length - self.first] for buffer in self.buffers))
 
 
+def _attend_over(rows: np.ndarray) -> np.ndarray:
+    """A cache's rows as numpy attention reads them: float32 (a float16 cache's, converted exactly)."""
+    return rows if rows.dtype == np.float32 else rows.astype(np.float32)
+
+
 class KVCache(LayerState):
-    """Keys and values of every past token of one layer, float32 (max_tokens, K, Hd)."""
+    """Keys and values of every past token of one layer, (max_tokens, K, Hd) of ``dtype``:
+    float32, or float16 (kv_cache_type "f16": each key and value rounded to nearest even as it
+    is stored; half the memory and half the reads)."""
 
     ring = False  # key position p is row p
 
-    def __init__(self, num_kv_heads: int, head_dim: int, max_tokens: int) -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, max_tokens: int, dtype: type = np.float32) -> None:
         self.max_tokens = max_tokens
-        self._keys = np.empty((max_tokens, num_kv_heads, head_dim), np.float32)  # (S, K, Hd)
+        self._keys = np.empty((max_tokens, num_kv_heads, head_dim), dtype)  # (S, K, Hd)
         self._values = np.empty_like(self._keys)
 
     def buffers(self, start: int, n_new: int) -> tuple[np.ndarray, np.ndarray]:
@@ -77,8 +84,8 @@ class KVCache(LayerState):
         over: every key so far, (start + T, K, Hd)."""
         end = start + keys.shape[0]
         key_rows, value_rows = self.buffers(start, keys.shape[0])
-        key_rows[start:end], value_rows[start:end] = keys, values
-        return key_rows[:end], value_rows[:end]
+        key_rows[start:end], value_rows[start:end] = keys, values  # numpy rounds to float16 as the kernels do
+        return _attend_over(key_rows[:end]), _attend_over(value_rows[:end])
 
     @property
     def nbytes(self) -> int:
@@ -101,15 +108,17 @@ class RingKVCache(LayerState):
     """The keys and values a sliding-window or chunked-local layer can still use: a ring of
     ``span + max_step_tokens - 1`` rows, key position p in row p % rows. A step of up to
     ``max_step_tokens`` new tokens writes its keys first and then attends; the ring is large
-    enough that no key the step's first token sees has been overwritten by then."""
+    enough that no key the step's first token sees has been overwritten by then. ``dtype`` as
+    KVCache's."""
 
     ring = True
 
-    def __init__(self, num_kv_heads: int, head_dim: int, span: int, max_step_tokens: int) -> None:
+    def __init__(self, num_kv_heads: int, head_dim: int, span: int, max_step_tokens: int,
+                 dtype: type = np.float32) -> None:
         self.max_step_tokens = max_step_tokens
         self.span = span  # a query sees span - 1 keys back at most
         self.rows = span + max_step_tokens - 1
-        self._keys = np.zeros((self.rows, num_kv_heads, head_dim), np.float32)  # (rows, K, Hd)
+        self._keys = np.zeros((self.rows, num_kv_heads, head_dim), dtype)  # (rows, K, Hd)
         self._values = np.zeros_like(self._keys)
 
     def buffers(self, start: int, n_new: int) -> tuple[np.ndarray, np.ndarray]:
@@ -124,7 +133,7 @@ class RingKVCache(LayerState):
         key_rows, value_rows = self.buffers(start, keys.shape[0])
         rows = np.arange(start, start + keys.shape[0]) % self.rows
         key_rows[rows], value_rows[rows] = keys, values
-        return key_rows, value_rows
+        return _attend_over(key_rows), _attend_over(value_rows)
 
     @property
     def nbytes(self) -> int:

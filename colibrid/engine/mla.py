@@ -54,7 +54,8 @@ class LatentAttention(TokenMixer):
                                 eps=c.rms_norm_eps, scale=m.softmax_scale, rope_interleaved=m.rope_interleaved,
                                 bo=w["o_bias"].data if "o_bias" in w else None)
 
-    def new_state(self, max_tokens: int, max_step_tokens: int, resumable: bool = False) -> LatentCache:
+    def new_state(self, max_tokens: int, max_step_tokens: int, resumable: bool = False,
+                  kv_dtype: type = np.float32) -> LatentCache:
         """A sequence's cache for this layer: C + R floats per token."""
         return LatentCache(self.m.kv_lora_rank + self.m.qk_rope_head_dim, max_tokens)
 

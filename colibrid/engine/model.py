@@ -100,15 +100,23 @@ class Layer:
 # a sliding-window layer's ring of keys needs only window + MAX_STEP_TOKENS - 1 rows.
 MAX_STEP_TOKENS = 512
 
+# kv_cache_type: what an attention layer's keys and values are stored as. "f16" halves their
+# memory and reads; each is rounded to float16 as it is stored (as llama.cpp's default cache).
+KV_CACHE_DTYPES = {"f32": np.float32, "f16": np.float16}
+
 
 class Model:
     """Weights are read-only views into the pack; all mutable state lives in the sequence's
     SequenceState (new_state)."""
 
-    def __init__(self, pack: Pack, experts: ExpertSource, lookahead_predictor: str = LOOKAHEAD_PREDICTORS[0]) -> None:
+    def __init__(self, pack: Pack, experts: ExpertSource, lookahead_predictor: str = LOOKAHEAD_PREDICTORS[0],
+                 kv_cache_type: str = "f32") -> None:
         if lookahead_predictor not in LOOKAHEAD_PREDICTORS:
             raise ValueError(f"lookahead_predictor must be one of {', '.join(LOOKAHEAD_PREDICTORS)}, "
                              f"got {lookahead_predictor!r:.40}")
+        if kv_cache_type not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_type must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_type!r:.40}")
+        self.kv_cache_type = kv_cache_type  # the element type of the attention layers' keys and values
         self.pack = pack
         self.config = c = pack.manifest.model
         self.experts = experts
@@ -163,7 +171,8 @@ class Model:
     def new_state(self, max_tokens: int, resumable: bool = False) -> SequenceState:
         """A new sequence's state: each layer's cache for up to ``max_tokens`` tokens;
         ``resumable``: kept for prefix reuse when it ends (see SequenceState)."""
-        states = [layer.mixer.new_state(max_tokens, self.max_step_tokens, resumable) for layer in self.layers]
+        kv_dtype = KV_CACHE_DTYPES[self.kv_cache_type]
+        states = [layer.mixer.new_state(max_tokens, self.max_step_tokens, resumable, kv_dtype) for layer in self.layers]
         return SequenceState(states, max_tokens)
 
     def forward(self, token_ids: np.ndarray, state: SequenceState, all_logits: bool = True) -> np.ndarray:

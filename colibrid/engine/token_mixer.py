@@ -18,10 +18,13 @@ from colibrid.engine.sequence_state import LayerState
 
 
 class TokenMixer:
-    def new_state(self, max_tokens: int, max_step_tokens: int, resumable: bool = False) -> LayerState:
+    def new_state(self, max_tokens: int, max_step_tokens: int, resumable: bool = False,
+                  kv_dtype: type = np.float32) -> LayerState:
         """A fresh sequence's state for this layer, for up to ``max_tokens`` tokens fed at
         most ``max_step_tokens`` at a time; ``resumable``: one that prefix reuse can resume
-        from later (only a recurrent state needs more memory for that, see DeltaNetState)."""
+        from later (only a recurrent state needs more memory for that, see DeltaNetState);
+        ``kv_dtype``: the element type of an attention layer's keys and values (float32 or
+        float16; latent and recurrent states stay float32)."""
         raise NotImplementedError
 
     def residual(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,

@@ -124,16 +124,23 @@ class AttentionSeq(ctypes.Structure):
     """Mirror of col_attention_seq: one sequence's cache and rows in a batched attention step."""
 
     _fields_ = [("keys", ctypes.c_void_p), ("vals", ctypes.c_void_p), ("n_past", ctypes.c_int64),
-                ("n_tok", ctypes.c_int64), ("ring_rows", ctypes.c_int64)]
+                ("n_tok", ctypes.c_int64), ("ring_rows", ctypes.c_int64), ("kv_type", ctypes.c_int32),
+                ("reserved", ctypes.c_int32)]
+
+
+# The element types a KV cache may have, and their col_type codes (colibri.h).
+KV_CACHE_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
 
 
 def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
                     values: np.ndarray, n_past: int, pool: "ThreadPool | None" = None, *, ring: bool = False) -> None:
     """x += attention(rms_norm(x)) for T new tokens at positions n_past .., in place (see
     col_attention_block): ``x`` (T, D), ``cos``/``sin`` (T, Hr) (Hr = the layer's rotary_dim or Hd), ``keys``/``values`` the
-    layer's whole cache buffers, float32: (capacity >= n_past + T, K, Hd), rows n_past ..
-    n_past + T - 1 written; or with ``ring`` a ring buffer of (rows, K, Hd) holding key position
-    p in row p % rows, rows >= the layer's window or chunk + T - 1."""
+    layer's whole cache buffers, float32 or float16 (both the same): (capacity >= n_past + T,
+    K, Hd), rows n_past .. n_past + T - 1 written; or with ``ring`` a ring buffer of (rows, K,
+    Hd) holding key position p in row p % rows, rows >= the layer's window or chunk + T - 1. A
+    float16 cache stores each new key and value rounded to nearest even and gives the bits a
+    float32 cache holding those rounded values gives."""
     n_tok = x.shape[0] if isinstance(x, np.ndarray) and x.ndim == 2 else -1
     attention_block_batch(layer, x, cos, sin, [(keys, values, n_past, n_tok, ring)], pool)
 
@@ -158,6 +165,7 @@ def attention_block_batch(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray,
         capacity = _attention_cache(layer, keys, values, n_past, n_tok, ring)
         seq.keys, seq.vals = keys.ctypes.data, values.ctypes.data
         seq.n_past, seq.n_tok, seq.ring_rows = n_past, n_tok, capacity if ring else 0
+        seq.kv_type = KV_CACHE_TYPES[keys.dtype]
         rows += n_tok
     if rows != T:
         raise InvalidArgumentError(f"the sequences' n_tok add up to {rows}, but x has {T} rows")
@@ -176,9 +184,18 @@ def _attention_cache(layer: AttentionLayer, keys: np.ndarray, values: np.ndarray
         raise InvalidArgumentError("a ring-buffer cache needs a layer with a window or a chunk")
     if capacity < needed:
         raise InvalidArgumentError(f"keys must be a (>= {needed}, K, Hd) array")
-    _f32_out(keys, "keys", (capacity, layer.n_kv_heads, Hd))
-    _f32_out(values, "values", (capacity, layer.n_kv_heads, Hd))
+    shape = (capacity, layer.n_kv_heads, Hd)
+    for a, name in ((keys, "keys"), (values, "values")):
+        if not isinstance(a, np.ndarray) or a.dtype not in KV_CACHE_TYPES or a.dtype != keys.dtype or not a.flags.c_contiguous \
+                or not a.flags.writeable or a.shape != shape:
+            raise InvalidArgumentError(f"{name} must be a writable C-contiguous float32 or float16 array of shape "
+                                       f"{shape}, keys and values of one type")
+    if keys.dtype == np.float16 and Hd > MAX_F16_HEAD_DIM:
+        raise InvalidArgumentError(f"a float16 cache takes heads of at most {MAX_F16_HEAD_DIM} values, not {Hd}")
     return capacity
+
+
+MAX_F16_HEAD_DIM = 1024  # COL_ATTEND_MAX_HEAD_DIM
 
 
 @mirrors_c_struct("col_mla_layer_size")

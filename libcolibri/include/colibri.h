@@ -518,13 +518,19 @@ COL_API int col_attention_block(col_pool *pool, const col_attention_layer *layer
                                 int64_t n_past, int64_t ring_rows);
 
 /* One sequence's part of a batched attention step: its cache (as col_attention_block's keys,
- * vals, n_past and ring_rows) and how many of the step's rows are its, in order. */
+ * vals, n_past and ring_rows, of kv_type's values) and how many of the step's rows are its,
+ * in order. */
 typedef struct col_attention_seq {
-    float *keys;
-    float *vals;
+    void *keys;
+    void *vals;
     int64_t n_past;
     int64_t n_tok;
     int64_t ring_rows;
+    int32_t kv_type;  /* COL_TYPE_F32, or COL_TYPE_F16 (head_dim <= 1024): each new key and value
+                         is rounded to float16 (nearest even) as it is stored, and read back
+                         exactly, so a step gives the bits of a float32 cache holding the same
+                         rounded values; half the memory and half the reads */
+    int32_t reserved; /* 0 */
 } col_attention_seq;
 
 /* sizeof(col_attention_seq), for bindings to check their mirror of it */

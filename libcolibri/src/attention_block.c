@@ -138,8 +138,16 @@ static void finish_qkv(const block_job *j, int64_t t) {
     const col_attention_seq *seq = j->seqs + j->seq_of[t];
     const int64_t pos = position_of(j, t);
     const int64_t row = col_cache_row(pos, seq->ring_rows);
-    memcpy(seq->keys + row * j->KV, kt, (size_t)j->KV * sizeof(float));
-    memcpy(seq->vals + row * j->KV, vt, (size_t)j->KV * sizeof(float));
+    if (seq->kv_type == COL_TYPE_F16) { /* rounded to nearest even, as numpy's astype(float16) */
+        uint16_t *kc = (uint16_t *)seq->keys + row * j->KV, *vc = (uint16_t *)seq->vals + row * j->KV;
+        for (int64_t i = 0; i < j->KV; i++) {
+            kc[i] = col_f32_to_f16(kt[i]);
+            vc[i] = col_f32_to_f16(vt[i]);
+        }
+        return;
+    }
+    memcpy((float *)seq->keys + row * j->KV, kt, (size_t)j->KV * sizeof(float));
+    memcpy((float *)seq->vals + row * j->KV, vt, (size_t)j->KV * sizeof(float));
 }
 
 
@@ -176,7 +184,8 @@ static void attend_phase(const block_job *j, int ith, int nth) {
                             q[n] = (col_attend_query){j->qkv + t * j->R + head * Hd, lo, pos,
                                                       l->sinks ? l->sinks + head : NULL, j->a + (t * H + head) * Hd};
                     }
-                    col_attend_block(j->k, q, n, seq->keys, seq->vals, K, kh, Hd, seq->ring_rows, l->scale, sc, stride);
+                    col_attend_block(j->k, q, n, seq->keys, seq->vals, seq->kv_type == COL_TYPE_F16, K, kh, Hd,
+                                     seq->ring_rows, l->scale, sc, stride);
                     if (!l->wg) continue;
                     for (int64_t t = t0; t < t1; t++)
                         for (int64_t head = h0; head < h1; head++)
@@ -293,7 +302,7 @@ static int ring_valid(const col_attention_layer *l, int64_t n_tok, int64_t ring_
 int col_attention_block(col_pool *pool, const col_attention_layer *layer, float *x, int64_t n_tok,
                         const float *cos, const float *sin, float *keys, float *vals, int64_t n_past,
                         int64_t ring_rows) {
-    const col_attention_seq seq = {keys, vals, n_past, n_tok, ring_rows};
+    const col_attention_seq seq = {keys, vals, n_past, n_tok, ring_rows, COL_TYPE_F32, 0};
     return col_attention_block_batch(pool, layer, x, cos, sin, &seq, 1);
 }
 
@@ -305,6 +314,8 @@ int col_attention_block_batch(col_pool *pool, const col_attention_layer *layer, 
         const col_attention_seq *q = seqs + i;
         if (q->n_tok < 0 || q->n_past < 0 || !ring_valid(layer, q->n_tok, q->ring_rows)) return COL_EINVAL;
         if (q->n_tok > 0 && (!q->keys || !q->vals)) return COL_EINVAL;
+        if (q->kv_type != COL_TYPE_F32 && (q->kv_type != COL_TYPE_F16 || layer->head_dim > COL_ATTEND_MAX_HEAD_DIM))
+            return COL_EINVAL;
         const int64_t keys_seen = q->ring_rows > 0 ? q->ring_rows : q->n_past + q->n_tok;
         if (keys_seen > most_keys) most_keys = keys_seen;
         n_tok += q->n_tok;

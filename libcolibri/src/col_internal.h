@@ -255,9 +255,9 @@ typedef void (*col_axpy_f32_fn)(float *y, float a, const float *x, int64_t n);
 struct col_attend_query;
 /* col_attend_block as a level computes it: COL_ATTEND_BLOCK_STEPS with its own dot, axpy and
  * exponentials inlined (and the weighted values in registers), one set of bits per level. */
-typedef void (*col_attend_block_fn)(const struct col_attend_query *q, int n, const float *keys, const float *vals,
-                                    int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring, float scale,
-                                    float *sc, int64_t stride);
+typedef void (*col_attend_block_fn)(const struct col_attend_query *q, int n, const void *keys, const void *vals,
+                                    int kv_f16, int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring,
+                                    float scale, float *sc, int64_t stride);
 
 /* One weight row times n (2..4) activation rows x[0..n): out[t] = dot(w, x[t]), with the
  * bits dot_xq gives each token alone; the weight blocks are decoded once for the n tokens. */
@@ -378,6 +378,27 @@ static inline const float *col_cache_head(const float *cache, int64_t pos, int64
     return cache + (col_cache_row(pos, ring) * n_kv_heads + kh) * head_dim;
 }
 
+/* The same in a float16 cache (col_attention_seq's kv_type COL_TYPE_F16). */
+static inline const uint16_t *col_cache_head_f16(const uint16_t *cache, int64_t pos, int64_t ring, int64_t n_kv_heads,
+                                                 int64_t kh, int64_t head_dim) {
+    return cache + (col_cache_row(pos, ring) * n_kv_heads + kh) * head_dim;
+}
+
+/* y[i] = the float16 h[i] as float32, exactly (kernels.c; the x86 levels have F16C's). */
+void col_f16_row_to_f32_portable(const uint16_t *h, float *y, int64_t n);
+
+/* The longest head a float16 cache may have: attention converts one row of it at a time into
+ * a buffer of this many floats on the stack. */
+#define COL_ATTEND_MAX_HEAD_DIM 1024
+
+/* Kv head kh's row at position pos of a cache of float32 (f16 0) or float16 (f16 1) values,
+ * as floats: a float32 cache is read in place; a float16 row is converted into buf first,
+ * exactly, so the arithmetic after it is the float32 cache's on the same values. */
+#define COL_KV_HEAD(cache, f16, pos, ring, K, kh, Hd, to_f32, buf)                                                  \
+    ((f16) ? (to_f32(col_cache_head_f16((const uint16_t *)(cache), (pos), (ring), (K), (kh), (Hd)), (buf), (Hd)),    \
+              (const float *)(buf))                                                                                \
+           : col_cache_head((const float *)(cache), (pos), (ring), (K), (kh), (Hd)))
+
 /* One query head's attention over the keys at positions lo..hi (ops.c, col_attend_block for
  * one query): ov (Hd) =
  * softmax(scale * q.k_s) v_s, keys/vals read at kv head kh from rows of K * Hd floats: position
@@ -403,10 +424,12 @@ typedef struct col_attend_query {
 
 /* col_attend_head for n (1..COL_ATTEND_BLOCK) queries that read kv head kh of the same cache
  * (the tokens of one sequence in a step, and the query heads of a group), bit for bit (ops.c);
- * sc: (n, stride) scratch, stride >= the most keys one query sees. */
-void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n, const float *keys, const float *vals,
-                      int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring, float scale, float *sc,
-                      int64_t stride);
+ * the cache float32, or float16 with kv_f16 (head_dim <= COL_ATTEND_MAX_HEAD_DIM): the bits of
+ * a float32 cache holding the same values; sc: (n, stride) scratch, stride >= the most keys
+ * one query sees. */
+void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n, const void *keys, const void *vals,
+                      int kv_f16, int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring, float scale,
+                      float *sc, int64_t stride);
 
 /* Keys ahead of the one being read whose rows are prefetched: one kv head's part of a cache
  * row is a few lines, a row (all kv heads) apart, which the hardware's stream prefetchers
@@ -415,6 +438,13 @@ void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n,
 
 static inline void col_prefetch_floats(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+}
+
+/* The lines of kv head kh's row at position pos, float32 or float16 (f16). */
+static inline void col_prefetch_kv_head(const void *cache, int f16, int64_t pos, int64_t ring, int64_t n_kv_heads,
+                                        int64_t kh, int64_t head_dim) {
+    const uint8_t *p = (const uint8_t *)cache + (col_cache_row(pos, ring) * n_kv_heads + kh) * head_dim * (f16 ? 2 : 4);
+    for (int64_t i = 0; i < head_dim * (f16 ? 2 : 4); i += 64) __builtin_prefetch(p + i);
 }
 
 /* The body of col_attend_block (COL_ATTEND_BLOCK_STEPS: COL_ATTEND_WEIGHTS, then
@@ -426,11 +456,14 @@ static inline void col_prefetch_floats(const float *p, int64_t n) {
  * max, the exponentials and their sum (exp_sum), then the weighted values added in key order,
  * so each q[i].ov is bit for bit what the same level gives the query alone. Key
  * position s lives in row s % ring of a ring buffer (ring > 0), else in row s: the keys are
- * visited in position order either way, so a ring gives the same sums as a flat cache. */
-#define COL_ATTEND_WEIGHTS(dot, exp_sum)                                                                           \
+ * visited in position order either way, so a ring gives the same sums as a flat cache.
+ * A float16 cache (kv_f16) is read a row at a time through to_f32 into kvrow_ (COL_KV_HEAD):
+ * the same operations on the same values, so the bits of a float32 cache holding them. */
+#define COL_ATTEND_WEIGHTS(dot, exp_sum, to_f32)                                                                   \
     const int64_t Hd_ = head_dim, K_ = n_kv_heads;                                                                  \
     int64_t first_ = INT64_MAX, last_ = -1;                                                                         \
     float mx_[COL_ATTEND_BLOCK], inv_[COL_ATTEND_BLOCK];                                                            \
+    float kvrow_[COL_ATTEND_MAX_HEAD_DIM];                                                                          \
     for (int i = 0; i < n; i++) {                                                                                   \
         for (int64_t d = 0; d < Hd_; d++) q[i].ov[d] = 0.0f;                                                        \
         mx_[i] = -INFINITY;                                                                                         \
@@ -439,9 +472,9 @@ static inline void col_prefetch_floats(const float *p, int64_t n) {
         if (q[i].hi > last_) last_ = q[i].hi;                                                                       \
     }                                                                                                               \
     for (int64_t s = first_; s <= last_; s++) {                                                                     \
-        const float *ks = col_cache_head(keys, s, ring, K_, kh, Hd_);                                               \
-        if (s + COL_ATTEND_AHEAD <= last_) /* rows of a head are K * Hd floats apart: no stream to detect */       \
-            col_prefetch_floats(col_cache_head(keys, s + COL_ATTEND_AHEAD, ring, K_, kh, Hd_), Hd_);                \
+        const float *ks = COL_KV_HEAD(keys, kv_f16, s, ring, K_, kh, Hd_, to_f32, kvrow_);                          \
+        if (s + COL_ATTEND_AHEAD <= last_) /* rows of a head are K * Hd values apart: no stream to detect */       \
+            col_prefetch_kv_head(keys, kv_f16, s + COL_ATTEND_AHEAD, ring, K_, kh, Hd_);                            \
         for (int i = 0; i < n; i++) {                                                                               \
             if (s < q[i].lo || s > q[i].hi) continue;                                                               \
             const float score = dot(q[i].qv, ks, Hd_) * scale;                                                      \
@@ -459,16 +492,16 @@ static inline void col_prefetch_floats(const float *p, int64_t n) {
     }
 
 /* Then the weighted values, added to each q[i].ov in key order. */
-#define COL_ATTEND_VALUES(axpy)                                                                                     \
+#define COL_ATTEND_VALUES(axpy, to_f32)                                                                             \
     for (int64_t s = first_; s <= last_; s++) {                                                                     \
-        const float *vs = col_cache_head(vals, s, ring, K_, kh, Hd_);                                               \
+        const float *vs = COL_KV_HEAD(vals, kv_f16, s, ring, K_, kh, Hd_, to_f32, kvrow_);                          \
         for (int i = 0; i < n; i++)                                                                                 \
             if (s >= q[i].lo && s <= q[i].hi) axpy(q[i].ov, sc[i * stride + (s - q[i].lo)] * inv_[i], vs, Hd_);     \
     }
 
-#define COL_ATTEND_BLOCK_STEPS(dot, axpy, exp_sum)                                                                  \
-    COL_ATTEND_WEIGHTS(dot, exp_sum)                                                                                \
-    COL_ATTEND_VALUES(axpy)
+#define COL_ATTEND_BLOCK_STEPS(dot, axpy, exp_sum, to_f32)                                                          \
+    COL_ATTEND_WEIGHTS(dot, exp_sum, to_f32)                                                                        \
+    COL_ATTEND_VALUES(axpy, to_f32)
 
 /* The first key position a query at pos sees: the start of its sliding window (window > 0),
  * of its attention chunk (chunk > 0: pos - pos % chunk) and of what a ring of `ring` rows

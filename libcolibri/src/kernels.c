@@ -30,6 +30,10 @@ void col_axpy_f32_portable(float *y, float a, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+void col_f16_row_to_f32_portable(const uint16_t *h, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = col_f16_to_f32(h[i]);
+}
+
 void col_silu_mul_portable(const float *g, const float *u, float *h, int64_t n) {
     for (int64_t i = 0; i < n; i++) h[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }

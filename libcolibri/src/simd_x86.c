@@ -516,13 +516,25 @@ TARGET_AVX512 static inline __attribute__((always_inline)) void axpy_f32_avx512_
     for (; i < n; i++) y[i] += a * x[i];
 }
 
+/* A float16 cache row as float32 (COL_KV_HEAD): F16C's conversion is exact, as the portable one. */
+TARGET_AVX2 static inline __attribute__((always_inline)) void f16_row_to_f32_avx2(const uint16_t *h, float *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+    for (; i < n; i++) y[i] = col_f16_to_f32(h[i]);
+}
+#define f16_row_to_f32_avx512 f16_row_to_f32_avx2
+
 /* COL_ATTEND_VALUES with each query's output held in registers over a tile of keys: per
  * (query, key) one load and one fma a vector of the head, and the output stored once a tile
  * instead of once a key (axpy loads and stores it at every key). Each output element gets the
  * same fmas in the same key order as through axpy, the weight sc * inv rounded the same way,
  * so the bits are COL_ATTEND_VALUES'. Needs head_dim a multiple of the lanes (the callers
- * check); vals + c: the chunk's first float of a row. */
+ * check); vals + c: the chunk's first float of a row. A float16 cache's tile is first
+ * converted (exactly) into VALUE_TILE_FLOATS floats on the stack, and the chunks read that:
+ * the same fmas on the same values (where a tile ends changes nothing: the output is stored
+ * and loaded again exactly). */
 #define VALUE_TILE_KEYS 64 /* the tile's value rows of one kv head: 32 KiB at head_dim 128 */
+#define VALUE_TILE_FLOATS 8192 /* a float16 tile as floats: 64 rows at head_dim 128, 8 at 1024 */
 #define VALUES_IN_REGISTERS(target, level, vec, lanes, loadu, storeu, fmadd, set1)                                   \
     target static inline __attribute__((always_inline)) void values_chunk_##level(                                  \
         float *ov, const float *vals, int64_t K, int64_t kh, int64_t Hd, int64_t ring, const float *p, float inv,   \
@@ -538,20 +550,33 @@ TARGET_AVX512 static inline __attribute__((always_inline)) void axpy_f32_avx512_
         }                                                                                                           \
         _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) storeu(ov + v * (lanes), acc[v]);                    \
     }                                                                                                               \
-    target static void values_in_registers_##level(const col_attend_query *q, int n, const float *vals, int64_t K,  \
-                                                   int64_t kh, int64_t Hd, int64_t ring, const float *sc,           \
+    target static void values_in_registers_##level(const col_attend_query *q, int n, const void *vals, int kv_f16,  \
+                                                   int64_t K, int64_t kh, int64_t Hd, int64_t ring, const float *sc,\
                                                    int64_t stride, const float *inv, int64_t first, int64_t last) { \
-        for (int64_t s0 = first; s0 <= last; s0 += VALUE_TILE_KEYS) {                                               \
-            const int64_t s1 = s0 + VALUE_TILE_KEYS - 1 < last ? s0 + VALUE_TILE_KEYS - 1 : last;                   \
+        float tile[VALUE_TILE_FLOATS];                                                                              \
+        const int64_t tile_keys = kv_f16 ? VALUE_TILE_FLOATS / Hd : VALUE_TILE_KEYS;                                \
+        for (int64_t s0 = first; s0 <= last; s0 += tile_keys) {                                                     \
+            const int64_t s1 = s0 + tile_keys - 1 < last ? s0 + tile_keys - 1 : last;                               \
+            /* the rows the chunks read: the cache's in place, or the converted tile's (key s in row s - s0) */     \
+            const float *rows = (const float *)vals;                                                                \
+            int64_t rK = K, rkh = kh, rring = ring, base = 0;                                                       \
+            if (kv_f16) {                                                                                           \
+                for (int64_t s = s0; s <= s1; s++) {                                                                \
+                    if (s + COL_ATTEND_AHEAD <= s1) col_prefetch_kv_head(vals, 1, s + COL_ATTEND_AHEAD, ring, K, kh, Hd); \
+                    f16_row_to_f32_##level(col_cache_head_f16((const uint16_t *)vals, s, ring, K, kh, Hd),           \
+                                           tile + (s - s0) * Hd, Hd);                                               \
+                }                                                                                                   \
+                rows = tile, rK = 1, rkh = 0, rring = 0, base = s0;                                                 \
+            }                                                                                                       \
             for (int i = 0; i < n; i++) {                                                                           \
                 const int64_t b = s0 > q[i].lo ? s0 : q[i].lo, e = s1 < q[i].hi ? s1 : q[i].hi;                     \
                 if (b > e) continue;                                                                                \
-                const float *p = sc + i * stride - q[i].lo; /* p[s]: key s's weight before 1 / sum */               \
+                const float *p = sc + i * stride - q[i].lo + base; /* p[s - base]: key s's weight before 1 / sum */ \
                 int64_t c = 0;                                                                                      \
                 for (; c + 4 * (lanes) <= Hd; c += 4 * (lanes))                                                     \
-                    values_chunk_##level(q[i].ov + c, vals + c, K, kh, Hd, ring, p, inv[i], b, e, 4);               \
+                    values_chunk_##level(q[i].ov + c, rows + c, rK, rkh, Hd, rring, p, inv[i], b - base, e - base, 4); \
                 for (; c < Hd; c += (lanes))                                                                        \
-                    values_chunk_##level(q[i].ov + c, vals + c, K, kh, Hd, ring, p, inv[i], b, e, 1);               \
+                    values_chunk_##level(q[i].ov + c, rows + c, rK, rkh, Hd, rring, p, inv[i], b - base, e - base, 1); \
             }                                                                                                       \
         }                                                                                                           \
     }
@@ -570,15 +595,15 @@ VALUES_IN_REGISTERS(TARGET_AVX512, avx512, __m512, 16, _mm512_loadu_ps, _mm512_s
     target static void axpy_f32_##level(float *y, float a, const float *x, int64_t n) {                             \
         axpy_f32_##level##_inline(y, a, x, n);                                                                      \
     }                                                                                                               \
-    target static void attend_block_##level(const col_attend_query *q, int n, const float *keys, const float *vals, \
-                                            int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring,         \
-                                            float scale, float *sc, int64_t stride) {                               \
-        COL_ATTEND_WEIGHTS(dot_f32_##level##_inline, exp_sum_##level)                                              \
+    target static void attend_block_##level(const col_attend_query *q, int n, const void *keys, const void *vals,   \
+                                            int kv_f16, int64_t n_kv_heads, int64_t kh, int64_t head_dim,           \
+                                            int64_t ring, float scale, float *sc, int64_t stride) {                 \
+        COL_ATTEND_WEIGHTS(dot_f32_##level##_inline, exp_sum_##level, f16_row_to_f32_##level)                      \
         if (Hd_ % (lanes) == 0) {                                                                                   \
-            values_in_registers_##level(q, n, vals, K_, kh, Hd_, ring, sc, stride, inv_, first_, last_);            \
+            values_in_registers_##level(q, n, vals, kv_f16, K_, kh, Hd_, ring, sc, stride, inv_, first_, last_);    \
             return;                                                                                                 \
         }                                                                                                           \
-        COL_ATTEND_VALUES(axpy_f32_##level##_inline)                                                                \
+        COL_ATTEND_VALUES(axpy_f32_##level##_inline, f16_row_to_f32_##level)                                        \
     }
 
 /* expf one value at a time: an AVX2 exp with exp_avx512's bits measured no faster on a

@@ -36,6 +36,13 @@ def test_flags_override_the_file(demo_pack, tmp_path):
         demo_pack, 5, "debug", Path("/tmp/x.sock"))
 
 
+def test_kv_cache_type_is_f32_unless_set(demo_pack, tmp_path):
+    assert load_config(["--config", str(write_config(tmp_path, "")), "--model", str(demo_pack)]).kv_cache_type == "f32"
+    from_file = write_config(tmp_path, f'model = "{demo_pack}"\nkv_cache_type = "f16"\n')
+    assert load_config(["--config", str(from_file)]).kv_cache_type == "f16"
+    assert load_config(["--config", str(from_file), "--kv-cache-type", "f32"]).kv_cache_type == "f32"
+
+
 def test_special_tokens_in_content_stay_text_unless_opted_in(demo_pack, tmp_path):
     assert load_config(["--config", str(write_config(tmp_path, "")), "--model", str(demo_pack)]
                        ).parse_special_tokens_in_content is False
@@ -53,6 +60,8 @@ def test_special_tokens_in_content_stay_text_unless_opted_in(demo_pack, tmp_path
     ('lookahead_predictor = "probe"\n', [], 'lookahead_predictor = "probe": must be "router-on-moe-input" or '
                                             '"router-on-residual"'),
     ("hugepages = -3\n", [], 'hugepages = -3: must be "auto", "thp", "off" or a whole number'),
+    ('kv_cache_type = "bf16"\n', [], 'kv_cache_type = "bf16": must be "f32" or "f16"'),
+    ("", ["--kv-cache-type", "q8_0"], 'kv_cache_type = "q8_0": must be "f32" or "f16"'),
     ("", ["--io-queue-depth", "99"], "io_queue_depth = 99: must be an integer in [1, 32]"),
     ("", ["--max-queue", "-1"], "max_queue = -1: must be an integer >= 1"),
     ("", ["--max-queue", "many"], 'max_queue = "many": must be an integer >= 1'),

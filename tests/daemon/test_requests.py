@@ -333,3 +333,15 @@ def test_eight_clients_at_once_each_get_exactly_what_they_get_alone(shared_daemo
     running = [r for status in status_seen for r in status["running"]]
     assert running and {"id", "peer", "phase", "tokens", "tokens_per_s"} <= set(running[0])
     assert all(status["kv_cache"]["used_bytes"] <= status["kv_cache"]["budget_bytes"] for status in status_seen)
+
+
+def test_a_daemon_with_float16_kv_caches_answers_and_says_so(start_daemon):
+    daemon = start_daemon("--kv-cache-type", "f16")
+    tokens, text, finish = _ask_alone(daemon.socket_path, "q", "why is the sky blue", dict(max_tokens=6, ignore_eos=True))
+    assert len(tokens) == 6 and text and finish == "length"
+    with WireClient(daemon.socket_path) as client:
+        client.hello()
+        client.send({"op": "status", "id": "s"})
+        assert client.recv()["kv_cache"]["type"] == "f16"
+    returncode, stderr = daemon.terminate()
+    assert returncode == 0 and "keys and values as f16 (kv_cache_type)" in stderr

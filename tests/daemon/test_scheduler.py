@@ -278,3 +278,4 @@ def test_status_shows_each_running_request_and_the_batch(engine):
         assert batch["max_batch"] == 4 and batch["size"] == 2 and batch["steps"] > 0
         assert 0 < batch["distinct_experts_per_layer_step"] <= batch["sequence_experts_per_layer_step"]
         assert kv["budget_bytes"] == BIG_BUDGET and kv["used_bytes"] > 0 and kv["sequences"] == 2
+        assert kv["type"] == "f32"

@@ -384,20 +384,25 @@ static inline const uint16_t *col_cache_head_f16(const uint16_t *cache, int64_t 
     return cache + (col_cache_row(pos, ring) * n_kv_heads + kh) * head_dim;
 }
 
-/* y[i] = the float16 h[i] as float32, exactly (kernels.c; the x86 levels have F16C's). */
+/* y[i] = the float16 h[i] as float32, exactly (kernels.c). */
 void col_f16_row_to_f32_portable(const uint16_t *h, float *y, int64_t n);
 
-/* The longest head a float16 cache may have: attention converts one row of it at a time into
- * a buffer of this many floats on the stack. */
+/* The longest head a float16 cache may have: the portable path converts one row of it at a
+ * time into a buffer of this many floats on the stack. */
 #define COL_ATTEND_MAX_HEAD_DIM 1024
 
-/* Kv head kh's row at position pos of a cache of float32 (f16 0) or float16 (f16 1) values,
- * as floats: a float32 cache is read in place; a float16 row is converted into buf first,
- * exactly, so the arithmetic after it is the float32 cache's on the same values. */
-#define COL_KV_HEAD(cache, f16, pos, ring, K, kh, Hd, to_f32, buf)                                                  \
-    ((f16) ? (to_f32(col_cache_head_f16((const uint16_t *)(cache), (pos), (ring), (K), (kh), (Hd)), (buf), (Hd)),    \
-              (const float *)(buf))                                                                                \
-           : col_cache_head((const float *)(cache), (pos), (ring), (K), (kh), (Hd)))
+/* How attention reads kv head kh's row at position pos (the key_row / val_row of the macros
+ * below): COL_KV_ROW_f32 and COL_KV_ROW_f16 in place, for a dot or axpy that reads float32, or
+ * float16 converting as it loads (the x86 levels); COL_KV_ROW_AS_F32 either kind as floats, a
+ * float16 row converted first (exactly) into kvrow_, COL_ATTEND_MAX_HEAD_DIM floats the
+ * caller declares, with kv_f16 saying which (the portable path). Either way the arithmetic
+ * after it is the float32 cache's on the same values. */
+#define COL_KV_ROW_f32(cache, pos, ring, K, kh, Hd) col_cache_head((const float *)(cache), pos, ring, K, kh, Hd)
+#define COL_KV_ROW_f16(cache, pos, ring, K, kh, Hd) col_cache_head_f16((const uint16_t *)(cache), pos, ring, K, kh, Hd)
+#define COL_KV_ROW_AS_F32(cache, pos, ring, K, kh, Hd)                                                             \
+    (kv_f16 ? (col_f16_row_to_f32_portable(COL_KV_ROW_f16(cache, pos, ring, K, kh, Hd), kvrow_, Hd),                \
+               (const float *)kvrow_)                                                                              \
+            : COL_KV_ROW_f32(cache, pos, ring, K, kh, Hd))
 
 /* One query head's attention over the keys at positions lo..hi (ops.c, col_attend_block for
  * one query): ov (Hd) =
@@ -434,10 +439,10 @@ void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n,
 /* Keys ahead of the one being read whose rows are prefetched: one kv head's part of a cache
  * row is a few lines, a row (all kv heads) apart, which the hardware's stream prefetchers
  * do not follow across pages. */
-#define COL_ATTEND_AHEAD 8
+#define COL_ATTEND_AHEAD 8 /* float16 caches too: 4, 8 and 16 keys measured the same there */
 
-static inline void col_prefetch_floats(const float *p, int64_t n) {
-    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);
+static inline void col_prefetch_bytes(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const uint8_t *)p + i);
 }
 
 /* The lines of kv head kh's row at position pos, float32 or float16 (f16). */
@@ -457,13 +462,12 @@ static inline void col_prefetch_kv_head(const void *cache, int f16, int64_t pos,
  * so each q[i].ov is bit for bit what the same level gives the query alone. Key
  * position s lives in row s % ring of a ring buffer (ring > 0), else in row s: the keys are
  * visited in position order either way, so a ring gives the same sums as a flat cache.
- * A float16 cache (kv_f16) is read a row at a time through to_f32 into kvrow_ (COL_KV_HEAD):
- * the same operations on the same values, so the bits of a float32 cache holding them. */
-#define COL_ATTEND_WEIGHTS(dot, exp_sum, to_f32)                                                                   \
+ * The rows are read through key_row and val_row (COL_KV_ROW_*), as row_t: float32 or float16
+ * (kv_f16), the dot and axpy taking that type. */
+#define COL_ATTEND_WEIGHTS(dot, exp_sum, row_t, key_row)                                                           \
     const int64_t Hd_ = head_dim, K_ = n_kv_heads;                                                                  \
     int64_t first_ = INT64_MAX, last_ = -1;                                                                         \
     float mx_[COL_ATTEND_BLOCK], inv_[COL_ATTEND_BLOCK];                                                            \
-    float kvrow_[COL_ATTEND_MAX_HEAD_DIM];                                                                          \
     for (int i = 0; i < n; i++) {                                                                                   \
         for (int64_t d = 0; d < Hd_; d++) q[i].ov[d] = 0.0f;                                                        \
         mx_[i] = -INFINITY;                                                                                         \
@@ -472,7 +476,7 @@ static inline void col_prefetch_kv_head(const void *cache, int f16, int64_t pos,
         if (q[i].hi > last_) last_ = q[i].hi;                                                                       \
     }                                                                                                               \
     for (int64_t s = first_; s <= last_; s++) {                                                                     \
-        const float *ks = COL_KV_HEAD(keys, kv_f16, s, ring, K_, kh, Hd_, to_f32, kvrow_);                          \
+        const row_t *ks = key_row(keys, s, ring, K_, kh, Hd_);                                                      \
         if (s + COL_ATTEND_AHEAD <= last_) /* rows of a head are K * Hd values apart: no stream to detect */       \
             col_prefetch_kv_head(keys, kv_f16, s + COL_ATTEND_AHEAD, ring, K_, kh, Hd_);                            \
         for (int i = 0; i < n; i++) {                                                                               \
@@ -492,16 +496,16 @@ static inline void col_prefetch_kv_head(const void *cache, int f16, int64_t pos,
     }
 
 /* Then the weighted values, added to each q[i].ov in key order. */
-#define COL_ATTEND_VALUES(axpy, to_f32)                                                                             \
+#define COL_ATTEND_VALUES(axpy, row_t, val_row)                                                                     \
     for (int64_t s = first_; s <= last_; s++) {                                                                     \
-        const float *vs = COL_KV_HEAD(vals, kv_f16, s, ring, K_, kh, Hd_, to_f32, kvrow_);                          \
+        const row_t *vs = val_row(vals, s, ring, K_, kh, Hd_);                                                      \
         for (int i = 0; i < n; i++)                                                                                 \
             if (s >= q[i].lo && s <= q[i].hi) axpy(q[i].ov, sc[i * stride + (s - q[i].lo)] * inv_[i], vs, Hd_);     \
     }
 
-#define COL_ATTEND_BLOCK_STEPS(dot, axpy, exp_sum, to_f32)                                                          \
-    COL_ATTEND_WEIGHTS(dot, exp_sum, to_f32)                                                                        \
-    COL_ATTEND_VALUES(axpy, to_f32)
+#define COL_ATTEND_BLOCK_STEPS(dot, axpy, exp_sum, row_t, row)                                                      \
+    COL_ATTEND_WEIGHTS(dot, exp_sum, row_t, row)                                                                    \
+    COL_ATTEND_VALUES(axpy, row_t, row)
 
 /* The first key position a query at pos sees: the start of its sliding window (window > 0),
  * of its attention chunk (chunk > 0: pos - pos % chunk) and of what a ring of `ring` rows

@@ -116,7 +116,8 @@ void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n,
         k->attend_block(q, n, keys, vals, kv_f16, n_kv_heads, kh, head_dim, ring, scale, sc, stride);
         return;
     }
-    COL_ATTEND_BLOCK_STEPS(k->dot_f32, k->axpy_f32, col_exp_sum_portable, col_f16_row_to_f32_portable)
+    float kvrow_[COL_ATTEND_MAX_HEAD_DIM]; /* a float16 row as floats (COL_KV_ROW_AS_F32) */
+    COL_ATTEND_BLOCK_STEPS(k->dot_f32, k->axpy_f32, col_exp_sum_portable, float, COL_KV_ROW_AS_F32)
 }
 
 int64_t col_first_visible_key(int64_t pos, int64_t window, int64_t chunk, int64_t ring) {

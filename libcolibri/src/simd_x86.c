@@ -472,122 +472,128 @@ TARGET_VNNI static void dotn_mxfp4_vnni(const uint8_t *w, const col_xq_row *x, i
 /* ---- float helpers for attention -------------------------------------------------------- */
 
 /* The dot and axpy of each level, always inlined: col_attend_block's level versions expand
- * them in place, the kernel set's entries call them, so both do the same operations. */
-TARGET_AVX2 static inline __attribute__((always_inline)) float dot_f32_avx2_inline(const float *a, const float *b,
-                                                                                  int64_t n) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+ * them in place, the kernel set's entries call them, so both do the same operations. Each
+ * comes in two versions that differ only in how they load the cache's row (b, x): float32,
+ * or float16 converted exactly as it is loaded (F16C), so a float16 cache gives the bits of a
+ * float32 one holding the same values. */
+#define AI __attribute__((always_inline))
+static inline float f32_as_f32(float v) { return v; }
+TARGET_AVX2 static inline AI __m256 load8_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+TARGET_AVX512 static inline AI __m512 load16_f16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+#define DOT_AXPY_AVX2(suffix, elem_t, load8, scalar)                                                                 \
+    TARGET_AVX2 static inline AI float dot_##suffix##_avx2_inline(const float *a, const elem_t *b, int64_t n) {       \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                               \
+        int64_t i = 0;                                                                                               \
+        for (; i + 16 <= n; i += 16) {                                                                               \
+            acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc0);                                      \
+            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load8(b + i + 8), acc1);                              \
+        }                                                                                                            \
+        float sum = hsum256(_mm256_add_ps(acc0, acc1));                                                              \
+        for (; i < n; i++) sum += a[i] * scalar(b[i]);                                                               \
+        return sum;                                                                                                  \
+    }                                                                                                                \
+    TARGET_AVX2 static inline AI void axpy_##suffix##_avx2_inline(float *y, float a, const elem_t *x, int64_t n) {    \
+        const __m256 va = _mm256_set1_ps(a);                                                                         \
+        int64_t i = 0;                                                                                               \
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(x + i), _mm256_loadu_ps(y + i))); \
+        for (; i < n; i++) y[i] += a * scalar(x[i]);                                                                 \
     }
-    float sum = hsum256(_mm256_add_ps(acc0, acc1));
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
+DOT_AXPY_AVX2(f32, float, _mm256_loadu_ps, f32_as_f32)
+DOT_AXPY_AVX2(f16, uint16_t, load8_f16, col_f16_to_f32)
 
-TARGET_AVX2 static inline __attribute__((always_inline)) void axpy_f32_avx2_inline(float *y, float a, const float *x,
-                                                                                  int64_t n) {
-    const __m256 va = _mm256_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
-TARGET_AVX512 static inline __attribute__((always_inline)) float dot_f32_avx512_inline(const float *a, const float *b,
-                                                                                      int64_t n) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+#define DOT_AXPY_AVX512(suffix, elem_t, load16, scalar)                                                              \
+    TARGET_AVX512 static inline AI float dot_##suffix##_avx512_inline(const float *a, const elem_t *b, int64_t n) {   \
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();                                               \
+        int64_t i = 0;                                                                                               \
+        for (; i + 32 <= n; i += 32) {                                                                               \
+            acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc0);                                     \
+            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), load16(b + i + 16), acc1);                           \
+        }                                                                                                            \
+        for (; i + 16 <= n; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc0);            \
+        float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));                                                 \
+        for (; i < n; i++) sum += a[i] * scalar(b[i]);                                                               \
+        return sum;                                                                                                  \
+    }                                                                                                                \
+    TARGET_AVX512 static inline AI void axpy_##suffix##_avx512_inline(float *y, float a, const elem_t *x, int64_t n) { \
+        const __m512 va = _mm512_set1_ps(a);                                                                         \
+        int64_t i = 0;                                                                                               \
+        for (; i + 16 <= n; i += 16)                                                                                 \
+            _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, load16(x + i), _mm512_loadu_ps(y + i)));                     \
+        for (; i < n; i++) y[i] += a * scalar(x[i]);                                                                 \
     }
-    for (; i + 16 <= n; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-    float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
-TARGET_AVX512 static inline __attribute__((always_inline)) void axpy_f32_avx512_inline(float *y, float a,
-                                                                                      const float *x, int64_t n) {
-    const __m512 va = _mm512_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] += a * x[i];
-}
-
-/* A float16 cache row as float32 (COL_KV_HEAD): F16C's conversion is exact, as the portable one. */
-TARGET_AVX2 static inline __attribute__((always_inline)) void f16_row_to_f32_avx2(const uint16_t *h, float *y, int64_t n) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-    for (; i < n; i++) y[i] = col_f16_to_f32(h[i]);
-}
-#define f16_row_to_f32_avx512 f16_row_to_f32_avx2
+DOT_AXPY_AVX512(f32, float, _mm512_loadu_ps, f32_as_f32)
+DOT_AXPY_AVX512(f16, uint16_t, load16_f16, col_f16_to_f32)
 
 /* COL_ATTEND_VALUES with each query's output held in registers over a tile of keys: per
  * (query, key) one load and one fma a vector of the head, and the output stored once a tile
  * instead of once a key (axpy loads and stores it at every key). Each output element gets the
  * same fmas in the same key order as through axpy, the weight sc * inv rounded the same way,
  * so the bits are COL_ATTEND_VALUES'. Needs head_dim a multiple of the lanes (the callers
- * check); vals + c: the chunk's first float of a row. A float16 cache's tile is first
- * converted (exactly) into VALUE_TILE_FLOATS floats on the stack, and the chunks read that:
- * the same fmas on the same values (where a tile ends changes nothing: the output is stored
- * and loaded again exactly). */
+ * check); vals + c: the chunk's first value of a row, float32 or (loadv converting) float16. */
 #define VALUE_TILE_KEYS 64 /* the tile's value rows of one kv head: 32 KiB at head_dim 128 */
-#define VALUE_TILE_FLOATS 8192 /* a float16 tile as floats: 64 rows at head_dim 128, 8 at 1024 */
-#define VALUES_IN_REGISTERS(target, level, vec, lanes, loadu, storeu, fmadd, set1)                                   \
-    target static inline __attribute__((always_inline)) void values_chunk_##level(                                  \
-        float *ov, const float *vals, int64_t K, int64_t kh, int64_t Hd, int64_t ring, const float *p, float inv,   \
-        int64_t b, int64_t e, const int vecs) {                                                                     \
+#define VALUES_IN_REGISTERS(target, name, elem_t, vec, lanes, loadu, loadv, storeu, fmadd, set1)                    \
+    target static inline AI void name##_chunk(float *ov, const elem_t *vals, int64_t K, int64_t kh, int64_t Hd,     \
+                                              int64_t ring, const float *p, float inv, int64_t b, int64_t e,         \
+                                              const int vecs) {                                                      \
         vec acc[4];                                                                                                 \
         _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[v] = loadu(ov + v * (lanes));                    \
         for (int64_t s = b; s <= e; s++) {                                                                          \
-            const float *vs = col_cache_head(vals, s, ring, K, kh, Hd);                                             \
+            const elem_t *vs = vals + (col_cache_row(s, ring) * K + kh) * Hd;                                       \
             if (s + COL_ATTEND_AHEAD <= e)                                                                          \
-                col_prefetch_floats(col_cache_head(vals, s + COL_ATTEND_AHEAD, ring, K, kh, Hd), vecs * (lanes));   \
+                col_prefetch_bytes(vals + (col_cache_row(s + COL_ATTEND_AHEAD, ring) * K + kh) * Hd,                \
+                                   vecs * (lanes) * (int64_t)sizeof(elem_t));                                       \
             const vec a = set1(p[s] * inv);                                                                         \
-            _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[v] = fmadd(a, loadu(vs + v * (lanes)), acc[v]); \
+            _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[v] = fmadd(a, loadv(vs + v * (lanes)), acc[v]); \
         }                                                                                                           \
         _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) storeu(ov + v * (lanes), acc[v]);                    \
     }                                                                                                               \
-    target static void values_in_registers_##level(const col_attend_query *q, int n, const void *vals, int kv_f16,  \
-                                                   int64_t K, int64_t kh, int64_t Hd, int64_t ring, const float *sc,\
-                                                   int64_t stride, const float *inv, int64_t first, int64_t last) { \
-        float tile[VALUE_TILE_FLOATS];                                                                              \
-        const int64_t tile_keys = kv_f16 ? VALUE_TILE_FLOATS / Hd : VALUE_TILE_KEYS;                                \
-        for (int64_t s0 = first; s0 <= last; s0 += tile_keys) {                                                     \
-            const int64_t s1 = s0 + tile_keys - 1 < last ? s0 + tile_keys - 1 : last;                               \
-            /* the rows the chunks read: the cache's in place, or the converted tile's (key s in row s - s0) */     \
-            const float *rows = (const float *)vals;                                                                \
-            int64_t rK = K, rkh = kh, rring = ring, base = 0;                                                       \
-            if (kv_f16) {                                                                                           \
-                for (int64_t s = s0; s <= s1; s++) {                                                                \
-                    if (s + COL_ATTEND_AHEAD <= s1) col_prefetch_kv_head(vals, 1, s + COL_ATTEND_AHEAD, ring, K, kh, Hd); \
-                    f16_row_to_f32_##level(col_cache_head_f16((const uint16_t *)vals, s, ring, K, kh, Hd),           \
-                                           tile + (s - s0) * Hd, Hd);                                               \
-                }                                                                                                   \
-                rows = tile, rK = 1, rkh = 0, rring = 0, base = s0;                                                 \
-            }                                                                                                       \
+    target static void name(const col_attend_query *q, int n, const elem_t *vals, int64_t K, int64_t kh,            \
+                            int64_t Hd, int64_t ring, const float *sc, int64_t stride, const float *inv,            \
+                            int64_t first, int64_t last) {                                                          \
+        for (int64_t s0 = first; s0 <= last; s0 += VALUE_TILE_KEYS) {                                               \
+            const int64_t s1 = s0 + VALUE_TILE_KEYS - 1 < last ? s0 + VALUE_TILE_KEYS - 1 : last;                   \
             for (int i = 0; i < n; i++) {                                                                           \
                 const int64_t b = s0 > q[i].lo ? s0 : q[i].lo, e = s1 < q[i].hi ? s1 : q[i].hi;                     \
                 if (b > e) continue;                                                                                \
-                const float *p = sc + i * stride - q[i].lo + base; /* p[s - base]: key s's weight before 1 / sum */ \
+                const float *p = sc + i * stride - q[i].lo; /* p[s]: key s's weight before 1 / sum */               \
                 int64_t c = 0;                                                                                      \
                 for (; c + 4 * (lanes) <= Hd; c += 4 * (lanes))                                                     \
-                    values_chunk_##level(q[i].ov + c, rows + c, rK, rkh, Hd, rring, p, inv[i], b - base, e - base, 4); \
-                for (; c < Hd; c += (lanes))                                                                        \
-                    values_chunk_##level(q[i].ov + c, rows + c, rK, rkh, Hd, rring, p, inv[i], b - base, e - base, 1); \
+                    name##_chunk(q[i].ov + c, vals + c, K, kh, Hd, ring, p, inv[i], b, e, 4);                       \
+                for (; c < Hd; c += (lanes)) name##_chunk(q[i].ov + c, vals + c, K, kh, Hd, ring, p, inv[i], b, e, 1); \
             }                                                                                                       \
         }                                                                                                           \
     }
 
-VALUES_IN_REGISTERS(TARGET_AVX2, avx2, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps)
-VALUES_IN_REGISTERS(TARGET_AVX512, avx512, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps,
-                    _mm512_set1_ps)
+VALUES_IN_REGISTERS(TARGET_AVX2, values_f32_avx2, float, __m256, 8, _mm256_loadu_ps, _mm256_loadu_ps,
+                    _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps)
+VALUES_IN_REGISTERS(TARGET_AVX2, values_f16_avx2, uint16_t, __m256, 8, _mm256_loadu_ps, load8_f16, _mm256_storeu_ps,
+                    _mm256_fmadd_ps, _mm256_set1_ps)
+VALUES_IN_REGISTERS(TARGET_AVX512, values_f32_avx512, float, __m512, 16, _mm512_loadu_ps, _mm512_loadu_ps,
+                    _mm512_storeu_ps, _mm512_fmadd_ps, _mm512_set1_ps)
+VALUES_IN_REGISTERS(TARGET_AVX512, values_f16_avx512, uint16_t, __m512, 16, _mm512_loadu_ps, load16_f16,
+                    _mm512_storeu_ps, _mm512_fmadd_ps, _mm512_set1_ps)
 
-/* A level's float helpers for attention: the kernel set's dot_f32 and axpy_f32, and its
- * attend_block with them and exp_sum_<level> inlined, the values in registers when the head
- * is whole vectors of `lanes` floats. */
+/* A level's attention over a cache of elem_t (float or uint16_t: float16): COL_ATTEND_BLOCK_STEPS
+ * with its dot, axpy and exp_sum inlined, the values in registers when the head is whole
+ * vectors of `lanes` floats. */
+#define ATTEND_OVER(target, level, suffix, elem_t, lanes)                                                          \
+    target static void attend_##suffix##_##level(const col_attend_query *q, int n, const void *keys,               \
+                                                 const void *vals, int kv_f16, int64_t n_kv_heads, int64_t kh,     \
+                                                 int64_t head_dim, int64_t ring, float scale, float *sc,           \
+                                                 int64_t stride) {                                                 \
+        COL_ATTEND_WEIGHTS(dot_##suffix##_##level##_inline, exp_sum_##level, elem_t, COL_KV_ROW_##suffix)          \
+        if (Hd_ % (lanes) == 0) {                                                                                   \
+            values_##suffix##_##level(q, n, (const elem_t *)vals, K_, kh, Hd_, ring, sc, stride, inv_, first_, last_); \
+            return;                                                                                                 \
+        }                                                                                                           \
+        COL_ATTEND_VALUES(axpy_##suffix##_##level##_inline, elem_t, COL_KV_ROW_##suffix)                            \
+    }
+
+/* A level's float helpers for attention: the kernel set's dot_f32, axpy_f32 and attend_block,
+ * which takes a float32 or a float16 cache. */
 #define LEVEL_FLOAT_HELPERS(target, level, lanes)                                                                   \
     target static float dot_f32_##level(const float *a, const float *b, int64_t n) {                                \
         return dot_f32_##level##_inline(a, b, n);                                                                   \
@@ -595,15 +601,13 @@ VALUES_IN_REGISTERS(TARGET_AVX512, avx512, __m512, 16, _mm512_loadu_ps, _mm512_s
     target static void axpy_f32_##level(float *y, float a, const float *x, int64_t n) {                             \
         axpy_f32_##level##_inline(y, a, x, n);                                                                      \
     }                                                                                                               \
+    ATTEND_OVER(target, level, f32, float, lanes)                                                                   \
+    ATTEND_OVER(target, level, f16, uint16_t, lanes)                                                                \
     target static void attend_block_##level(const col_attend_query *q, int n, const void *keys, const void *vals,   \
                                             int kv_f16, int64_t n_kv_heads, int64_t kh, int64_t head_dim,           \
                                             int64_t ring, float scale, float *sc, int64_t stride) {                 \
-        COL_ATTEND_WEIGHTS(dot_f32_##level##_inline, exp_sum_##level, f16_row_to_f32_##level)                      \
-        if (Hd_ % (lanes) == 0) {                                                                                   \
-            values_in_registers_##level(q, n, vals, kv_f16, K_, kh, Hd_, ring, sc, stride, inv_, first_, last_);    \
-            return;                                                                                                 \
-        }                                                                                                           \
-        COL_ATTEND_VALUES(axpy_f32_##level##_inline, f16_row_to_f32_##level)                                        \
+        (kv_f16 ? attend_f16_##level : attend_f32_##level)(q, n, keys, vals, kv_f16, n_kv_heads, kh, head_dim,     \
+                                                           ring, scale, sc, stride);                                \
     }
 
 /* expf one value at a time: an AVX2 exp with exp_avx512's bits measured no faster on a

@@ -151,8 +151,12 @@ static void finish_qkv(const block_job *j, int64_t t) {
 }
 
 
-/* Phase 3: items of up to COL_ATTEND_BLOCK queries that read one kv head of one sequence's
- * cache (a chunk of its tokens, times the query heads of the group, or part of a large group),
+/* Phase 3: items of up to COL_ATTEND_BLOCK queries that read one sequence's cache: a chunk of
+ * its tokens, times the query heads of one kv head's group (or part of a large group), times
+ * a run of neighbouring kv heads where that still fits: a decode token of a model with few
+ * query heads per kv head (OLMoE's one) then reads a run of each key row's kv heads, which lie
+ * side by side, rather than one head's few lines a row apart. The runs are at most
+ * ceil(K / nth) heads long, so one sequence's token still gives every thread work. Items are
  * numbered chunk-major and dealt round-robin: a later chunk sees more keys, and neighbours in
  * the numbering are the same chunk's other heads. */
 static void attend_phase(const block_job *j, int ith, int nth) {
@@ -160,6 +164,7 @@ static void attend_phase(const block_job *j, int ith, int nth) {
     const int64_t H = l->n_heads, K = l->n_kv_heads, Hd = l->head_dim, group = H / K;
     const int64_t heads_per = group < COL_ATTEND_BLOCK ? group : COL_ATTEND_BLOCK;
     const int64_t head_blocks = (group + heads_per - 1) / heads_per, tokens_per = COL_ATTEND_BLOCK / heads_per;
+    const int64_t most_run = (K + nth - 1) / nth; /* kv heads an item reads at most */
     const int64_t stride = j->scores_per_thread;
     float *sc = j->scores + ith * COL_ATTEND_BLOCK * stride;
     col_attend_query q[COL_ATTEND_BLOCK];
@@ -167,30 +172,36 @@ static void attend_phase(const block_job *j, int ith, int nth) {
     for (int64_t i = 0; i < j->n_seqs; i++) {
         const col_attention_seq *seq = j->seqs + i;
         const int64_t chunks = (seq->n_tok + tokens_per - 1) / tokens_per;
-        for (int64_t c = 0; c < chunks; c++)
-            for (int64_t kh = 0; kh < K; kh++)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t t0 = j->first_of[i] + c * tokens_per;
+            const int64_t t1 = t0 + tokens_per < j->first_of[i] + seq->n_tok ? t0 + tokens_per
+                                                                              : j->first_of[i] + seq->n_tok;
+            int64_t run = head_blocks > 1 ? 1 : COL_ATTEND_BLOCK / ((t1 - t0) * heads_per); /* kv heads an item reads */
+            if (run > most_run) run = most_run;
+            for (int64_t kh0 = 0; kh0 < K; kh0 += run)
                 for (int64_t hb = 0; hb < head_blocks; hb++, item++) {
                     if (item % nth != ith) continue;
-                    const int64_t t0 = j->first_of[i] + c * tokens_per;
-                    const int64_t t1 = t0 + tokens_per < j->first_of[i] + seq->n_tok ? t0 + tokens_per
-                                                                                      : j->first_of[i] + seq->n_tok;
-                    const int64_t h0 = kh * group + hb * heads_per;
-                    const int64_t h1 = h0 + heads_per < (kh + 1) * group ? h0 + heads_per : (kh + 1) * group;
+                    const int64_t kh1 = kh0 + run < K ? kh0 + run : K;
                     int n = 0;
-                    for (int64_t t = t0; t < t1; t++) {
-                        const int64_t pos = position_of(j, t);
-                        const int64_t lo = col_first_visible_key(pos, l->window, l->chunk, seq->ring_rows);
-                        for (int64_t head = h0; head < h1; head++, n++)
-                            q[n] = (col_attend_query){j->qkv + t * j->R + head * Hd, lo, pos,
-                                                      l->sinks ? l->sinks + head : NULL, j->a + (t * H + head) * Hd};
+                    for (int64_t kh = kh0; kh < kh1; kh++) {
+                        const int64_t h0 = kh * group + hb * heads_per;
+                        const int64_t h1 = h0 + heads_per < (kh + 1) * group ? h0 + heads_per : (kh + 1) * group;
+                        for (int64_t t = t0; t < t1; t++) {
+                            const int64_t pos = position_of(j, t);
+                            const int64_t lo = col_first_visible_key(pos, l->window, l->chunk, seq->ring_rows);
+                            for (int64_t head = h0; head < h1; head++, n++)
+                                q[n] = (col_attend_query){j->qkv + t * j->R + head * Hd, lo, pos,
+                                                          l->sinks ? l->sinks + head : NULL,
+                                                          j->a + (t * H + head) * Hd, kh};
+                        }
                     }
-                    col_attend_block(j->k, q, n, seq->keys, seq->vals, seq->kv_type == COL_TYPE_F16, K, kh, Hd,
+                    col_attend_block(j->k, q, n, seq->keys, seq->vals, seq->kv_type == COL_TYPE_F16, K, Hd,
                                      seq->ring_rows, l->scale, sc, stride);
                     if (!l->wg) continue;
-                    for (int64_t t = t0; t < t1; t++)
-                        for (int64_t head = h0; head < h1; head++)
-                            gate_head(j->a + (t * H + head) * Hd, j->qkv + t * j->R + j->Q + 2 * j->KV + head * Hd, Hd);
+                    for (int m = 0; m < n; m++) /* each query's gate sits Q + 2 KV values past its q */
+                        gate_head(q[m].ov, q[m].qv + j->Q + 2 * j->KV, Hd);
                 }
+        }
     }
 }
 

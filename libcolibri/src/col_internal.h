@@ -256,8 +256,8 @@ struct col_attend_query;
 /* col_attend_block as a level computes it: COL_ATTEND_BLOCK_STEPS with its own dot, axpy and
  * exponentials inlined (and the weighted values in registers), one set of bits per level. */
 typedef void (*col_attend_block_fn)(const struct col_attend_query *q, int n, const void *keys, const void *vals,
-                                    int kv_f16, int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring,
-                                    float scale, float *sc, int64_t stride);
+                                    int kv_f16, int64_t n_kv_heads, int64_t head_dim, int64_t ring, float scale,
+                                    float *sc, int64_t stride);
 
 /* One weight row times n (2..4) activation rows x[0..n): out[t] = dot(w, x[t]), with the
  * bits dot_xq gives each token alone; the weight blocks are decoded once for the n tokens. */
@@ -415,26 +415,28 @@ void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys
                      const float *sink, float *sc, float *ov);
 
 /* One query of col_attend_block: its vector (Hd), the key positions lo..hi it sees, its sink
- * (NULL: none) and its output (Hd). */
+ * (NULL: none), its output (Hd) and the kv head it reads. */
 typedef struct col_attend_query {
     const float *qv;
     int64_t lo, hi;
     const float *sink;
     float *ov;
+    int64_t kh;
 } col_attend_query;
 
 /* The most queries col_attend_block takes at once: 16 score rows and 16 outputs stay in L1
  * and L2 while each key and value row is read once for them. */
 #define COL_ATTEND_BLOCK 16
 
-/* col_attend_head for n (1..COL_ATTEND_BLOCK) queries that read kv head kh of the same cache
- * (the tokens of one sequence in a step, and the query heads of a group), bit for bit (ops.c);
+/* col_attend_head for n (1..COL_ATTEND_BLOCK) queries that read the same cache (the tokens of
+ * one sequence in a step, the query heads of a group, and neighbouring kv heads: each query's
+ * q.kh, best a short run of them, whose parts of a row lie side by side), bit for bit (ops.c);
  * the cache float32, or float16 with kv_f16 (head_dim <= COL_ATTEND_MAX_HEAD_DIM): the bits of
  * a float32 cache holding the same values; sc: (n, stride) scratch, stride >= the most keys
  * one query sees. */
 void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n, const void *keys, const void *vals,
-                      int kv_f16, int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring, float scale,
-                      float *sc, int64_t stride);
+                      int kv_f16, int64_t n_kv_heads, int64_t head_dim, int64_t ring, float scale, float *sc,
+                      int64_t stride);
 
 /* Keys ahead of the one being read whose rows are prefetched: one kv head's part of a cache
  * row is a few lines, a row (all kv heads) apart, which the hardware's stream prefetchers
@@ -445,11 +447,13 @@ static inline void col_prefetch_bytes(const void *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const uint8_t *)p + i);
 }
 
-/* The lines of kv head kh's row at position pos, float32 or float16 (f16). */
-static inline void col_prefetch_kv_head(const void *cache, int f16, int64_t pos, int64_t ring, int64_t n_kv_heads,
-                                        int64_t kh, int64_t head_dim) {
-    const uint8_t *p = (const uint8_t *)cache + (col_cache_row(pos, ring) * n_kv_heads + kh) * head_dim * (f16 ? 2 : 4);
-    for (int64_t i = 0; i < head_dim * (f16 ? 2 : 4); i += 64) __builtin_prefetch(p + i);
+/* The lines of kv heads kh .. kh + heads - 1 of the row at position pos (side by side),
+ * float32 or float16 (f16). */
+static inline void col_prefetch_kv_heads(const void *cache, int f16, int64_t pos, int64_t ring, int64_t n_kv_heads,
+                                         int64_t kh, int64_t heads, int64_t head_dim) {
+    const int64_t size = f16 ? 2 : 4;
+    col_prefetch_bytes((const uint8_t *)cache + (col_cache_row(pos, ring) * n_kv_heads + kh) * head_dim * size,
+                       heads * head_dim * size);
 }
 
 /* The body of col_attend_block (COL_ATTEND_BLOCK_STEPS: COL_ATTEND_WEIGHTS, then
@@ -468,19 +472,23 @@ static inline void col_prefetch_kv_head(const void *cache, int f16, int64_t pos,
     const int64_t Hd_ = head_dim, K_ = n_kv_heads;                                                                  \
     int64_t first_ = INT64_MAX, last_ = -1;                                                                         \
     float mx_[COL_ATTEND_BLOCK], inv_[COL_ATTEND_BLOCK];                                                            \
+    int64_t kh_first_ = INT64_MAX, kh_last_ = -1; /* the kv heads read */                                          \
     for (int i = 0; i < n; i++) {                                                                                   \
         for (int64_t d = 0; d < Hd_; d++) q[i].ov[d] = 0.0f;                                                        \
         mx_[i] = -INFINITY;                                                                                         \
         if (q[i].hi < q[i].lo) continue;                                                                            \
         if (q[i].lo < first_) first_ = q[i].lo;                                                                     \
         if (q[i].hi > last_) last_ = q[i].hi;                                                                       \
+        if (q[i].kh < kh_first_) kh_first_ = q[i].kh;                                                               \
+        if (q[i].kh > kh_last_) kh_last_ = q[i].kh;                                                                 \
     }                                                                                                               \
     for (int64_t s = first_; s <= last_; s++) {                                                                     \
-        const row_t *ks = key_row(keys, s, ring, K_, kh, Hd_);                                                      \
-        if (s + COL_ATTEND_AHEAD <= last_) /* rows of a head are K * Hd values apart: no stream to detect */       \
-            col_prefetch_kv_head(keys, kv_f16, s + COL_ATTEND_AHEAD, ring, K_, kh, Hd_);                            \
+        if (s + COL_ATTEND_AHEAD <= last_) /* rows are K * Hd values apart: no stream to detect */                  \
+            col_prefetch_kv_heads(keys, kv_f16, s + COL_ATTEND_AHEAD, ring, K_, kh_first_, kh_last_ - kh_first_ + 1, \
+                                  Hd_);                                                                             \
         for (int i = 0; i < n; i++) {                                                                               \
             if (s < q[i].lo || s > q[i].hi) continue;                                                               \
+            const row_t *ks = key_row(keys, s, ring, K_, q[i].kh, Hd_);                                             \
             const float score = dot(q[i].qv, ks, Hd_) * scale;                                                      \
             sc[i * stride + (s - q[i].lo)] = score;                                                                 \
             if (score > mx_[i]) mx_[i] = score;                                                                     \
@@ -497,11 +505,10 @@ static inline void col_prefetch_kv_head(const void *cache, int f16, int64_t pos,
 
 /* Then the weighted values, added to each q[i].ov in key order. */
 #define COL_ATTEND_VALUES(axpy, row_t, val_row)                                                                     \
-    for (int64_t s = first_; s <= last_; s++) {                                                                     \
-        const row_t *vs = val_row(vals, s, ring, K_, kh, Hd_);                                                      \
+    for (int64_t s = first_; s <= last_; s++)                                                                       \
         for (int i = 0; i < n; i++)                                                                                 \
-            if (s >= q[i].lo && s <= q[i].hi) axpy(q[i].ov, sc[i * stride + (s - q[i].lo)] * inv_[i], vs, Hd_);     \
-    }
+            if (s >= q[i].lo && s <= q[i].hi)                                                                       \
+                axpy(q[i].ov, sc[i * stride + (s - q[i].lo)] * inv_[i], val_row(vals, s, ring, K_, q[i].kh, Hd_), Hd_);
 
 #define COL_ATTEND_BLOCK_STEPS(dot, axpy, exp_sum, row_t, row)                                                      \
     COL_ATTEND_WEIGHTS(dot, exp_sum, row_t, row)                                                                    \

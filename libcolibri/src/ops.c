@@ -103,17 +103,17 @@ typedef struct {
 void col_attend_head(const col_kernel_set *k, const float *qv, const float *keys, const float *vals,
                      int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t lo, int64_t hi, int64_t ring, float scale,
                      const float *sink, float *sc, float *ov) {
-    const col_attend_query q = {qv, lo, hi, sink, ov};
-    col_attend_block(k, &q, 1, keys, vals, 0, n_kv_heads, kh, head_dim, ring, scale, sc, 0);
+    const col_attend_query q = {qv, lo, hi, sink, ov, kh};
+    col_attend_block(k, &q, 1, keys, vals, 0, n_kv_heads, head_dim, ring, scale, sc, 0);
 }
 
 /* col_attend_block (col_internal.h): the level's own, with its dot and axpy inlined, or
  * these steps through the level's dot_f32 and axpy_f32. */
 void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n, const void *keys, const void *vals,
-                      int kv_f16, int64_t n_kv_heads, int64_t kh, int64_t head_dim, int64_t ring, float scale,
-                      float *sc, int64_t stride) {
+                      int kv_f16, int64_t n_kv_heads, int64_t head_dim, int64_t ring, float scale, float *sc,
+                      int64_t stride) {
     if (k->attend_block) {
-        k->attend_block(q, n, keys, vals, kv_f16, n_kv_heads, kh, head_dim, ring, scale, sc, stride);
+        k->attend_block(q, n, keys, vals, kv_f16, n_kv_heads, head_dim, ring, scale, sc, stride);
         return;
     }
     float kvrow_[COL_ATTEND_MAX_HEAD_DIM]; /* a float16 row as floats (COL_KV_ROW_AS_F32) */

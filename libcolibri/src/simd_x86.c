@@ -550,9 +550,9 @@ DOT_AXPY_AVX512(f16, uint16_t, load16_f16, col_f16_to_f32)
         }                                                                                                           \
         _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) storeu(ov + v * (lanes), acc[v]);                    \
     }                                                                                                               \
-    target static void name(const col_attend_query *q, int n, const elem_t *vals, int64_t K, int64_t kh,            \
-                            int64_t Hd, int64_t ring, const float *sc, int64_t stride, const float *inv,            \
-                            int64_t first, int64_t last) {                                                          \
+    target static void name(const col_attend_query *q, int n, const elem_t *vals, int64_t K, int64_t Hd,            \
+                            int64_t ring, const float *sc, int64_t stride, const float *inv, int64_t first,         \
+                            int64_t last) {                                                                         \
         for (int64_t s0 = first; s0 <= last; s0 += VALUE_TILE_KEYS) {                                               \
             const int64_t s1 = s0 + VALUE_TILE_KEYS - 1 < last ? s0 + VALUE_TILE_KEYS - 1 : last;                   \
             for (int i = 0; i < n; i++) {                                                                           \
@@ -561,8 +561,9 @@ DOT_AXPY_AVX512(f16, uint16_t, load16_f16, col_f16_to_f32)
                 const float *p = sc + i * stride - q[i].lo; /* p[s]: key s's weight before 1 / sum */               \
                 int64_t c = 0;                                                                                      \
                 for (; c + 4 * (lanes) <= Hd; c += 4 * (lanes))                                                     \
-                    name##_chunk(q[i].ov + c, vals + c, K, kh, Hd, ring, p, inv[i], b, e, 4);                       \
-                for (; c < Hd; c += (lanes)) name##_chunk(q[i].ov + c, vals + c, K, kh, Hd, ring, p, inv[i], b, e, 1); \
+                    name##_chunk(q[i].ov + c, vals + c, K, q[i].kh, Hd, ring, p, inv[i], b, e, 4);                  \
+                for (; c < Hd; c += (lanes))                                                                        \
+                    name##_chunk(q[i].ov + c, vals + c, K, q[i].kh, Hd, ring, p, inv[i], b, e, 1);                  \
             }                                                                                                       \
         }                                                                                                           \
     }
@@ -581,12 +582,12 @@ VALUES_IN_REGISTERS(TARGET_AVX512, values_f16_avx512, uint16_t, __m512, 16, _mm5
  * vectors of `lanes` floats. */
 #define ATTEND_OVER(target, level, suffix, elem_t, lanes)                                                          \
     target static void attend_##suffix##_##level(const col_attend_query *q, int n, const void *keys,               \
-                                                 const void *vals, int kv_f16, int64_t n_kv_heads, int64_t kh,     \
+                                                 const void *vals, int kv_f16, int64_t n_kv_heads,                 \
                                                  int64_t head_dim, int64_t ring, float scale, float *sc,           \
                                                  int64_t stride) {                                                 \
         COL_ATTEND_WEIGHTS(dot_##suffix##_##level##_inline, exp_sum_##level, elem_t, COL_KV_ROW_##suffix)          \
         if (Hd_ % (lanes) == 0) {                                                                                   \
-            values_##suffix##_##level(q, n, (const elem_t *)vals, K_, kh, Hd_, ring, sc, stride, inv_, first_, last_); \
+            values_##suffix##_##level(q, n, (const elem_t *)vals, K_, Hd_, ring, sc, stride, inv_, first_, last_);     \
             return;                                                                                                 \
         }                                                                                                           \
         COL_ATTEND_VALUES(axpy_##suffix##_##level##_inline, elem_t, COL_KV_ROW_##suffix)                            \
@@ -604,10 +605,10 @@ VALUES_IN_REGISTERS(TARGET_AVX512, values_f16_avx512, uint16_t, __m512, 16, _mm5
     ATTEND_OVER(target, level, f32, float, lanes)                                                                   \
     ATTEND_OVER(target, level, f16, uint16_t, lanes)                                                                \
     target static void attend_block_##level(const col_attend_query *q, int n, const void *keys, const void *vals,   \
-                                            int kv_f16, int64_t n_kv_heads, int64_t kh, int64_t head_dim,           \
-                                            int64_t ring, float scale, float *sc, int64_t stride) {                 \
-        (kv_f16 ? attend_f16_##level : attend_f32_##level)(q, n, keys, vals, kv_f16, n_kv_heads, kh, head_dim,     \
-                                                           ring, scale, sc, stride);                                \
+                                            int kv_f16, int64_t n_kv_heads, int64_t head_dim, int64_t ring,         \
+                                            float scale, float *sc, int64_t stride) {                               \
+        (kv_f16 ? attend_f16_##level : attend_f32_##level)(q, n, keys, vals, kv_f16, n_kv_heads, head_dim, ring,   \
+                                                           scale, sc, stride);                                      \
     }
 
 /* expf one value at a time: an AVX2 exp with exp_avx512's bits measured no faster on a

@@ -13,12 +13,16 @@ medians are printed side by side.
     python bench/ab_builds.py decode PACK OLD NEW --prompt 512    # a 512-token prefill
     python bench/ab_builds.py kernels OLD NEW --quant q4_g64      # cold one-token products
     python bench/ab_builds.py products OLD NEW --rows 512 --tokens 4,8,64 --threads 1   # several tokens
+    python bench/ab_builds.py attention OLD NEW --context 4000 --kv f32,f16  # a decode token's attention
 
 ``kernels`` times a one-token product of a 16384 x 2048 matrix and one fused expert call
 (8 experts, D 2048, F 1024: OLMoE's), rotating through 2 GB of weights so nothing is cached.
 ``products`` times products of several tokens (a batch step's dense products, a prompt) with
 one rows x 2048 matrix, the same every call: with 512 rows it stays in L2, which leaves the
 arithmetic (and a kernel's repacking) alone; reported in microseconds a token.
+``attention`` times one decode token's attention block (q8_0 weights, head dim 128) of two
+shapes, OLMoE's 16 query heads over 16 kv heads and Qwen3-30B-A3B's 32 over 4, at --context
+keys, rotating through 1 GB (--rotate-mb) of caches of each type so none is in the caches.
 The builds must come from the same tree apart from the change under test: the thread pool is
 started by the first and used by all. COLIBRI_KERNELS applies to every build.
 """
@@ -169,6 +173,35 @@ def run_products(args, builds) -> None:
                lambda s, n=n_tok: s * 1e6 / n)
 
 
+def run_attention(args, builds) -> None:
+    from colibrid.native import TensorType, attention_block, attention_layer, quantize
+
+    D, HD = 2048, 128
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, D), dtype=np.float32)
+    angles = rng.standard_normal((1, HD), dtype=np.float32)
+    cos, sin = np.cos(angles), np.sin(angles)
+    for shape, (heads, kv_heads) in (("OLMoE 16/16 heads", (16, 16)), ("Qwen3-30B-A3B 32/4 heads", (32, 4))):
+        w = [quantize(TensorType.Q8_0, rng.standard_normal(s, dtype=np.float32) * 0.05)
+             for s in ((heads * HD, D), (kv_heads * HD, D), (kv_heads * HD, D), (D, heads * HD))]
+        layer = attention_layer(D, heads, kv_heads, HD, np.ones(D, np.float32), TensorType.Q8_0, *w[:3],
+                                TensorType.Q8_0, w[3], eps=1e-5, scale=HD ** -0.5)
+        for kv in args.kv:
+            dtype = {"f32": np.float32, "f16": np.float16}[kv]
+            shape_of = (args.context + 1, kv_heads, HD)
+            n_caches = max(2, int(args.rotate_mb * 1e6 // (2 * np.prod(shape_of) * np.dtype(dtype).itemsize)))
+            caches = [tuple(rng.standard_normal(shape_of, dtype=np.float32).astype(dtype) for _ in range(2))
+                      for _ in range(n_caches)]
+            turn = iter(range(10**9))  # a fresh cache every call
+
+            def call(_r: int) -> None:
+                keys, values = caches[next(turn) % n_caches]
+                attention_block(layer, x.copy(), cos, sin, keys, values, args.context)
+
+            report(f"{args.threads} thread(s), {native.kernels()}: {shape}, {args.context} keys, {kv} cache",
+                   alternate(builds, args.rounds, call, warmup=n_caches), "ms", lambda s: 1e3 * s)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -186,7 +219,13 @@ def main() -> int:
     products.add_argument("--rows", type=int, default=512, help="matrix rows (default 512: in L2)")
     products.add_argument("--tokens", type=lambda v: [int(n) for n in v.split(",")], default=[4, 8, 64],
                           help="tokens per product, comma-separated (default 4,8,64)")
-    for p in (decode, kernels, products):
+    attention = sub.add_parser("attention", help="one decode token's attention block over a long context")
+    attention.add_argument("builds", type=Path, nargs="+")
+    attention.add_argument("--context", type=int, default=4000, help="keys before the token (default 4000)")
+    attention.add_argument("--kv", type=lambda v: v.split(","), default=["f32", "f16"],
+                           help="cache types, comma-separated (default f32,f16)")
+    attention.add_argument("--rotate-mb", type=float, default=1000, help="caches of each type to rotate through")
+    for p in (decode, kernels, products, attention):
         p.add_argument("--threads", type=int, default=2)
         p.add_argument("--rounds", type=int, default=0, help="measured calls per build (default: by mode)")
     args = parser.parse_args()
@@ -195,7 +234,8 @@ def main() -> int:
     args.rounds = args.rounds or (6 if args.mode == "decode" and args.prompt else 40 if args.mode == "decode" else 150)
     builds = load_builds(args.builds)
     native.configure_default_pool(n_threads=args.threads)
-    {"decode": run_decode, "kernels": run_kernels, "products": run_products}[args.mode](args, builds)
+    {"decode": run_decode, "kernels": run_kernels, "products": run_products,
+     "attention": run_attention}[args.mode](args, builds)
     return 0
 
 

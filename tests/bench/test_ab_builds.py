@@ -35,6 +35,16 @@ def test_products_of_several_tokens_are_reported_per_token():
     assert all("us a token" in line and len(re.findall(r"\d:\S+ [0-9.]+ \[", line)) == 2 for line in lines), out
 
 
+def test_attention_is_reported_per_shape_and_cache_type():
+    build = str(library.library_path())
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "ab_builds.py"), "attention", build, build, "--context",
+                          "50", "--rotate-mb", "2", "--threads", "1", "--rounds", "3"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    lines = [line for line in out.splitlines() if "keys" in line]
+    assert [re.search(r"(\S+) cache", line).group(1) for line in lines] == ["f32", "f16"] * 2, out
+    assert all("50 keys" in line and len(re.findall(r"\d:\S+ [0-9.]+ \[", line)) == 2 for line in lines), out
+
+
 def test_one_build_is_refused(demo_pack):
     result = subprocess.run([sys.executable, str(REPO / "bench" / "ab_builds.py"), "decode", str(demo_pack),
                              str(library.library_path())], capture_output=True, text=True, timeout=120)

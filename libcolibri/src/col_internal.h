@@ -391,18 +391,34 @@ void col_f16_row_to_f32_portable(const uint16_t *h, float *y, int64_t n);
  * time into a buffer of this many floats on the stack. */
 #define COL_ATTEND_MAX_HEAD_DIM 1024
 
+/* A float16 cache's row as floats, for the portable path: the last one converted, kept while
+ * the queries that read it follow each other (a group's query heads, a run's tokens). */
+typedef struct col_kv_row_buffer {
+    const void *cache;
+    int64_t pos, kh;
+    float row[COL_ATTEND_MAX_HEAD_DIM];
+} col_kv_row_buffer;
+
+static inline const float *col_kv_row_as_f32(col_kv_row_buffer *b, const void *cache, int64_t pos, int64_t ring,
+                                             int64_t n_kv_heads, int64_t kh, int64_t head_dim) {
+    if (b->cache != cache || b->pos != pos || b->kh != kh) {
+        col_f16_row_to_f32_portable(col_cache_head_f16((const uint16_t *)cache, pos, ring, n_kv_heads, kh, head_dim),
+                                    b->row, head_dim);
+        b->cache = cache, b->pos = pos, b->kh = kh;
+    }
+    return b->row;
+}
+
 /* How attention reads kv head kh's row at position pos (the key_row / val_row of the macros
  * below): COL_KV_ROW_f32 and COL_KV_ROW_f16 in place, for a dot or axpy that reads float32, or
- * float16 converting as it loads (the x86 levels); COL_KV_ROW_AS_F32 either kind as floats, a
- * float16 row converted first (exactly) into kvrow_, COL_ATTEND_MAX_HEAD_DIM floats the
- * caller declares, with kv_f16 saying which (the portable path). Either way the arithmetic
- * after it is the float32 cache's on the same values. */
+ * float16 converting as it loads (the x86 levels); COL_KV_ROW_AS_F32 either kind as floats,
+ * kv_f16 saying which, a float16 row converted first (exactly) into kv_row_, a
+ * col_kv_row_buffer the caller declares (the portable path). Either way the arithmetic after
+ * it is the float32 cache's on the same values. */
 #define COL_KV_ROW_f32(cache, pos, ring, K, kh, Hd) col_cache_head((const float *)(cache), pos, ring, K, kh, Hd)
 #define COL_KV_ROW_f16(cache, pos, ring, K, kh, Hd) col_cache_head_f16((const uint16_t *)(cache), pos, ring, K, kh, Hd)
 #define COL_KV_ROW_AS_F32(cache, pos, ring, K, kh, Hd)                                                             \
-    (kv_f16 ? (col_f16_row_to_f32_portable(COL_KV_ROW_f16(cache, pos, ring, K, kh, Hd), kvrow_, Hd),                \
-               (const float *)kvrow_)                                                                              \
-            : COL_KV_ROW_f32(cache, pos, ring, K, kh, Hd))
+    (kv_f16 ? col_kv_row_as_f32(&kv_row_, cache, pos, ring, K, kh, Hd) : COL_KV_ROW_f32(cache, pos, ring, K, kh, Hd))
 
 /* One query head's attention over the keys at positions lo..hi (ops.c, col_attend_block for
  * one query): ov (Hd) =

@@ -116,7 +116,8 @@ void col_attend_block(const col_kernel_set *k, const col_attend_query *q, int n,
         k->attend_block(q, n, keys, vals, kv_f16, n_kv_heads, head_dim, ring, scale, sc, stride);
         return;
     }
-    float kvrow_[COL_ATTEND_MAX_HEAD_DIM]; /* a float16 row as floats (COL_KV_ROW_AS_F32) */
+    col_kv_row_buffer kv_row_; /* a float16 row as floats (COL_KV_ROW_AS_F32); the row is left unset */
+    kv_row_.cache = NULL, kv_row_.pos = kv_row_.kh = -1;
     COL_ATTEND_BLOCK_STEPS(k->dot_f32, k->axpy_f32, col_exp_sum_portable, float, COL_KV_ROW_AS_F32)
 }
 

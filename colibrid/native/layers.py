@@ -128,8 +128,10 @@ class AttentionSeq(ctypes.Structure):
                 ("reserved", ctypes.c_int32)]
 
 
-# The element types a KV cache may have, and their col_type codes (colibri.h).
+# The element types a KV cache may have, and their col_type codes (colibri.h); a float16
+# cache's heads are at most COL_ATTEND_MAX_HEAD_DIM wide.
 KV_CACHE_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
+MAX_F16_HEAD_DIM = 1024
 
 
 def attention_block(layer: AttentionLayer, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, keys: np.ndarray,
@@ -193,9 +195,6 @@ def _attention_cache(layer: AttentionLayer, keys: np.ndarray, values: np.ndarray
     if keys.dtype == np.float16 and Hd > MAX_F16_HEAD_DIM:
         raise InvalidArgumentError(f"a float16 cache takes heads of at most {MAX_F16_HEAD_DIM} values, not {Hd}")
     return capacity
-
-
-MAX_F16_HEAD_DIM = 1024  # COL_ATTEND_MAX_HEAD_DIM
 
 
 @mirrors_c_struct("col_mla_layer_size")

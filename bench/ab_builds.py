@@ -174,6 +174,7 @@ def run_products(args, builds) -> None:
 
 
 def run_attention(args, builds) -> None:
+    from colibrid.engine.model import KV_CACHE_DTYPES
     from colibrid.native import TensorType, attention_block, attention_layer, quantize
 
     D, HD = 2048, 128
@@ -187,7 +188,7 @@ def run_attention(args, builds) -> None:
         layer = attention_layer(D, heads, kv_heads, HD, np.ones(D, np.float32), TensorType.Q8_0, *w[:3],
                                 TensorType.Q8_0, w[3], eps=1e-5, scale=HD ** -0.5)
         for kv in args.kv:
-            dtype = {"f32": np.float32, "f16": np.float16}[kv]
+            dtype = KV_CACHE_DTYPES[kv]
             shape_of = (args.context + 1, kv_heads, HD)
             n_caches = max(2, int(args.rotate_mb * 1e6 // (2 * np.prod(shape_of) * np.dtype(dtype).itemsize)))
             caches = [tuple(rng.standard_normal(shape_of, dtype=np.float32).astype(dtype) for _ in range(2))

@@ -26,15 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from colibrid import native  # noqa: E402
+from colibrid.engine.model import KV_CACHE_DTYPES  # noqa: E402
 from colibrid.native import TensorType  # noqa: E402
 from machine import cpu_model, memory_bandwidth  # noqa: E402
 
 D, HEAD_DIM = 2048, 128
 SHAPES = {"mha": (16, 16), "gqa": (32, 4)}  # (query heads, kv heads)
 ROTATION = 1_500_000_000  # bytes of layers a step runs through
-
-
-KV_DTYPES = {"f32": np.float32, "f16": np.float16}
 
 
 def step_ms(n_heads: int, n_kv_heads: int, context: int, kv_type: str, pool, repeat: int) -> tuple[float, int]:
@@ -50,7 +48,7 @@ def step_ms(n_heads: int, n_kv_heads: int, context: int, kv_type: str, pool, rep
     t = TensorType.Q8_0
     Q, KV = n_heads * HEAD_DIM, n_kv_heads * HEAD_DIM
     weights = [native.quantize(t, gaussian(shape)) for shape in ((Q, D), (KV, D), (KV, D), (D, Q))]
-    dtype = KV_DTYPES[kv_type]
+    dtype = KV_CACHE_DTYPES[kv_type]
     read = sum(w.nbytes for w in weights) + 2 * (context + 1) * KV * np.dtype(dtype).itemsize
     layers = []
     for _ in range(-(-ROTATION // read)):
@@ -76,10 +74,10 @@ def main() -> int:
     parser.add_argument("--context", type=int, action="append", help="keys before the token (default 1000 and 4000)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--kv-cache-type", action="append", choices=list(KV_DTYPES),
+    parser.add_argument("--kv-cache-type", action="append", choices=list(KV_CACHE_DTYPES),
                         help="the cache's element type (default both)")
     args = parser.parse_args()
-    contexts, kv_types = args.context or [1000, 4000], args.kv_cache_type or list(KV_DTYPES)
+    contexts, kv_types = args.context or [1000, 4000], args.kv_cache_type or list(KV_CACHE_DTYPES)
     pool = native.ThreadPool(args.threads)
     bandwidth = memory_bandwidth(args.threads)
     print(f"{cpu_model()}; kernels {native.kernels()}; {args.threads} thread(s); memory read bandwidth "

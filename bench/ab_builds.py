@@ -13,13 +13,16 @@ medians are printed side by side.
     python bench/ab_builds.py decode PACK OLD NEW --prompt 512    # a 512-token prefill
     python bench/ab_builds.py kernels OLD NEW --quant q4_g64      # cold one-token products
     python bench/ab_builds.py products OLD NEW --rows 512 --tokens 4,8,64 --threads 1   # several tokens
+    python bench/ab_builds.py products OLD NEW --rows 2048 --tokens 1,8 --rotate-mb 1000  # ... from memory
     python bench/ab_builds.py attention OLD NEW --context 4000 --kv f32,f16  # a decode token's attention
 
 ``kernels`` times a one-token product of a 16384 x 2048 matrix and one fused expert call
 (8 experts, D 2048, F 1024: OLMoE's), rotating through 2 GB of weights so nothing is cached.
 ``products`` times products of several tokens (a batch step's dense products, a prompt) with
 one rows x 2048 matrix, the same every call: with 512 rows it stays in L2, which leaves the
-arithmetic (and a kernel's repacking) alone; reported in microseconds a token.
+arithmetic (and a kernel's repacking) alone; reported in microseconds a token. With --rotate-mb
+each call takes the next of that many MB of copies, so the matrix comes from memory (as a
+decode batch's attention and head products read theirs).
 ``attention`` times one decode token's attention block (q8_0 weights, head dim 128) of two
 shapes, OLMoE's 16 query heads over 16 kv heads and Qwen3-30B-A3B's 32 over 4, at --context
 keys, rotating through 1 GB (--rotate-mb) of caches of each type so none is in the caches.
@@ -165,11 +168,20 @@ def run_products(args, builds) -> None:
     D = 2048
     rng = np.random.default_rng(0)
     w = quantize(args.quant, rng.standard_normal((args.rows, D), dtype=np.float32) * 0.05).reshape(-1)
+    # --rotate-mb: copies of the matrix taken in turn, a fresh one every call, so that none is
+    # in any cache (a decode batch's attention and head products read theirs from memory)
+    n_copies = max(1, int(args.rotate_mb * 1e6 // w.nbytes))
+    copies = np.empty((n_copies, w.nbytes), np.uint8)
+    copies[:] = w
+    turn = iter(range(10**9))
+    where = f", {n_copies} copies in turn" if n_copies > 1 else ""
     label = f"{args.threads} thread(s), {native.kernels()}, {args.quant}"
     for n_tok in args.tokens:
         x = rng.standard_normal((n_tok, D), dtype=np.float32)
-        seconds = alternate(builds, args.rounds, lambda _r: matmul(args.quant, w, args.rows, D, x), warmup=3)
-        report(f"{label}: {args.rows} x {D} product, {n_tok} tokens", seconds, "us a token",
+        seconds = alternate(builds, args.rounds,
+                            lambda _r: matmul(args.quant, copies[next(turn) % n_copies], args.rows, D, x),
+                            warmup=3 if n_copies == 1 else n_copies)
+        report(f"{label}: {args.rows} x {D} product{where}, {n_tok} tokens", seconds, "us a token",
                lambda s, n=n_tok: s * 1e6 / n)
 
 
@@ -220,6 +232,8 @@ def main() -> int:
     products.add_argument("--rows", type=int, default=512, help="matrix rows (default 512: in L2)")
     products.add_argument("--tokens", type=lambda v: [int(n) for n in v.split(",")], default=[4, 8, 64],
                           help="tokens per product, comma-separated (default 4,8,64)")
+    products.add_argument("--rotate-mb", type=float, default=0,
+                          help="copies of the matrix to take in turn, so none is cached (default 0: one, in cache)")
     attention = sub.add_parser("attention", help="one decode token's attention block over a long context")
     attention.add_argument("builds", type=Path, nargs="+")
     attention.add_argument("--context", type=int, default=4000, help="keys before the token (default 4000)")

@@ -29,7 +29,9 @@ Two memory configurations (``--memory``): ``cached`` - the expert cache holds ev
 ``limited`` - each server runs inside a cgroup v1 memory limit of 40 % of the pack
 (``--limit-fraction``, ``--limit``), its files evicted from the page cache first; Colibri's cache
 is what the limit leaves after the dense weights, a process allowance and the KV caches of the
-run's N sequences (so it shrinks as N grows, as the daemon's memory budget would). Each server
+run's N sequences (so it shrinks as N grows, as the daemon's memory budget would). The daemon's
+``kv_cache_size`` is set to what the N sequences reserve (each its prompt plus ``--tokens``, as
+``--kv-cache-type``), so all N join the batch at once whatever the limit. Each server
 is started afresh for each N (llama-server with ``-np N -cb``) and warmed up by a request with a
 prompt no client asks (fully cached, Colibri's by as many as it takes to load every expert).
 
@@ -506,19 +508,20 @@ def memory_settings(names: str, pack: Path, limit: str | None, limit_fraction: f
     return out
 
 
-def kv_cache_bytes(pack: Path, sequences: int, tokens: int) -> int:
-    """The float32 keys and values of ``sequences`` sequences of ``tokens`` tokens: each layer's
-    KV buffer starts at 256 rows and doubles (colibrid/engine/kv_cache.py)."""
+def kv_cache_bytes(pack: Path, sequences: int, tokens: int, kv_type: str = "f32") -> int:
+    """The keys and values (float32 or float16, ``kv_type``) that ``sequences`` sequences of
+    ``tokens`` tokens reserve: each its prompt plus max_tokens, in every layer (full attention,
+    as the OLMoE shape has). The daemon is given this as its kv_cache_size, so that every
+    client's request joins the batch at once."""
+    from colibrid.engine.model import KV_CACHE_DTYPES
     from colibrid.pack.reader import Pack
 
     c = Pack.open(pack).manifest.model
-    rows = 256
-    while rows < tokens:
-        rows *= 2
-    return sequences * c.num_layers * rows * 2 * c.num_kv_heads * c.head_dim * 4
+    element = np.dtype(KV_CACHE_DTYPES[kv_type]).itemsize
+    return sequences * c.num_layers * tokens * 2 * c.num_kv_heads * c.head_dim * element
 
 
-def colibri_cache_bytes(pack: Path, memory: Memory, sequences: int, tokens: int) -> int | str:
+def colibri_cache_bytes(pack: Path, memory: Memory, sequences: int, tokens: int, kv_type: str = "f32") -> int | str:
     """The expert cache for a run of ``sequences`` sequences of ``tokens`` tokens: every expert
     (and a slot to spare) when fully cached; under a limit, what it leaves after the dense
     weights, the process allowance and the sequences' KV caches, as the daemon's memory budget
@@ -531,7 +534,7 @@ def colibri_cache_bytes(pack: Path, memory: Memory, sequences: int, tokens: int)
     slot_bytes = -(-max(r.length for r in manifest.expert_records) // 4096) * 4096
     if memory.limit_bytes is None:
         return (len(manifest.expert_records) + 1) * slot_bytes
-    kv_bytes = kv_cache_bytes(pack, sequences, tokens)
+    kv_bytes = kv_cache_bytes(pack, sequences, tokens, kv_type)
     cache = memory.limit_bytes - manifest.dense_size - PROCESS_ALLOWANCE_BYTES - kv_bytes
     one_layer = manifest.model.num_experts * slot_bytes
     if cache >= one_layer:
@@ -555,21 +558,24 @@ class Setup:
     requests: int
     daemon_args: list[str]
     llama_args: list[str]
+    kv_type: str = "f32"  # colibrid's kv_cache_type
 
     def sampling_for(self, memory: Memory) -> Sampling:
         return self.sampling if memory.limit_bytes is None else self.limited_sampling
 
 
-def measure_colibri(setup: Setup, pack: Path, memory: Memory, cache_bytes: int, prompts: list[str],
+def measure_colibri(setup: Setup, pack: Path, memory: Memory, cache_bytes: int, kv_bytes: int, prompts: list[str],
                     warmups: list[str]) -> dict:
-    """A fresh colibrid, warmed up, then len(prompts) clients at once."""
+    """A fresh colibrid, warmed up, then len(prompts) clients at once, with a KV budget of
+    ``kv_bytes`` (what they reserve together: none waits for another's KV)."""
     sampling = setup.sampling_for(memory)
     if memory.limit_bytes is not None:
         drop_from_page_cache(pack)
     with _memory_cgroup(memory.limit_bytes) as group:
         try:
             daemon = ColibriDaemon(pack, cache_bytes, setup.threads, memory.hugepages, len(prompts), setup.env,
-                                   group, setup.daemon_args)
+                                   group, ["--kv-cache-size", str(kv_bytes), "--kv-cache-type", setup.kv_type,
+                                           *setup.daemon_args])
         except RuntimeError as error:
             return {"ok": 0, "errors": [str(error)[-2000:]]}
         try:
@@ -581,7 +587,8 @@ def measure_colibri(setup: Setup, pack: Path, memory: Memory, cache_bytes: int, 
             log_text = daemon.stop()
         result = summarize(timings, sampling.max_tokens)
         result.update(cache=cache_during(before, after), batch=batch_during(before, after),
-                      rss_bytes=(after.get("memory") or {}).get("rss_bytes"), cache_bytes=cache_bytes)
+                      rss_bytes=(after.get("memory") or {}).get("rss_bytes"), cache_bytes=cache_bytes,
+                      kv_cache=after.get("kv_cache"))
         if group is not None:
             result["cgroup"] = group.usage()
     if result.get("errors"):
@@ -777,13 +784,14 @@ def sweep(setup: Setup, clients: list[int], prompt_tokens: int, name: str, pack:
     print(f"{'N':>3} {'server':8} {'dec t/s':>8} {'steady':>8} {'all t/s':>8}   {'TTFT p50':>8} {'p99 ms':>8}   "
           f"{'ITL p50':>7} {'p99 ms':>7}   {'prompt'}", flush=True)
     for n in clients:
-        tokens = prompt_tokens + setup.sampling_for(memory).max_tokens
-        cache_bytes = colibri_cache_bytes(pack, memory, n, tokens)
+        tokens = prompt_tokens + 1 + setup.sampling_for(memory).max_tokens  # + 1: a BOS the model may add
+        cache_bytes = colibri_cache_bytes(pack, memory, n, tokens, setup.kv_type)
         if isinstance(cache_bytes, str):  # no comparison to make: llama-server is not run either
             print(f"{n:>3} skipped: {cache_bytes}", flush=True)
             continue
         row = {"variant": name, "memory": memory.name, "limit_bytes": memory.limit_bytes, "clients": n,
-               "colibri": measure_colibri(setup, pack, memory, cache_bytes, texts[:n], texts[max(clients):])}
+               "colibri": measure_colibri(setup, pack, memory, cache_bytes, kv_cache_bytes(pack, n, tokens, setup.kv_type),
+                                          texts[:n], texts[max(clients):])}
         print_row(n, "colibri", row["colibri"])
         if llama_server and gguf:
             row["llama_server"] = measure_llama(setup, gguf, memory, ids[:n], ids[max(clients)])
@@ -816,6 +824,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="compute threads, both sides")
     parser.add_argument("--skip-llama", action="store_true")
     parser.add_argument("--skip-roofline", action="store_true", help="do not measure the memory bandwidth")
+    parser.add_argument("--kv-cache-type", choices=["f32", "f16"], default="f32",
+                        help="colibrid's KV cache type, counted in its memory under --memory limited (default f32)")
     parser.add_argument("--daemon-args", default="", help="more colibrid flags, e.g. \"--max-batch 8\"")
     parser.add_argument("--llama-args", default="", help="more llama-server flags, e.g. \"--no-repack\"")
     parser.add_argument("--prepare-only", action="store_true", help="build the files and llama-server, measure nothing")
@@ -845,7 +855,7 @@ def main(argv: list[str] | None = None) -> int:
         env["COLIBRI_KERNELS"] = "avx2"
     setup = Setup(args.threads, env, llama_server, Sampling(args.tokens, args.greedy),
                   Sampling(args.limited_tokens or args.tokens, args.greedy), args.requests, args.daemon_args.split(),
-                  args.llama_args.split())
+                  args.llama_args.split(), args.kv_cache_type)
     bandwidth = None if args.skip_roofline else memory_bandwidth(args.threads)
     machine = {"cpu": cpu_model(), "colibri_kernels": kernel_level(env), "isa": args.isa, "threads": args.threads,
                "llama_server": str(llama_server) if llama_server else None, "bandwidth_gb_s": bandwidth}

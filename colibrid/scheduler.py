@@ -50,6 +50,14 @@ log = logging.getLogger(__name__)
 
 Event = dict[str, Any]
 
+# An idle engine that gets an ask waits this long (from the ask's arrival) for others before
+# its first step, unless max_batch asks are already there: asks that come together (xargs -P8,
+# a gateway's burst) then share their prompt step. Without it the first ask's prompt runs alone
+# and the others, arriving microseconds later, wait through that step and then prefill beside
+# its tokens in chunks of prefill_chunk: under a memory limit each such step reads nearly every
+# expert again. A lone ask pays these few milliseconds once, when nothing else runs.
+BURST_WINDOW_S = 0.005
+
 # Why a job was stopped before its end; set by the event loop, read by the worker.
 STOP_CANCELLED = "cancelled"  # a `cancel` request: the job ends with done / finish_reason "cancelled"
 STOP_DISCONNECTED = "disconnected"  # the client went away: nothing is sent
@@ -90,9 +98,11 @@ def cancelled_done(job: Job) -> Event:
 
 class Scheduler:
     def __init__(self, engine, max_queue: int, max_batch: int = 8, prefill_chunk: int = 512,
-                 kv_budget_bytes: int = 1 << 30, prefix_cache_bytes: int = 0) -> None:
+                 kv_budget_bytes: int = 1 << 30, prefix_cache_bytes: int = 0,
+                 burst_window_s: float = BURST_WINDOW_S) -> None:
         self.engine = engine
         self.max_queue = max_queue
+        self.burst_window_s = burst_window_s
         # touched by the worker only (status reads its counters)
         self.batch = engine.new_batch(max_batch, prefill_chunk, kv_budget_bytes, prefix_cache_bytes)
         # The routing stream's subscribers (the server's) and debug_routing asks: what each step's router chose
@@ -204,6 +214,7 @@ class Scheduler:
                 while not (self._waiting or self._running or self._between_steps or self._stopped
                            or self._intake_closed):
                     self._cond.wait()
+                self._wait_for_a_burst()
                 tasks = list(self._between_steps)
                 self._between_steps.clear()
                 stopped = self._stopped
@@ -216,6 +227,19 @@ class Scheduler:
             self._admit()
             if self._running:
                 self._step()
+
+    def _wait_for_a_burst(self) -> None:
+        """With the lock held: when nothing runs and asks wait, gives the asks that arrive with
+        the first up to burst_window_s after it to join it (see BURST_WINDOW_S)."""
+        if self._running or not self._waiting:
+            return
+        deadline = self._waiting[0].submitted_s + self.burst_window_s
+        while (len(self._waiting) < self.batch.max_batch and not (self._between_steps or self._stopped
+                                                                  or self._intake_closed)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
 
     def _admit(self) -> None:
         """Moves asks from the head of the queue into the batch while a slot is free and their

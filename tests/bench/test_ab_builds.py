@@ -35,6 +35,15 @@ def test_products_of_several_tokens_are_reported_per_token():
     assert all("us a token" in line and len(re.findall(r"\d:\S+ [0-9.]+ \[", line)) == 2 for line in lines), out
 
 
+def test_products_can_take_a_fresh_copy_of_the_matrix_every_call():
+    build = str(library.library_path())
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "ab_builds.py"), "products", build, build, "--rows", "64",
+                          "--tokens", "8", "--threads", "1", "--rounds", "3", "--rotate-mb", "1"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    (line,) = [line for line in out.splitlines() if "product" in line]
+    assert "7 copies in turn, 8 tokens" in line, out  # 1 MB of 64 x 2048 q8_0 matrices (139 kB each)
+
+
 def test_attention_is_reported_per_shape_and_cache_type():
     build = str(library.library_path())
     out = subprocess.run([sys.executable, str(REPO / "bench" / "ab_builds.py"), "attention", build, build, "--context",

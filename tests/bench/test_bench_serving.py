@@ -85,6 +85,12 @@ def test_a_small_run_against_colibrid(demo_pack, tmp_path):
         assert timing["token_times_s"] == sorted(timing["token_times_s"])
     assert 14 <= colibri["prompt_tokens_mean"] <= 17  # as asked, or up to two fewer; a BOS if the model adds one
     assert colibri["cache"]["bytes_read"] == 0  # the warm-up read every expert: fully cached
+    # the KV budget is what the two requests reserve (prompt + 1 + tokens each), so both join at once
+    from colibrid.pack.reader import Pack
+
+    c = Pack.open(demo_pack).manifest.model
+    assert colibri["kv_cache"]["budget_bytes"] == 2 * c.num_layers * (16 + 1 + 4) * 2 * c.num_kv_heads * c.head_dim * 4
+    assert colibri["kv_cache"]["type"] == "f32"
     assert set(colibri["batch"]) >= {"distinct_experts_per_layer_step", "sequence_experts_per_layer_step"}
     assert row["bound"]["random_routing_bound"] > 1
 

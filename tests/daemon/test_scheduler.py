@@ -133,6 +133,29 @@ def test_asks_run_together_and_each_gets_what_it_would_alone(scheduler, engine, 
     assert scheduler.requests_served == 6
 
 
+@pytest.mark.parametrize("window_s", [0.0, 0.5])
+def test_an_idle_engine_gives_asks_arriving_together_one_first_step(engine, window_s):
+    """Asks 50 ms apart: inside the burst window they share their first (prompt) step; with no
+    window the first one's prompt runs alone and the rest wait through it."""
+    with running(engine, burst_window_s=window_s) as scheduler:
+        recorder = Recorder()
+        scheduler.submit(recorder.job(ask(0, prompt="first")))
+        time.sleep(0.05)
+        for n in range(1, 4):
+            scheduler.submit(recorder.job(ask(n, prompt=f"then {n}")))
+        assert [recorder.until_end(n)[1]["finish_reason"] for n in range(4)] == ["length"] * 4
+    assert engine.step_sizes[0] == (4 if window_s else 1)
+
+
+def test_a_full_batch_does_not_wait_for_the_burst_window(engine):
+    with running(engine, max_batch=2, burst_window_s=60.0) as scheduler:
+        recorder = Recorder()
+        for n in range(2):
+            scheduler.submit(recorder.job(ask(n)))
+        assert [recorder.until_end(n, timeout_s=20)[1]["finish_reason"] for n in range(2)] == ["length"] * 2
+    assert engine.step_sizes[0] == 2
+
+
 def test_a_full_queue_is_refused(engine):
     scheduler = Scheduler(engine, max_queue=2)  # not started: nothing leaves the queue
     recorder = Recorder()

@@ -305,6 +305,66 @@ def test_the_lookahead_stops_guessing_once_the_cache_holds_every_expert(pack_pat
         source.close()
 
 
+def test_lookahead_picks_one_row_s_guesses_or_what_most_rows_guess():
+    from colibrid.engine.moe import LOOKAHEAD_TOP, lookahead_picks
+
+    assert LOOKAHEAD_TOP == 4
+    assert lookahead_picks(np.array([[5, 3, 9, 1]])) == [5, 3, 9, 1]  # one row: its own order
+    rows = np.array([[5, 3, 9, 1], [3, 5, 2, 7], [9, 3, 8, 6]])
+    # 3 is named by all three rows; 5 and 9 by two, each first in some row (the lower id first);
+    # then, of those named once, 2 and 8 (third in their rows) before 1, 7 and 6 (fourth)
+    assert lookahead_picks(rows) == [3, 5, 9, 2]
+    many = np.random.default_rng(0).permuted(np.tile(np.arange(16), (8, 1)), axis=1)[:, :4]
+    picked = lookahead_picks(many)
+    assert len(picked) == LOOKAHEAD_TOP and len(set(picked)) == LOOKAHEAD_TOP
+    assert len(np.unique(many)) > LOOKAHEAD_TOP  # eight rows name more than a token's share
+
+
+def test_a_batch_step_reads_ahead_what_most_of_its_rows_guess(pack_path, monkeypatch):
+    """Three sequences decoding together: each step's lookahead reads the LOOKAHEAD_TOP experts
+    the most rows guess, not the union of every row's guesses (under a memory limit the
+    batch's own misses keep the disk busy, and every wrong guess costs a whole read)."""
+    from colibrid.engine import moe
+    from colibrid.engine.engine import Engine
+    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.engine.model import StepInput
+    from colibrid.pack.reader import Pack
+
+    guessed = []
+    real_guesses = moe.MoeBlock._guesses
+
+    def recording_guesses(block, rows, router_input):
+        guesses = real_guesses(block, rows, router_input)
+        guessed.append(guesses[:, : moe.LOOKAHEAD_TOP])
+        return guesses
+
+    monkeypatch.setattr(moe.MoeBlock, "_guesses", recording_guesses)
+    pack = Pack.open(pack_path)
+    n_slots = 12  # of 16 records: the cache never holds every expert, and caps no pick (max_pinned // 2 >= 4)
+    source = CachedExpertSource(pack, n_slots * _slot_bytes(pack_path), hugepages="off", prefetch=True)
+    try:
+        recorder = _recording_source(source)
+        engine = Engine(pack, experts=recorder)
+        sessions = [engine.new_session(32) for _ in range(3)]
+        prompts = [PROMPT[:5], PROMPT[5:9], PROMPT[9:]]
+        logits = engine.model.forward_batch([StepInput(s.state, np.array(p, np.int32), "last")
+                                             for s, p in zip(sessions, prompts)])
+        tokens = [int(np.argmax(rows[-1])) for rows in logits]
+        guessed.clear()
+        recorder.prefetches.clear()
+        for _ in range(4):
+            logits = engine.model.forward_batch([StepInput(s.state, np.array([t], np.int32), "last")
+                                                 for s, t in zip(sessions, tokens)])
+            tokens = [int(np.argmax(rows[-1])) for rows in logits]
+        assert len(recorder.prefetches) == len(guessed) == 4  # layer 1 guesses layer 3's, once a step
+        for (_, layer, experts, _), guesses in zip(recorder.prefetches, guessed):
+            assert layer == 3 and guesses.shape[0] == 3
+            assert experts == moe.lookahead_picks(guesses) and len(experts) <= moe.LOOKAHEAD_TOP
+        assert any(len(np.unique(g)) > moe.LOOKAHEAD_TOP for g in guessed)  # the rows' union was more
+    finally:
+        source.close()
+
+
 def test_lookahead_on_the_residual_guesses_from_the_stream_leaving_the_layer(pack_path, reference):
     """lookahead_predictor = "router-on-residual": once layer 1 has run whole, layer 3's router
     on the residual stream leaving layer 1 (through layer 3's pre-MoE norm) names what is read

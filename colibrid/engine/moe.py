@@ -145,12 +145,13 @@ class DamageWatch:
         return logits
 
 
-# Lookahead prefetch reads, per token, only the next layer's LOOKAHEAD_TOP likeliest experts.
+# Lookahead prefetch reads, per step, only the next layer's LOOKAHEAD_TOP likeliest experts.
 # Replaying the 64-expert trained model's routing (top-8) on the OLMoE-shaped bench pack at a
 # 25 % cache (docs/performance.md, "Replaying this routing"): 4 guesses are right 94 % of the
 # time, +6 % tok/s over reading on demand; 8 raise the hit rate but are right 78 % of the time
 # and lose 14 %, since a wrong guess costs a whole read and evicts an expert that would have hit.
 LOOKAHEAD_TOP = 4
+
 
 def lookahead_picks(best: np.ndarray) -> list[int]:
     """The LOOKAHEAD_TOP experts a step reads ahead, from each row's best guesses ``best``
@@ -159,10 +160,11 @@ def lookahead_picks(best: np.ndarray) -> list[int]:
 
     A step reads as many guesses ahead as one token does, however many rows it has. Under a
     memory limit a batch's own misses keep the disk busy, so a guess read early saves no disk
-    time and a wrong one costs a whole read: with 8 sequences on random routing, reading every
-    row's guesses ahead (their union, ~25 experts a layer) cut decode from 2.56 to 1.75 tok/s
-    (docs/performance.md, "Lookahead in a batch under a memory limit"). The experts most rows
-    name are the ones the step is surest to need."""
+    time and a wrong one costs a whole read. With 8 sequences on random routing, reading ahead
+    the union of every row's guesses (~25 experts a layer) read 70.1 GB where these read 58.4,
+    2.25-2.61 against 2.57-3.06 tok/s (docs/performance.md, "Asks that arrive together, a
+    batch's lookahead, and the limit's KV budget"). The experts most rows name are the ones
+    the step is surest to need."""
     if best.shape[0] == 1:
         return best[0].tolist()
     ids, where, votes = np.unique(best, return_inverse=True, return_counts=True)
@@ -267,8 +269,8 @@ class MoeBlock:
         to this layer's input. Called once this layer's own reads are all done (see
         _run_ready_runs): the disk would otherwise idle through the rest of this layer and the
         next one's attention, and these reads never compete with a read this layer waits for.
-        Only each token's LOOKAHEAD_TOP best guesses: a wrong guess costs a whole read of disk
-        time, and the lower-ranked guesses are wrong more often (see docs/performance.md)."""
+        Only LOOKAHEAD_TOP guesses a step (lookahead_picks): a wrong guess costs a whole read of
+        disk time, and the lower-ranked guesses are wrong more often (see docs/performance.md)."""
         self._prefetch_guesses(self._guesses(x.shape[0], lambda: x), wave_size)
 
     def lookahead_from_residual(self, residual: np.ndarray) -> None:

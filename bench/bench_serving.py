@@ -39,8 +39,10 @@ Then the bound: a step of N sequences reads attention and the head once, and eac
 expert once, so at the memory-bandwidth limit N tokens cost (dense + distinct experts) bytes
 against N x (dense + top-k experts) one at a time. Printed from the measured distinct experts
 and from random routing's expectation (E (1 - (1 - k/E)^N)), with the roofline (this machine's
-read bandwidth / bytes of a step x N) when fully cached; and the ratios issue 16 sets targets
-for, at 8 clients.
+read bandwidth / bytes of a step x N) when fully cached; under a limit, the disk's bound too:
+the expert records a step of N needs (distinct experts x MoE layers), the least it could read a
+token were every cache slot a hit, and that against what one client read a token; and the
+ratios issue 16 sets targets for, at 8 clients.
 
 ``--rounds R`` runs the whole sweep of client counts R times, one round after another, and
 gives each round's ratios and then their median and range: on a host whose speed drifts over
@@ -422,6 +424,7 @@ class StepBytes:
     num_experts: int
     top_k: int
     vocab_size: int
+    slot_bytes: int = 0  # an expert cache slot: the largest record, in whole 4 KiB pages
 
     @classmethod
     def of(cls, pack_path: Path) -> "StepBytes":
@@ -435,7 +438,8 @@ class StepBytes:
         moe_layers = len(c.moe_layer_ids)
         row = embed.nbytes // embed.shape[0]
         dense = one_token - row - moe_layers * c.num_experts_per_tok * expert
-        return cls(dense, row, expert, moe_layers, c.num_experts, c.num_experts_per_tok, c.vocab_size)
+        return cls(dense, row, expert, moe_layers, c.num_experts, c.num_experts_per_tok, c.vocab_size,
+                   expert_slot_bytes(m))
 
     def step(self, tokens: int, distinct_experts_per_layer: float) -> float:
         """Bytes read by a step of ``tokens`` tokens that touches that many experts per layer."""
@@ -521,6 +525,11 @@ def kv_cache_bytes(pack: Path, sequences: int, tokens: int, kv_type: str = "f32"
     return sequences * c.num_layers * tokens * 2 * c.num_kv_heads * c.head_dim * element
 
 
+def expert_slot_bytes(manifest) -> int:
+    """An expert cache slot: the pack's largest record, in whole 4 KiB pages."""
+    return -(-max(r.length for r in manifest.expert_records) // 4096) * 4096
+
+
 def colibri_cache_bytes(pack: Path, memory: Memory, sequences: int, tokens: int, kv_type: str = "f32") -> int | str:
     """The expert cache for a run of ``sequences`` sequences of ``tokens`` tokens: every expert
     (and a slot to spare) when fully cached; under a limit, what it leaves after the dense
@@ -531,7 +540,7 @@ def colibri_cache_bytes(pack: Path, memory: Memory, sequences: int, tokens: int,
     from colibrid.pack.reader import Pack
 
     manifest = Pack.open(pack).manifest
-    slot_bytes = -(-max(r.length for r in manifest.expert_records) // 4096) * 4096
+    slot_bytes = expert_slot_bytes(manifest)
     if memory.limit_bytes is None:
         return (len(manifest.expert_records) + 1) * slot_bytes
     kv_bytes = kv_cache_bytes(pack, sequences, tokens, kv_type)
@@ -701,6 +710,36 @@ def print_bound(rows: list[dict], step: StepBytes, bandwidth_gb_s: float | None,
               f"{_f(batch.get('sequence_experts_per_layer_step'), '11.1f')} {_f(measured_bound, '6.2f')} "
               f"{row['bound']['random_routing_bound']:8.2f} {_f(roofline, '14.1f')}  {_f(batch.get('steps'), '6.0f')} "
               f"{_f(_number(batch.get('max_batch')), '9.0f')}")
+
+
+def read_bound(rows: list[dict], slot_bytes: int, moe_layers: int) -> None:
+    """Under a memory limit the disk is the bound, and a step of N sequences needs its distinct
+    experts of every MoE layer: even if each of the cache's slots held one of them, it reads the
+    rest, (distinct x layers - slots) / N records a token at the least. Printed against what one
+    sequence read a token in the same run (its own locality may do better than that floor), and
+    their ratio: the most N clients can gain over one while the disk stays the bound."""
+    print("  disk: expert records read a token (prompts included), and the least a step of N could read "
+          "(every cache slot a hit)")
+    print(f"  {'N':>3} {'slots':>6} {'needed/step':>11} {'least/token':>11} {'read/token':>10} {'bound vs 1':>10}")
+    single = next((r for r in rows if r["clients"] == 1), None)
+    single_read = _read_per_token(single["colibri"]) if single else None
+    for row in rows:
+        n, colibri = row["clients"], row["colibri"]
+        distinct = (colibri.get("batch") or {}).get("distinct_experts_per_layer_step")
+        slots = int(colibri["cache_bytes"] // slot_bytes) if isinstance(colibri.get("cache_bytes"), int) else None
+        needed = distinct * moe_layers if distinct is not None else None
+        least = max(0.0, needed - slots) / n if needed is not None and slots is not None else None
+        ratio = single_read / least if single_read and least and n > 1 else None
+        row["read_bound"] = {"slots": slots, "needed_per_step": needed, "least_per_token": least,
+                             "read_per_token": _read_per_token(colibri), "bound_vs_single": ratio}
+        print(f"  {n:>3} {_f(slots, '6.0f')} {_f(needed, '11.1f')} {_f(least, '11.1f')} "
+              f"{_f(row['read_bound']['read_per_token'], '10.1f')} {_f(ratio, '10.2f')}")
+
+
+def _read_per_token(colibri: dict) -> float | None:
+    tokens = colibri.get("tokens")
+    misses = (colibri.get("cache") or {}).get("misses")
+    return misses / tokens if tokens and misses is not None else None
 
 
 def target_medians(rounds: list[dict]) -> dict:
@@ -881,6 +920,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows = sweep(setup, clients, args.prompt_tokens, name, pack, gguf, memory, texts, ids, llama_server)
                 if rows:
                     print_bound(rows, step, bandwidth, memory.limit_bytes is None)
+                    if memory.limit_bytes is not None:
+                        read_bound(rows, step.slot_bytes, step.moe_layers)
                     targets = print_targets(rows, memory.limit_bytes is None)
                     rounds.append(targets)
                     results.append({"variant": name, "memory": asdict(memory), "round": round_number, "rows": rows,

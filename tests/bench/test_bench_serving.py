@@ -66,6 +66,22 @@ def test_the_bound_counts_dense_bytes_once_per_step_and_each_distinct_expert_onc
     assert step.random_routing_distinct(1) == pytest.approx(2) and step.random_routing_distinct(2) == pytest.approx(3)
 
 
+def test_the_disk_bound_under_a_limit_is_the_rest_of_a_step_s_experts_after_every_slot_hits(capsys):
+    def row(clients, distinct, cache_slots, misses, tokens):
+        return {"clients": clients, "colibri": {"batch": {"distinct_experts_per_layer_step": distinct},
+                                                "cache_bytes": cache_slots * 4096 + 100, "tokens": tokens,
+                                                "cache": {"misses": misses}}}
+
+    rows = [row(1, 8.0, 30, 120, 40), row(8, 20.0, 25, 800, 80)]
+    bench_serving.read_bound(rows, slot_bytes=4096, moe_layers=2)
+    one, eight = rows[0]["read_bound"], rows[1]["read_bound"]
+    assert (one["slots"], one["least_per_token"], one["read_per_token"], one["bound_vs_single"]) == (30, 0.0, 3.0, None)
+    # a step of 8 needs 20 x 2 records; 25 slots can hold 25 of them: 15 reads a step at least
+    assert (eight["needed_per_step"], eight["least_per_token"], eight["read_per_token"]) == (40.0, 15 / 8, 10.0)
+    assert eight["bound_vs_single"] == pytest.approx(3.0 / (15 / 8))
+    assert "bound vs 1" in capsys.readouterr().out
+
+
 def test_a_small_run_against_colibrid(demo_pack, tmp_path):
     out = tmp_path / "serving.json"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "bench_serving.py"), "--pack", str(demo_pack),

@@ -130,7 +130,7 @@ class AttentionSeq(ctypes.Structure):
 
 # The element types a KV cache may have, and their col_type codes (colibri.h); a float16
 # cache's heads are at most COL_ATTEND_MAX_HEAD_DIM wide.
-KV_CACHE_TYPES = {np.dtype(np.float32): 0, np.dtype(np.float16): 1}
+KV_CACHE_TYPES = {np.dtype(np.float32): int(TensorType.F32), np.dtype(np.float16): int(TensorType.F16)}
 MAX_F16_HEAD_DIM = 1024
 
 

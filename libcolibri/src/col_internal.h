@@ -372,16 +372,22 @@ void col_rope_heads(float *x, int64_t n_heads, int64_t head_dim, int64_t rotary_
  * (ring > 0), else pos. */
 static inline int64_t col_cache_row(int64_t pos, int64_t ring) { return ring > 0 ? pos % ring : pos; }
 
-/* Kv head kh's head_dim floats of position pos in a cache of rows of n_kv_heads * head_dim. */
+/* Where kv head kh's head_dim values of position pos start, in values from the first of a
+ * cache of rows of n_kv_heads * head_dim (of any element type). */
+static inline int64_t col_cache_offset(int64_t pos, int64_t ring, int64_t n_kv_heads, int64_t kh, int64_t head_dim) {
+    return (col_cache_row(pos, ring) * n_kv_heads + kh) * head_dim;
+}
+
+/* Kv head kh's head_dim floats of position pos in a float32 cache. */
 static inline const float *col_cache_head(const float *cache, int64_t pos, int64_t ring, int64_t n_kv_heads, int64_t kh,
                                           int64_t head_dim) {
-    return cache + (col_cache_row(pos, ring) * n_kv_heads + kh) * head_dim;
+    return cache + col_cache_offset(pos, ring, n_kv_heads, kh, head_dim);
 }
 
 /* The same in a float16 cache (col_attention_seq's kv_type COL_TYPE_F16). */
 static inline const uint16_t *col_cache_head_f16(const uint16_t *cache, int64_t pos, int64_t ring, int64_t n_kv_heads,
                                                  int64_t kh, int64_t head_dim) {
-    return cache + (col_cache_row(pos, ring) * n_kv_heads + kh) * head_dim;
+    return cache + col_cache_offset(pos, ring, n_kv_heads, kh, head_dim);
 }
 
 /* y[i] = the float16 h[i] as float32, exactly (kernels.c). */
@@ -468,7 +474,7 @@ static inline void col_prefetch_bytes(const void *p, int64_t bytes) {
 static inline void col_prefetch_kv_heads(const void *cache, int f16, int64_t pos, int64_t ring, int64_t n_kv_heads,
                                          int64_t kh, int64_t heads, int64_t head_dim) {
     const int64_t size = f16 ? 2 : 4;
-    col_prefetch_bytes((const uint8_t *)cache + (col_cache_row(pos, ring) * n_kv_heads + kh) * head_dim * size,
+    col_prefetch_bytes((const uint8_t *)cache + col_cache_offset(pos, ring, n_kv_heads, kh, head_dim) * size,
                        heads * head_dim * size);
 }
 

@@ -541,9 +541,9 @@ DOT_AXPY_AVX512(f16, uint16_t, load16_f16, col_f16_to_f32)
         vec acc[4];                                                                                                 \
         _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[v] = loadu(ov + v * (lanes));                    \
         for (int64_t s = b; s <= e; s++) {                                                                          \
-            const elem_t *vs = vals + (col_cache_row(s, ring) * K + kh) * Hd;                                       \
+            const elem_t *vs = vals + col_cache_offset(s, ring, K, kh, Hd);                                         \
             if (s + COL_ATTEND_AHEAD <= e)                                                                          \
-                col_prefetch_bytes(vals + (col_cache_row(s + COL_ATTEND_AHEAD, ring) * K + kh) * Hd,                \
+                col_prefetch_bytes(vals + col_cache_offset(s + COL_ATTEND_AHEAD, ring, K, kh, Hd),                  \
                                    vecs * (lanes) * (int64_t)sizeof(elem_t));                                       \
             const vec a = set1(p[s] * inv);                                                                         \
             _Pragma("GCC unroll 4") for (int v = 0; v < vecs; v++) acc[v] = fmadd(a, loadv(vs + v * (lanes)), acc[v]); \

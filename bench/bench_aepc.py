@@ -205,62 +205,115 @@ def measure_disk(pack_path: Path, queue_depth: int = 16, seconds: float = 4.0, s
 # --------------------------------------------------------------------------------------------
 
 
-def decode_run(pack_path: Path, cache_bytes: int, policy: str, prefetch: bool, tokens: int, warmup: int,
-               queue_depth: int, seed: int = 0, feed: str = "random", hugepages: str = "auto", replay=None) -> dict:
-    """``replay``: a routing_traces.DecodeSteps whose routing (and guesses) every token replays."""
-    from colibrid.engine.engine import Engine
-    from colibrid.engine.expert_cache import CachedExpertSource
-    from colibrid.engine.routing_override import RoutingOverride
-    from colibrid.pack.reader import Pack
+PREFETCH_MODES = ("off", "on", "oracle")
 
-    pack = Pack.open(pack_path)
-    source = CachedExpertSource(pack, cache_bytes, policy=policy, io_queue_depth=queue_depth, hugepages=hugepages,
-                                lock_memory="try", prefetch=prefetch)
-    try:
-        # With prefetch on, each MoE layer predicts the next one's experts (replaying: the trace's guesses, when
-        # the recording predictor would have made them)
-        predictor = replay.predictor if replay is not None and replay.predictor else "router-on-moe-input"
-        engine = Engine(pack, experts=source, lookahead_predictor=predictor)
-        override = None
-        if replay is not None:
-            override = RoutingOverride.for_model(engine.model, trace_layers=replay.layers)
-            override.install(engine.model)
-        session = engine.new_session(max_context=warmup + tokens + 16)
-        rng = np.random.default_rng(seed)
-        vocab = engine.config.vocab_size
-        steps_run = [0]
 
-        def step(token: int) -> int:
-            if override is not None:  # the trace's next decode step, cycling
-                i = steps_run[0] % replay.experts.shape[0]
-                override.set_step(replay.experts[i][:, None, :],
-                                  None if replay.guesses is None else replay.guesses[i][:, None, :])
-                steps_run[0] += 1
-            greedy = int(np.argmax(session.forward([token], all_logits=False)[-1]))
-            # A random-weight model's greedy output soon repeats one token, and with it the same
-            # experts: feeding random tokens instead gives the random routing the targets assume.
-            return greedy if feed == "greedy" else int(rng.integers(0, vocab))
+class DecodeRun:
+    """One configuration's decode (cache size, policy, prefetch mode), stepped a few tokens at
+    a time, so that several can take turns in one process (run --alternate).
 
-        records = pack.manifest.expert_records
-        if source.n_slots >= len(records):  # the cache holds every expert: load them all first
-            for layer in pack.manifest.model.moe_layer_ids:
-                with source.acquire(layer, range(pack.manifest.model.num_experts)):
+    ``prefetch``: "off", "on" (the engine's lookahead), or "oracle" (replaying a trace only:
+    the lookahead's guesses are the next layer's true experts, all top-k read ahead, so its
+    gain over "off" bounds what any next-layer predictor can gain). ``replay``: a
+    routing_traces.DecodeSteps whose routing (and guesses) every token replays."""
+
+    def __init__(self, pack_path: Path, cache_bytes: int, policy: str, prefetch: str, queue_depth: int,
+                 max_tokens: int, seed: int = 0, feed: str = "random", hugepages: str = "auto", replay=None) -> None:
+        from colibrid.engine.engine import Engine
+        from colibrid.engine.expert_cache import CachedExpertSource
+        from colibrid.engine.routing_override import RoutingOverride
+        from colibrid.pack.reader import Pack
+
+        if prefetch not in PREFETCH_MODES:
+            raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
+        if prefetch == "oracle" and replay is None:
+            raise ValueError("prefetch oracle needs a replayed routing trace: its guesses are the trace's next layer")
+        self.prefetch, self.policy, self.feed, self.replay = prefetch, policy, feed, replay
+        self.pack = Pack.open(pack_path)
+        self.source = CachedExpertSource(self.pack, cache_bytes, policy=policy, io_queue_depth=queue_depth,
+                                         hugepages=hugepages, lock_memory="try", prefetch=prefetch != "off")
+        try:
+            # With prefetch on, each MoE layer predicts the next one's experts (replaying: the trace's guesses,
+            # when the recording predictor would have made them)
+            predictor = replay.predictor if replay is not None and replay.predictor else "router-on-moe-input"
+            self.engine = Engine(self.pack, experts=self.source, lookahead_predictor=predictor)
+            self.override = None
+            if replay is not None:
+                self.override = RoutingOverride.for_model(self.engine.model, trace_layers=replay.layers)
+                top_k = self.pack.manifest.model.num_experts_per_tok
+                self.override.install(self.engine.model, lookahead_top=top_k if prefetch == "oracle" else None)
+            self.session = self.engine.new_session(max_context=max_tokens + 16)
+        except BaseException:
+            self.source.close()
+            raise
+        self.rng = np.random.default_rng(seed)
+        self.vocab = self.engine.config.vocab_size
+        self.token = int(self.rng.integers(0, self.vocab))
+        self.steps_run = 0
+        self.tokens = 0
+        self.elapsed = 0.0
+
+    def _step(self) -> None:
+        if self.override is not None:  # the trace's next decode step, cycling
+            replay = self.replay
+            i = self.steps_run % replay.experts.shape[0]
+            experts = replay.experts[i]
+            if self.prefetch == "oracle":
+                guesses = self.override.oracle_guesses(experts)
+            else:
+                guesses = None if replay.guesses is None else replay.guesses[i]
+            self.override.set_step(experts[:, None, :], None if guesses is None else guesses[:, None, :])
+        self.steps_run += 1
+        greedy = int(np.argmax(self.session.forward([self.token], all_logits=False)[-1]))
+        # A random-weight model's greedy output soon repeats one token, and with it the same
+        # experts: feeding random tokens instead gives the random routing the targets assume.
+        self.token = greedy if self.feed == "greedy" else int(self.rng.integers(0, self.vocab))
+
+    def warm(self, tokens: int) -> None:
+        """Fills the cache (all of it, if it has a slot for every record; else by decoding
+        ``tokens``), waits for its reads, and zeroes the counters."""
+        records = self.pack.manifest.expert_records
+        if self.source.n_slots >= len(records):  # the cache holds every expert: load them all first
+            for layer in self.pack.manifest.model.moe_layer_ids:
+                with self.source.acquire(layer, range(self.pack.manifest.model.num_experts)):
                     pass
-        token = int(rng.integers(0, vocab))
-        for _ in range(warmup):  # fills the cache
-            token = step(token)
-        source.reset_stats()
-        loader0 = source.stats()["loader"]
+        for _ in range(tokens):
+            self._step()
+        self.wait_for_reads()
+        self.source.reset_stats()
+        self._loader0 = self.source.stats()["loader"]
+
+    def advance(self, tokens: int) -> None:
+        """Decodes ``tokens`` more, timed; then waits (untimed) for the prefetches still in
+        flight, so that none reads during another configuration's turn."""
         start = time.perf_counter()
         for _ in range(tokens):
-            token = step(token)
-        elapsed = time.perf_counter() - start
-        st = source.stats()
+            self._step()
+        self.elapsed += time.perf_counter() - start
+        self.tokens += tokens
+        self.wait_for_reads()
+
+    def wait_for_reads(self, timeout_s: float = 60.0) -> None:
+        """Until every read the cache started has completed (prefetches are never waited for
+        otherwise). The counters say so: each read started is a miss or a prefetch issued,
+        and ends as a load or a load failure."""
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            total = self.source.stats()["total"]
+            if total["loads"] + total["load_failures"] >= total["misses"] + total["prefetch_issued"]:
+                return
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"expert reads still in flight after {timeout_s:.0f} s")
+            time.sleep(0.001)
+
+    def result(self) -> dict:
+        st = self.source.stats()
         total = st["total"]
-        busy_s = (st["loader"]["busy_ns"] - loader0["busy_ns"]) / 1e9
+        busy_s = (st["loader"]["busy_ns"] - self._loader0["busy_ns"]) / 1e9
+        tokens, elapsed, source = self.tokens, self.elapsed, self.source
         return {
-            "cache_bytes": source.n_slots * source.slot_bytes, "slots": source.n_slots, "policy": policy,
-            "prefetch": prefetch, "tokens": tokens, "tok_per_s": tokens / elapsed,
+            "cache_bytes": source.n_slots * source.slot_bytes, "slots": source.n_slots, "policy": self.policy,
+            "prefetch": self.prefetch, "tokens": tokens, "tok_per_s": tokens / elapsed,
             "hit_rate": total["hit_rate"], "mb_read_per_token": total["bytes_read"] / tokens / 1e6,
             "records_read_per_token": total["bytes_read"] / source.slot_bytes / tokens,
             "read_gb_per_s": total["bytes_read"] / elapsed / 1e9, "disk_busy_fraction": busy_s / elapsed,
@@ -269,30 +322,80 @@ def decode_run(pack_path: Path, cache_bytes: int, policy: str, prefetch: bool, t
             "prediction_precision": total["prediction_precision"], "prediction_recall": total["prediction_recall"],
             "backing": source.backing_info()["backing"], "direct": source.backing_info()["direct"],
         }
+
+    def close(self) -> None:
+        self.source.close()
+
+
+def decode_run(pack_path: Path, cache_bytes: int, policy: str, prefetch: str, tokens: int, warmup: int,
+               queue_depth: int, seed: int = 0, feed: str = "random", hugepages: str = "auto", replay=None) -> dict:
+    """One configuration alone: ``warmup`` tokens to fill the cache, then ``tokens`` timed."""
+    run = DecodeRun(pack_path, cache_bytes, policy, prefetch, queue_depth, warmup + tokens, seed=seed, feed=feed,
+                    hugepages=hugepages, replay=replay)
+    try:
+        run.warm(warmup)
+        run.advance(tokens)
+        return run.result()
     finally:
-        source.close()
+        run.close()
 
 
-def _routing_trace(path: Path, pack, prefetches: list[bool]):
+def alternate_runs(runs: list[DecodeRun], tokens: int, warmup: int, turn: int, seed: int = 0) -> list[dict]:
+    """Several configurations side by side: each warms up, then they take turns of ``turn``
+    tokens, in a fresh random order each round, until each has decoded ``tokens``. This
+    machine's speed drifts by a third within minutes; taking turns puts the drift on every
+    configuration alike, where runs one after another compare different minutes."""
+    for run in runs:
+        run.warm(warmup)
+    rng = np.random.default_rng(seed)
+    while runs[0].tokens < tokens:
+        n = min(turn, tokens - runs[0].tokens)
+        for i in rng.permutation(len(runs)):
+            runs[i].advance(n)
+    return [run.result() for run in runs]
+
+
+def _routing_trace(path: Path, pack, prefetches: list[str]):
     """The trace's decode steps, checked against the pack, with what replaying them means printed."""
     from colibrid.engine.moe import LOOKAHEAD_TOP
     from routing_traces import read_decode_steps
 
     config = pack.manifest.model
     replay = read_decode_steps(path, config.num_experts, config.num_experts_per_tok)
-    if any(prefetches) and replay.guesses is None:
+    if "on" in prefetches and replay.guesses is None:
         raise SystemExit(f"{path} records no lookahead guesses, and the random router's would say nothing about the "
                          f"replayed routing: record one with bench/routing_traces.py --guesses router-on-residual "
-                         f"(or router-on-moe-input), or run with --prefetch off")
+                         f"(or router-on-moe-input), or run with --prefetch off (or oracle)")
     moe_layers = len(config.moe_layer_ids)
     print(f"routing from {path}: {replay.experts.shape[0]} decode steps of {replay.layers} MoE layers, cycled; "
           f"the pack's MoE layer i replays trace layer i mod {replay.layers} ({moe_layers} pack MoE layers); "
           f"mixing weights: the router's own by rank", flush=True)
-    if replay.guesses is not None:
+    if replay.guesses is not None and "on" in prefetches:
         print(f"lookahead guesses from the trace: {replay.predictor}, the first {LOOKAHEAD_TOP} of "
               f"{replay.guesses.shape[2]} recorded per row; none at the trace's wrap (trace layer {replay.layers - 1} "
               f"-> 0)", flush=True)
+    if "oracle" in prefetches:
+        print(f"prefetch oracle: the lookahead reads ahead the next layer's true experts, all "
+              f"{config.num_experts_per_tok}, at the point the engine's own guesses are read; none at the wrap",
+              flush=True)
     return replay
+
+
+def _run_group(args, replay, cache_bytes: int, policy: str, prefetches: list[str]) -> list[dict]:
+    """The prefetch modes at one cache size and policy: one after another, or (--alternate)
+    taking turns, each with a cache of its own."""
+    if not args.alternate:
+        return [decode_run(args.pack, cache_bytes, policy, prefetch, args.tokens, args.warmup, args.queue_depth,
+                           feed=args.feed, hugepages=args.hugepages, replay=replay) for prefetch in prefetches]
+    runs: list[DecodeRun] = []
+    try:
+        for prefetch in prefetches:
+            runs.append(DecodeRun(args.pack, cache_bytes, policy, prefetch, args.queue_depth, args.warmup + args.tokens,
+                                  feed=args.feed, hugepages=args.hugepages, replay=replay))
+        return alternate_runs(runs, args.tokens, args.warmup, args.alternate)
+    finally:
+        for run in runs:
+            run.close()
 
 
 def _rss_peak_bytes() -> int:
@@ -309,23 +412,30 @@ def cmd_run(args) -> int:
     pack = Pack.open(args.pack)
     expert_bytes = sum(r.length for r in pack.manifest.expert_records)
     print(f"pack {args.pack}: experts {format_bytes(expert_bytes)}, dense {format_bytes(pack.manifest.dense_size)}")
-    prefetches = [p == "on" for p in args.prefetch.split(",")]
+    prefetches = args.prefetch.split(",")
+    if not set(prefetches) <= set(PREFETCH_MODES):
+        raise SystemExit(f"--prefetch takes {', '.join(PREFETCH_MODES)} (comma-separated), got {args.prefetch!r}")
+    if "oracle" in prefetches and not args.routing_trace:
+        raise SystemExit("--prefetch oracle needs --routing-trace: its guesses are the trace's next layer")
     replay = _routing_trace(args.routing_trace, pack, prefetches) if args.routing_trace else None  # refused before measuring
     disk = measure_disk(args.pack, queue_depth=args.queue_depth)
     print(f"disk: {disk['gb_per_s']:.2f} GB/s O_DIRECT (records of {format_bytes(disk['record_bytes'])}, "
           f"queue depth {disk['queue_depth']}, direct={disk['direct']})")
+    if args.alternate:
+        print(f"the prefetch modes take turns of {args.alternate} tokens in one process, each with its own cache")
     rows = []
     fractions = [args.cache_bytes / expert_bytes] if args.cache_bytes else [float(f) for f in args.fractions.split(",")]
     for fraction in fractions:
         for policy in args.policies.split(","):
-            for prefetch in prefetches:
-                row = decode_run(args.pack, int(expert_bytes * fraction), policy, prefetch, args.tokens, args.warmup,
-                                 args.queue_depth, feed=args.feed, hugepages=args.hugepages, replay=replay)
+            group = _run_group(args, replay, int(expert_bytes * fraction), policy, prefetches)
+            for row in group:
                 row.update(fraction=fraction, disk_gb_per_s=disk["gb_per_s"],
-                           read_vs_disk=row["read_gb_per_s"] / disk["gb_per_s"])
+                           read_vs_disk=row["read_gb_per_s"] / disk["gb_per_s"],
+                           vs_first=row["tok_per_s"] / group[0]["tok_per_s"])
                 rows.append(row)
-                print(f"cache {fraction:4.0%} {policy:4s} prefetch {'on ' if prefetch else 'off'}: "
-                      f"{row['tok_per_s']:6.2f} tok/s  hit {row['hit_rate'] or 0:5.1%}  "
+                print(f"cache {fraction:4.0%} {policy:4s} prefetch {row['prefetch']:6s}: "
+                      f"{row['tok_per_s']:6.2f} tok/s" + (f" ({row['vs_first']:.3f}x)" if args.alternate else "") +
+                      f"  hit {row['hit_rate'] or 0:5.1%}  "
                       f"{row['mb_read_per_token']:7.1f} MB/tok ({row['records_read_per_token']:.2f} records)  read {row['read_gb_per_s']:.2f} GB/s "
                       f"({row['read_vs_disk']:.0%} of disk, busy {row['disk_busy_fraction']:.0%})  "
                       f"p50 {row['read_ms_p50']} ms  precision {row['prediction_precision']}", flush=True)
@@ -596,7 +706,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("pack", type=Path)
     r.add_argument("--fractions", default="0.25,0.5,1.0", help="cache sizes as fractions of the expert bytes")
     r.add_argument("--policies", default="lru,lfru")
-    r.add_argument("--prefetch", default="on", help="on, off or on,off")
+    r.add_argument("--prefetch", default="on", help="off, on (the engine's lookahead) or oracle (with --routing-trace: "
+                   "the next layer's true experts read ahead, the bound of any next-layer predictor); comma-separated")
+    r.add_argument("--alternate", type=int, default=0, metavar="TOKENS",
+                   help="run the prefetch modes side by side, each with its own cache, in turns of TOKENS tokens "
+                        "(the machine's drift then falls on all alike); ratios against the first mode")
     r.add_argument("--tokens", type=int, default=16)
     r.add_argument("--warmup", type=int, default=8)
     r.add_argument("--queue-depth", type=int, default=16)
@@ -676,6 +790,7 @@ def main(argv: list[str] | None = None) -> int:
                  *(["--cache-bytes", str(args.cache_bytes)] if args.cache_bytes else []),
                  "--policies", args.policies, "--prefetch", args.prefetch, "--tokens", str(args.tokens),
                  "--warmup", str(args.warmup), "--queue-depth", str(args.queue_depth), "--feed", args.feed,
+                 "--alternate", str(args.alternate),
                  "--hugepages", "off"]  # hugetlb pages are not charged to a v1 memory cgroup
         if args.routing_trace:
             inner += ["--routing-trace", str(args.routing_trace)]

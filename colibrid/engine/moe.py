@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,9 +20,11 @@ from colibrid import native
 from colibrid.engine.experts import ExpertChecksumError, ExpertDamagedError, ExpertSource
 from colibrid.engine.layers import linear, rms_norm, silu, swiglu_mlp
 from colibrid.engine.routing_capture import RoutingCapture
-from colibrid.engine.routing_override import RoutingOverride
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
+
+if TYPE_CHECKING:  # the override imports this module's LOOKAHEAD_TOP
+    from colibrid.engine.routing_override import RoutingOverride
 
 
 @dataclass(frozen=True)
@@ -153,10 +156,10 @@ class DamageWatch:
 LOOKAHEAD_TOP = 4
 
 
-def lookahead_picks(best: np.ndarray) -> list[int]:
-    """The LOOKAHEAD_TOP experts a step reads ahead, from each row's best guesses ``best``
-    (T, n), best first: one row's own, in its order; for several rows, those the most rows
-    guess (ties: the better rank in some row, then the lower id).
+def lookahead_picks(best: np.ndarray, top: int = LOOKAHEAD_TOP) -> list[int]:
+    """The ``top`` experts a step reads ahead, from each row's best guesses ``best`` (T, n),
+    best first: one row's own, in its order; for several rows, those the most rows guess
+    (ties: the better rank in some row, then the lower id).
 
     A step reads as many guesses ahead as one token does, however many rows it has. Under a
     memory limit a batch's own misses keep the disk busy, so a guess read early saves no disk
@@ -171,7 +174,7 @@ def lookahead_picks(best: np.ndarray) -> list[int]:
     best_rank = np.full(ids.shape[0], best.shape[1])
     np.minimum.at(best_rank, where.ravel(), np.broadcast_to(np.arange(best.shape[1]), best.shape).ravel())
     order = np.lexsort((ids, best_rank, -votes))  # the last key sorts first
-    return ids[order[:LOOKAHEAD_TOP]].tolist()
+    return ids[order[:top]].tolist()
 
 
 # What the lookahead guesses layer l+1's experts from (config lookahead_predictor; measured in
@@ -192,6 +195,7 @@ class MoeBlock:
         self.router = Router(config, weights)
         self.next_block: "MoeBlock | None" = None  # the next MoE layer, for lookahead prefetch (Model sets it)
         self.lookahead_predictor = LOOKAHEAD_PREDICTORS[0]  # what the lookahead guesses from (Model sets it)
+        self.lookahead_top = LOOKAHEAD_TOP  # guesses read ahead a step (a bench's oracle replay reads all top-k)
         # The next MoE layer's router input for a residual row its attention added nothing to (Model sets it)
         self.next_router_input: Callable[[np.ndarray], np.ndarray] | None = None
         self.stats: RoutingStats | None = None  # the model's, where it keeps them (Model sets it)
@@ -291,7 +295,7 @@ class MoeBlock:
         return self.next_block.router(router_input()).experts
 
     def _prefetch_guesses(self, guessed: np.ndarray, wave_size: int) -> None:
-        predicted = lookahead_picks(guessed[:, :LOOKAHEAD_TOP])
+        predicted = lookahead_picks(guessed[:, :self.lookahead_top], self.lookahead_top)
         self.experts.prefetch(self.next_block.layer, predicted[: max(1, wave_size // 2)])  # room for its own
 
     def _run_ready_runs(self, x: np.ndarray, routing: Routing, wave: list[int], weights, out: np.ndarray,

@@ -15,6 +15,10 @@ What it replaces, per MoE layer step:
   too when it recorded them: the random router's own guesses would say nothing about the
   replayed choices.
 
+An oracle replay (``oracle_guesses``) hands the lookahead the next layer's true experts as its
+guesses, all top-k of them read ahead: a predictor that is never wrong and misses nothing, so
+what it gains over reading on demand bounds what any next-layer predictor can gain.
+
 Layer mapping: the pack's i-th MoE layer takes the trace's layer i mod L (L the trace's MoE
 layers), so an 8-layer trace drives a 16-layer pack twice over. Guesses made at trace layer
 l are for trace layer l+1; at the wrap (pack layer i with i mod L = L-1, whose next layer takes
@@ -27,6 +31,8 @@ per row. Installed or not, the engine's only cost is one attribute test per MoE 
 from __future__ import annotations
 
 import numpy as np
+
+from .moe import LOOKAHEAD_TOP
 
 
 class RoutingOverride:
@@ -49,17 +55,27 @@ class RoutingOverride:
         c = model.config
         return cls(model.routing_capture.moe_layers, c.num_experts, c.num_experts_per_tok, trace_layers)
 
-    def install(self, model) -> None:
-        """Every MoE block of ``model`` routes through this override from its next step on."""
+    def install(self, model, lookahead_top: int | None = None) -> None:
+        """Every MoE block of ``model`` routes through this override from its next step on;
+        with ``lookahead_top``, its lookahead reads that many guesses ahead a step instead of
+        the engine's LOOKAHEAD_TOP (an oracle replay: the top-k)."""
         for layer in model.layers:
             if layer.moe is not None:
                 layer.moe.override = self
+                layer.moe.lookahead_top = LOOKAHEAD_TOP if lookahead_top is None else lookahead_top
 
     @staticmethod
     def uninstall(model) -> None:
         for layer in model.layers:
             if layer.moe is not None:
                 layer.moe.override = None
+                layer.moe.lookahead_top = LOOKAHEAD_TOP
+
+    @staticmethod
+    def oracle_guesses(experts: np.ndarray) -> np.ndarray:
+        """(L - 1, T, A) guesses of trace layer l+1 made at l that are its true experts
+        ``experts`` (L, T, A): what a perfect next-layer predictor would guess."""
+        return np.asarray(experts)[1:]
 
     def trace_layer_of(self, layer: int) -> int:
         """The trace layer the pack's MoE layer ``layer`` replays."""

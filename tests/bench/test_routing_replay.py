@@ -86,23 +86,23 @@ def test_run_decodes_with_the_traces_experts_and_prefetches_its_guesses(demo_pac
 
     trace = _write_trace(tmp_path / "local.jsonl", _local_steps(guesses_right=True), guesses="router-on-moe-input")
     pack = Pack.open(demo_pack)
-    replay = bench._routing_trace(trace, pack, [True])
+    replay = bench._routing_trace(trace, pack, ["on"])
     assert replay.experts.shape == (5, 2, 4) and replay.guesses.shape == (5, 1, 4) and replay.layers == 2
     expert_bytes = sum(r.length for r in pack.manifest.expert_records)
     # Half the 64 records fit: random routing would miss often, the trace's 16 experts never once warm.
-    off = bench.decode_run(demo_pack, expert_bytes // 2, "lru", False, tokens=6, warmup=3, queue_depth=4,
+    off = bench.decode_run(demo_pack, expert_bytes // 2, "lru", "off", tokens=6, warmup=3, queue_depth=4,
                            hugepages="off", replay=replay)
     assert off["hit_rate"] == 1.0 and off["records_read_per_token"] == 0.0
     assert off["prediction_precision"] is None  # prefetch off: nothing guessed
     # A cache too small for the trace's experts (4 layers x 4): reads, and the lookahead guesses
     # (pack layers 0 and 2, trace layer 0, guess layers 1 and 3) are always right.
-    on = bench.decode_run(demo_pack, expert_bytes // 8, "lru", True, tokens=6, warmup=3, queue_depth=4,
+    on = bench.decode_run(demo_pack, expert_bytes // 8, "lru", "on", tokens=6, warmup=3, queue_depth=4,
                           hugepages="off", replay=replay)
     assert on["records_read_per_token"] > 0
     assert on["prediction_precision"] == 1.0 and on["prediction_recall"] == 1.0
     trace = _write_trace(tmp_path / "wrong.jsonl", _local_steps(guesses_right=False), guesses="router-on-moe-input")
-    miss = bench.decode_run(demo_pack, expert_bytes // 8, "lru", True, tokens=6, warmup=3, queue_depth=4,
-                            hugepages="off", replay=bench._routing_trace(trace, pack, [True]))
+    miss = bench.decode_run(demo_pack, expert_bytes // 8, "lru", "on", tokens=6, warmup=3, queue_depth=4,
+                            hugepages="off", replay=bench._routing_trace(trace, pack, ["on"]))
     assert miss["prediction_precision"] == 0.0 and miss["prefetch_issued"] > 0
 
 
@@ -132,7 +132,70 @@ def test_traces_that_do_not_fit_the_pack_are_refused(demo_pack, tmp_path):
     no_guesses = _write_trace(tmp_path / "d.jsonl", good)  # the header announces none
     assert traces.read_decode_steps(no_guesses, 16, 4).guesses is None
     with pytest.raises(SystemExit, match="--guesses"):  # prefetch on needs recorded guesses
-        bench._routing_trace(no_guesses, Pack.open(demo_pack), [False, True])
+        bench._routing_trace(no_guesses, Pack.open(demo_pack), ["off", "on"])
+    assert bench._routing_trace(no_guesses, Pack.open(demo_pack), ["off", "oracle"]).guesses is None  # needs none
     (tmp_path / "e.jsonl").write_text("not json\n")
     with pytest.raises(SystemExit, match="not a bench/routing_traces.py trace"):
         traces.read_decode_steps(tmp_path / "e.jsonl", 16, 4)
+
+
+def test_oracle_prefetch_reads_the_next_layers_true_experts(demo_pack, tmp_path):
+    """prefetch "oracle" hands the lookahead the next layer's true experts, whatever the trace
+    guessed (here: always wrong, then nothing at all), and reads all top-k of them ahead."""
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(demo_pack)
+    expert_bytes = sum(r.length for r in pack.manifest.expert_records)
+    for steps, guesses in ((_local_steps(guesses_right=False), "router-on-moe-input"), (_local_steps(True), None)):
+        trace = _write_trace(tmp_path / "t.jsonl", [{k: v for k, v in step.items() if guesses or k != "guesses"}
+                                                    for step in steps], guesses=guesses)
+        replay = bench._routing_trace(trace, pack, ["oracle"])
+        oracle = bench.decode_run(demo_pack, expert_bytes // 8, "lru", "oracle", tokens=6, warmup=3, queue_depth=4,
+                                  hugepages="off", replay=replay)
+        assert oracle["prediction_precision"] == 1.0 and oracle["prediction_recall"] == 1.0
+        assert oracle["prefetch_issued"] > 0
+    with pytest.raises(ValueError, match="trace"):  # without a trace there is no next layer to know
+        bench.DecodeRun(demo_pack, expert_bytes // 8, "lru", "oracle", 4, 8, hugepages="off")
+    with pytest.raises(ValueError, match="prefetch must be"):
+        bench.DecodeRun(demo_pack, expert_bytes // 8, "lru", "yes", 4, 8, hugepages="off")
+
+
+def test_alternating_runs_decode_the_same_tokens_as_runs_alone(demo_pack, tmp_path):
+    """Side by side, each configuration keeps its own cache and trace position: on demand it
+    reads exactly what it reads alone, and no prefetch is left in flight after a turn."""
+    from colibrid.pack.reader import Pack
+
+    pack = Pack.open(demo_pack)
+    expert_bytes = sum(r.length for r in pack.manifest.expert_records)
+    trace = _write_trace(tmp_path / "local.jsonl", _local_steps(guesses_right=True), guesses="router-on-moe-input")
+    replay = bench._routing_trace(trace, pack, ["off", "on"])
+    alone = bench.decode_run(demo_pack, expert_bytes // 8, "lru", "off", tokens=7, warmup=3, queue_depth=4,
+                             hugepages="off", replay=replay)
+    runs = [bench.DecodeRun(demo_pack, expert_bytes // 8, "lru", mode, 4, 10, hugepages="off", replay=replay)
+            for mode in ("off", "on", "oracle")]
+    turns = []
+    for run in runs:
+        real_advance = run.advance
+        run.advance = lambda n, run=run, real=real_advance: (turns.append((run.prefetch, n)), real(n))[1]
+    try:
+        rows = bench.alternate_runs(runs, tokens=7, warmup=3, turn=2)
+        for run in runs:
+            total = run.source.stats()["total"]
+            assert total["loads"] + total["load_failures"] == total["misses"] + total["prefetch_issued"]
+    finally:
+        for run in runs:
+            run.close()
+    assert [row["prefetch"] for row in rows] == ["off", "on", "oracle"]
+    assert all(row["tokens"] == 7 for row in rows)
+    assert sorted(n for mode, n in turns if mode == "on") == [1, 2, 2, 2]  # turns of 2, the last what is left
+    assert len({tuple(mode for mode, _ in turns[i:i + 3]) for i in range(0, 12, 3)}) > 1  # the order changes
+    assert rows[0]["records_read_per_token"] == alone["records_read_per_token"] > 0
+    assert rows[0]["hit_rate"] == alone["hit_rate"]
+    assert rows[2]["prediction_precision"] == 1.0
+
+
+def test_run_refuses_an_oracle_without_a_trace_and_unknown_modes(demo_pack):
+    with pytest.raises(SystemExit, match="--routing-trace"):
+        bench.main(["run", str(demo_pack), "--prefetch", "off,oracle"])
+    with pytest.raises(SystemExit, match="--prefetch takes"):
+        bench.main(["run", str(demo_pack), "--prefetch", "sometimes"])

@@ -205,17 +205,29 @@ def measure_disk(pack_path: Path, queue_depth: int = 16, seconds: float = 4.0, s
 # --------------------------------------------------------------------------------------------
 
 
-PREFETCH_MODES = ("off", "on", "oracle")
+PREFETCH_MODES = ("off", "on", "on:N", "oracle")
+
+
+def prefetch_mode(text: str) -> tuple[str, int | None]:
+    """("off" | "on" | "oracle", guesses read ahead a step or None for the engine's
+    LOOKAHEAD_TOP) from "off", "on", "on:N" or "oracle"."""
+    kind, _, top = text.partition(":")
+    if kind in ("off", "oracle") and not top:
+        return kind, None
+    if kind == "on" and (not top or (top.isdigit() and int(top) >= 1)):
+        return kind, int(top) if top else None
+    raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)} (N >= 1), got {text!r}")
 
 
 class DecodeRun:
     """One configuration's decode (cache size, policy, prefetch mode), stepped a few tokens at
     a time, so that several can take turns in one process (run --alternate).
 
-    ``prefetch``: "off", "on" (the engine's lookahead), or "oracle" (replaying a trace only:
-    the lookahead's guesses are the next layer's true experts, all top-k read ahead, so its
-    gain over "off" bounds what any next-layer predictor can gain). ``replay``: a
-    routing_traces.DecodeSteps whose routing (and guesses) every token replays."""
+    ``prefetch``: "off"; "on", the engine's lookahead ("on:N": reading N guesses ahead a step
+    instead of LOOKAHEAD_TOP); or "oracle" (replaying a trace only: the lookahead's guesses are
+    the next layer's true experts, all top-k read ahead, so its gain over "off" bounds what
+    any next-layer predictor can gain). ``replay``: a routing_traces.DecodeSteps whose routing
+    (and guesses) every token replays."""
 
     def __init__(self, pack_path: Path, cache_bytes: int, policy: str, prefetch: str, queue_depth: int,
                  max_tokens: int, seed: int = 0, feed: str = "random", hugepages: str = "auto", replay=None) -> None:
@@ -224,14 +236,13 @@ class DecodeRun:
         from colibrid.engine.routing_override import RoutingOverride
         from colibrid.pack.reader import Pack
 
-        if prefetch not in PREFETCH_MODES:
-            raise ValueError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {prefetch!r}")
-        if prefetch == "oracle" and replay is None:
+        kind, lookahead_top = prefetch_mode(prefetch)
+        if kind == "oracle" and replay is None:
             raise ValueError("prefetch oracle needs a replayed routing trace: its guesses are the trace's next layer")
-        self.prefetch, self.policy, self.feed, self.replay = prefetch, policy, feed, replay
+        self.prefetch, self.oracle, self.policy, self.feed, self.replay = prefetch, kind == "oracle", policy, feed, replay
         self.pack = Pack.open(pack_path)
         self.source = CachedExpertSource(self.pack, cache_bytes, policy=policy, io_queue_depth=queue_depth,
-                                         hugepages=hugepages, lock_memory="try", prefetch=prefetch != "off")
+                                         hugepages=hugepages, lock_memory="try", prefetch=kind != "off")
         try:
             # With prefetch on, each MoE layer predicts the next one's experts (replaying: the trace's guesses,
             # when the recording predictor would have made them)
@@ -240,8 +251,12 @@ class DecodeRun:
             self.override = None
             if replay is not None:
                 self.override = RoutingOverride.for_model(self.engine.model, trace_layers=replay.layers)
-                top_k = self.pack.manifest.model.num_experts_per_tok
-                self.override.install(self.engine.model, lookahead_top=top_k if prefetch == "oracle" else None)
+                self.override.install(self.engine.model)
+            if kind == "oracle":
+                lookahead_top = self.pack.manifest.model.num_experts_per_tok
+            for layer in self.engine.model.layers:
+                if layer.moe is not None and lookahead_top is not None:
+                    layer.moe.lookahead_top = lookahead_top
             self.session = self.engine.new_session(max_context=max_tokens + 16)
         except BaseException:
             self.source.close()
@@ -258,7 +273,7 @@ class DecodeRun:
             replay = self.replay
             i = self.steps_run % replay.experts.shape[0]
             experts = replay.experts[i]
-            if self.prefetch == "oracle":
+            if self.oracle:
                 guesses = self.override.oracle_guesses(experts)
             else:
                 guesses = None if replay.guesses is None else replay.guesses[i]
@@ -362,7 +377,8 @@ def _routing_trace(path: Path, pack, prefetches: list[str]):
 
     config = pack.manifest.model
     replay = read_decode_steps(path, config.num_experts, config.num_experts_per_tok)
-    if "on" in prefetches and replay.guesses is None:
+    kinds = {prefetch_mode(p)[0] for p in prefetches}
+    if "on" in kinds and replay.guesses is None:
         raise SystemExit(f"{path} records no lookahead guesses, and the random router's would say nothing about the "
                          f"replayed routing: record one with bench/routing_traces.py --guesses router-on-residual "
                          f"(or router-on-moe-input), or run with --prefetch off (or oracle)")
@@ -370,11 +386,11 @@ def _routing_trace(path: Path, pack, prefetches: list[str]):
     print(f"routing from {path}: {replay.experts.shape[0]} decode steps of {replay.layers} MoE layers, cycled; "
           f"the pack's MoE layer i replays trace layer i mod {replay.layers} ({moe_layers} pack MoE layers); "
           f"mixing weights: the router's own by rank", flush=True)
-    if replay.guesses is not None and "on" in prefetches:
-        print(f"lookahead guesses from the trace: {replay.predictor}, the first {LOOKAHEAD_TOP} of "
+    if replay.guesses is not None and "on" in kinds:
+        print(f"lookahead guesses from the trace: {replay.predictor}, the first {LOOKAHEAD_TOP} (on:N: N) of "
               f"{replay.guesses.shape[2]} recorded per row; none at the trace's wrap (trace layer {replay.layers - 1} "
               f"-> 0)", flush=True)
-    if "oracle" in prefetches:
+    if "oracle" in kinds:
         print(f"prefetch oracle: the lookahead reads ahead the next layer's true experts, all "
               f"{config.num_experts_per_tok}, at the point the engine's own guesses are read; none at the wrap",
               flush=True)
@@ -413,9 +429,11 @@ def cmd_run(args) -> int:
     expert_bytes = sum(r.length for r in pack.manifest.expert_records)
     print(f"pack {args.pack}: experts {format_bytes(expert_bytes)}, dense {format_bytes(pack.manifest.dense_size)}")
     prefetches = args.prefetch.split(",")
-    if not set(prefetches) <= set(PREFETCH_MODES):
-        raise SystemExit(f"--prefetch takes {', '.join(PREFETCH_MODES)} (comma-separated), got {args.prefetch!r}")
-    if "oracle" in prefetches and not args.routing_trace:
+    try:
+        kinds = {prefetch_mode(p)[0] for p in prefetches}
+    except ValueError:
+        raise SystemExit(f"--prefetch takes {', '.join(PREFETCH_MODES)} (comma-separated), got {args.prefetch!r}") from None
+    if "oracle" in kinds and not args.routing_trace:
         raise SystemExit("--prefetch oracle needs --routing-trace: its guesses are the trace's next layer")
     replay = _routing_trace(args.routing_trace, pack, prefetches) if args.routing_trace else None  # refused before measuring
     disk = measure_disk(args.pack, queue_depth=args.queue_depth)
@@ -706,8 +724,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("pack", type=Path)
     r.add_argument("--fractions", default="0.25,0.5,1.0", help="cache sizes as fractions of the expert bytes")
     r.add_argument("--policies", default="lru,lfru")
-    r.add_argument("--prefetch", default="on", help="off, on (the engine's lookahead) or oracle (with --routing-trace: "
-                   "the next layer's true experts read ahead, the bound of any next-layer predictor); comma-separated")
+    r.add_argument("--prefetch", default="on", help="off, on (the engine's lookahead; on:N reads N guesses ahead a step) "
+                   "or oracle (with --routing-trace: the next layer's true experts read ahead, the bound of any "
+                   "next-layer predictor); comma-separated")
     r.add_argument("--alternate", type=int, default=0, metavar="TOKENS",
                    help="run the prefetch modes side by side, each with its own cache, in turns of TOKENS tokens "
                         "(the machine's drift then falls on all alike); ratios against the first mode")

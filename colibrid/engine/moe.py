@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,11 +19,9 @@ from colibrid import native
 from colibrid.engine.experts import ExpertChecksumError, ExpertDamagedError, ExpertSource
 from colibrid.engine.layers import linear, rms_norm, silu, swiglu_mlp
 from colibrid.engine.routing_capture import RoutingCapture
+from colibrid.engine.routing_override import RoutingOverride
 from colibrid.models.config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
-
-if TYPE_CHECKING:  # the override imports this module's LOOKAHEAD_TOP
-    from colibrid.engine.routing_override import RoutingOverride
 
 
 @dataclass(frozen=True)
@@ -195,7 +192,7 @@ class MoeBlock:
         self.router = Router(config, weights)
         self.next_block: "MoeBlock | None" = None  # the next MoE layer, for lookahead prefetch (Model sets it)
         self.lookahead_predictor = LOOKAHEAD_PREDICTORS[0]  # what the lookahead guesses from (Model sets it)
-        self.lookahead_top = LOOKAHEAD_TOP  # guesses read ahead a step (a bench's oracle replay reads all top-k)
+        self.lookahead_top = LOOKAHEAD_TOP  # guesses read ahead a step (benches try others)
         # The next MoE layer's router input for a residual row its attention added nothing to (Model sets it)
         self.next_router_input: Callable[[np.ndarray], np.ndarray] | None = None
         self.stats: RoutingStats | None = None  # the model's, where it keeps them (Model sets it)

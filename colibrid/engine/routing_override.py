@@ -16,8 +16,9 @@ What it replaces, per MoE layer step:
   replayed choices.
 
 An oracle replay (``oracle_guesses``) hands the lookahead the next layer's true experts as its
-guesses, all top-k of them read ahead: a predictor that is never wrong and misses nothing, so
-what it gains over reading on demand bounds what any next-layer predictor can gain.
+guesses (the bench then has the lookahead read all top-k of them ahead): a predictor that is
+never wrong and misses nothing, so what it gains over reading on demand bounds what any
+next-layer predictor can gain.
 
 Layer mapping: the pack's i-th MoE layer takes the trace's layer i mod L (L the trace's MoE
 layers), so an 8-layer trace drives a 16-layer pack twice over. Guesses made at trace layer
@@ -31,8 +32,6 @@ per row. Installed or not, the engine's only cost is one attribute test per MoE 
 from __future__ import annotations
 
 import numpy as np
-
-from .moe import LOOKAHEAD_TOP
 
 
 class RoutingOverride:
@@ -55,21 +54,17 @@ class RoutingOverride:
         c = model.config
         return cls(model.routing_capture.moe_layers, c.num_experts, c.num_experts_per_tok, trace_layers)
 
-    def install(self, model, lookahead_top: int | None = None) -> None:
-        """Every MoE block of ``model`` routes through this override from its next step on;
-        with ``lookahead_top``, its lookahead reads that many guesses ahead a step instead of
-        the engine's LOOKAHEAD_TOP (an oracle replay: the top-k)."""
+    def install(self, model) -> None:
+        """Every MoE block of ``model`` routes through this override from its next step on."""
         for layer in model.layers:
             if layer.moe is not None:
                 layer.moe.override = self
-                layer.moe.lookahead_top = LOOKAHEAD_TOP if lookahead_top is None else lookahead_top
 
     @staticmethod
     def uninstall(model) -> None:
         for layer in model.layers:
             if layer.moe is not None:
                 layer.moe.override = None
-                layer.moe.lookahead_top = LOOKAHEAD_TOP
 
     @staticmethod
     def oracle_guesses(experts: np.ndarray) -> np.ndarray:

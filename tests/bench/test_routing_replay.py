@@ -194,6 +194,27 @@ def test_alternating_runs_decode_the_same_tokens_as_runs_alone(demo_pack, tmp_pa
     assert rows[2]["prediction_precision"] == 1.0
 
 
+def test_prefetch_modes_parse_and_on_n_reads_n_guesses_ahead(demo_pack, tmp_path):
+    from colibrid.engine.moe import LOOKAHEAD_TOP
+    from colibrid.pack.reader import Pack
+
+    assert bench.prefetch_mode("off") == ("off", None) and bench.prefetch_mode("oracle") == ("oracle", None)
+    assert bench.prefetch_mode("on") == ("on", None) and bench.prefetch_mode("on:6") == ("on", 6)
+    for bad in ("on:0", "on:x", "oracle:2", "off:1", "maybe"):
+        with pytest.raises(ValueError, match="prefetch must be"):
+            bench.prefetch_mode(bad)
+    pack = Pack.open(demo_pack)
+    expert_bytes = sum(r.length for r in pack.manifest.expert_records)
+    trace = _write_trace(tmp_path / "local.jsonl", _local_steps(guesses_right=True), guesses="router-on-moe-input")
+    replay = bench._routing_trace(trace, pack, ["on:2"])
+    for mode, top in (("on", LOOKAHEAD_TOP), ("on:2", 2), ("oracle", 4)):  # the demo pack routes top-4
+        run = bench.DecodeRun(demo_pack, expert_bytes // 8, "lru", mode, 4, 8, hugepages="off", replay=replay)
+        try:
+            assert {layer.moe.lookahead_top for layer in run.engine.model.layers if layer.moe} == {top}
+        finally:
+            run.close()
+
+
 def test_run_refuses_an_oracle_without_a_trace_and_unknown_modes(demo_pack):
     with pytest.raises(SystemExit, match="--routing-trace"):
         bench.main(["run", str(demo_pack), "--prefetch", "off,oracle"])

@@ -25,14 +25,20 @@ guesses the trace recorded (routing_traces.py --guesses), at the point the recor
 predictor would (router-on-moe-input: once the layer's reads are done; router-on-residual:
 once its experts have run), the first LOOKAHEAD_TOP of them as always; at the trace's wrap
 (its last layer to its first) there are none and nothing is prefetched. A trace without
-guesses replays with prefetch off only. Reported per cache fraction x policy x prefetch:
+guesses replays with prefetch off (or oracle) only. `--prefetch oracle` hands the lookahead
+the next layer's true experts instead, all top-k read ahead: the gain no next-layer predictor
+can beat; `on:N` reads N guesses ahead a step. Reported per cache fraction x policy x prefetch:
 tok/s, hit rate, expert records read per token, and the disk's busy share (the loader's
-time with a read in flight over the run's time).
+time with a read in flight over the run's time). `--alternate N` runs the prefetch modes side
+by side, each with its own cache, in turns of N tokens, so that this machine's drift falls on
+all of them alike; ratios are then printed against the first mode.
 
     python bench/routing_traces.py /tmp/stdlib64-guesses.jsonl --model models/colibri-olmoe64-stdlib \
         --guesses router-on-residual
     python bench/bench_aepc.py run /var/tmp/olmoe-q8.pack --routing-trace /tmp/stdlib64-guesses.jsonl \
         --fractions 0.25,0.5 --policies lfu-decay --prefetch off,on --tokens 64 --warmup 16
+    python bench/bench_aepc.py run /var/tmp/olmoe-q8.pack --routing-trace /tmp/stdlib64-guesses.jsonl \
+        --fractions 0.25 --policies next-use --prefetch off,on,oracle --tokens 192 --warmup 32 --alternate 8
 
 `policies` compares the cache policies on real routing: the trained default model
 (models/colibri-olmoe-stdlib) decodes its held-out validation text token by token, and the

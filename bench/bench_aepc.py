@@ -810,12 +810,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "versus":
         return cmd_versus(args)
+    if args.cgroup_limit and args.alternate:
+        raise SystemExit("--alternate keeps a cache for every prefetch mode at once, which the memory limit is not "
+                         "sized for: under --cgroup-limit the modes run one after another")
     if args.cgroup_limit:
         inner = [sys.executable, str(Path(__file__).resolve()), "run", str(args.pack), "--fractions", args.fractions,
                  *(["--cache-bytes", str(args.cache_bytes)] if args.cache_bytes else []),
                  "--policies", args.policies, "--prefetch", args.prefetch, "--tokens", str(args.tokens),
                  "--warmup", str(args.warmup), "--queue-depth", str(args.queue_depth), "--feed", args.feed,
-                 "--alternate", str(args.alternate),
                  "--hugepages", "off"]  # hugetlb pages are not charged to a v1 memory cgroup
         if args.routing_trace:
             inner += ["--routing-trace", str(args.routing_trace)]

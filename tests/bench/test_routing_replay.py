@@ -220,3 +220,5 @@ def test_run_refuses_an_oracle_without_a_trace_and_unknown_modes(demo_pack):
         bench.main(["run", str(demo_pack), "--prefetch", "off,oracle"])
     with pytest.raises(SystemExit, match="--prefetch takes"):
         bench.main(["run", str(demo_pack), "--prefetch", "sometimes"])
+    with pytest.raises(SystemExit, match="one after another"):  # a cache per mode would not fit the limit
+        bench.main(["run", str(demo_pack), "--prefetch", "off,on", "--alternate", "8", "--cgroup-limit", "1G"])

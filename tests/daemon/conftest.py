@@ -19,8 +19,9 @@ class DaemonProcess:
         """``preexec_fn`` runs in the child before colibrid does (e.g. to enter a cgroup)."""
         self.socket_path = socket_path
         # The hugepages a test daemon raises are written down next to its socket, not in the machine's record.
+        self.hugepage_record = socket_path.parent / "hugepages.json"
         self.argv = [sys.executable, "-m", "colibrid", "--model", str(pack), "--socket", str(socket_path),
-                     "--hugepage-record", str(socket_path.parent / "hugepages.json"), *flags]
+                     "--hugepage-record", str(self.hugepage_record), *flags]
         # No config file from the machine: the defaults and the flags only.
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,

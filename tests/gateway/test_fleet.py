@@ -69,10 +69,14 @@ class Pair:
         self.daemon.proc.kill()
 
     def stop(self) -> None:
-        for process in (self.gateway.proc, self.daemon.proc):
-            if process.poll() is None:
-                process.kill()
-            process.communicate()
+        from colibrid.memory import HugepageRecord, return_orphaned_hugepages
+
+        if self.gateway.proc.poll() is None:
+            self.gateway.proc.kill()
+        self.gateway.proc.communicate()
+        self.daemon.terminate()  # a running daemon gives back the hugepages it raised
+        # One killed mid-run could not: its next start would return them from its record, so do that here
+        return_orphaned_hugepages(HugepageRecord(self.daemon.hugepage_record))
 
 
 @pytest.fixture

@@ -180,11 +180,12 @@ def build_shaped_pack(out: Path, num_layers: int, num_experts: int, top_k: int, 
 
 def measure_disk(pack_path: Path, queue_depth: int = 16, seconds: float = 4.0, seed: int = 1) -> dict:
     """O_DIRECT read bandwidth of random whole expert records at ``queue_depth``."""
+    from colibrid.engine.expert_cache import expert_slot_bytes
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(pack_path)
     records = pack.manifest.expert_records
-    slot = -(-max(r.length for r in records) // 4096) * 4096
+    slot = expert_slot_bytes(pack.manifest)
     slab = native.Slab(slot, queue_depth * 2, hugetlb=native.AepcMode.OFF, lock=native.AepcMode.OFF)
     loader = native.Loader(pack.experts_path, queue_depth=queue_depth, max_queue_depth=max(32, queue_depth))
     rng = np.random.default_rng(seed)

@@ -428,6 +428,7 @@ class StepBytes:
 
     @classmethod
     def of(cls, pack_path: Path) -> "StepBytes":
+        from colibrid.engine.expert_cache import expert_slot_bytes
         from colibrid.pack.reader import Pack
 
         pack = Pack.open(pack_path)
@@ -525,17 +526,13 @@ def kv_cache_bytes(pack: Path, sequences: int, tokens: int, kv_type: str = "f32"
     return sequences * c.num_layers * tokens * 2 * c.num_kv_heads * c.head_dim * element
 
 
-def expert_slot_bytes(manifest) -> int:
-    """An expert cache slot: the pack's largest record, in whole 4 KiB pages."""
-    return -(-max(r.length for r in manifest.expert_records) // 4096) * 4096
-
-
 def colibri_cache_bytes(pack: Path, memory: Memory, sequences: int, tokens: int, kv_type: str = "f32") -> int | str:
     """The expert cache for a run of ``sequences`` sequences of ``tokens`` tokens: every expert
     (and a slot to spare) when fully cached; under a limit, what it leaves after the dense
     weights, the process allowance and the sequences' KV caches, as the daemon's memory budget
     counts them. A string says why the limit leaves too little: less than one layer's experts,
     which one prompt (or one batch step) may need at once."""
+    from colibrid.engine.expert_cache import expert_slot_bytes
     from colibrid.memory import format_bytes
     from colibrid.pack.reader import Pack
 

@@ -469,11 +469,10 @@ def run_policy(trace: Trace, spec: str, slots: int, per_token: bool = False, sec
 def native_replay(pack_path: Path, steps: list[LayerStep], slots: int, policy: str) -> dict:
     """The real cache's counters on the same layer steps (each one acquire: none exceeds the slots)."""
     from bench_aepc import replay_trace
+    from colibrid.engine.expert_cache import expert_slot_bytes
     from colibrid.pack.reader import Pack
 
-    records = Pack.open(pack_path).manifest.expert_records
-    slot_bytes = max(r.length for r in records)
-    slot_bytes = -(-slot_bytes // 4096) * 4096  # the cache's slots are whole 4 KiB pages
+    slot_bytes = expert_slot_bytes(Pack.open(pack_path).manifest)
     return replay_trace(pack_path, [[(layer, list(experts))] for layer, experts in steps], slots * slot_bytes, policy)
 
 

@@ -41,6 +41,11 @@ from colibrid.pack.reader import ExpertWeights, Pack
 log = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
+
+
+def expert_slot_bytes(manifest) -> int:
+    """One cache slot: the pack's largest expert record, in whole pages (the reads are O_DIRECT)."""
+    return -(-max(r.length for r in manifest.expert_records) // PAGE_BYTES) * PAGE_BYTES
 POLICIES = {"lru": native.CachePolicy.LRU, "lfru": native.CachePolicy.LFRU, "lfu-decay": native.CachePolicy.DECAYED_LFU,
             "next-use": native.CachePolicy.NEXT_USE}
 # lfu-decay's half-life, in decode tokens: the best of a sweep on both trained models' routing
@@ -186,8 +191,7 @@ class CachedExpertSource(ExpertSource):
         records = manifest.expert_records
         if not records:
             raise ExpertCacheError(f"pack {pack.path} has no routed experts: nothing to cache")
-        record_bytes = max(r.length for r in records)
-        self.slot_bytes = -(-record_bytes // PAGE_BYTES) * PAGE_BYTES
+        self.slot_bytes = expert_slot_bytes(manifest)
         self.budget = budget if budget is not None else measure_budget()
         self.cache_size_setting = cache_bytes
         self.cache_bytes_requested = parse_size(cache_bytes, "cache_size", self.budget.available_bytes)

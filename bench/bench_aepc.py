@@ -261,9 +261,10 @@ class DecodeRun:
                 self.override.install(self.engine.model)
             if kind == "oracle":
                 lookahead_top = self.pack.manifest.model.num_experts_per_tok
-            for layer in self.engine.model.layers:
-                if layer.moe is not None and lookahead_top is not None:
-                    layer.moe.lookahead_top = lookahead_top
+            if lookahead_top is not None:
+                for layer in self.engine.model.layers:
+                    if layer.moe is not None:
+                        layer.moe.lookahead_top = lookahead_top
             self.session = self.engine.new_session(max_context=max_tokens + 16)
         except BaseException:
             self.source.close()

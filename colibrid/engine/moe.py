@@ -154,9 +154,9 @@ LOOKAHEAD_TOP = 4
 
 
 def lookahead_picks(best: np.ndarray, top: int = LOOKAHEAD_TOP) -> list[int]:
-    """The ``top`` experts a step reads ahead, from each row's best guesses ``best`` (T, n),
-    best first: one row's own, in its order; for several rows, those the most rows guess
-    (ties: the better rank in some row, then the lower id).
+    """The ``top`` experts a step reads ahead, from each row's guesses ``best`` (T, n) best first,
+    of which only each row's first ``top`` count: one row's own, in its order; for several rows,
+    those the most rows guess (ties: the better rank in some row, then the lower id).
 
     A step reads as many guesses ahead as one token does, however many rows it has. Under a
     memory limit a batch's own misses keep the disk busy, so a guess read early saves no disk
@@ -165,6 +165,7 @@ def lookahead_picks(best: np.ndarray, top: int = LOOKAHEAD_TOP) -> list[int]:
     2.25-2.61 against 2.57-3.06 tok/s (docs/performance.md, "Asks that arrive together, a
     batch's lookahead, and the limit's KV budget"). The experts most rows name are the ones
     the step is surest to need."""
+    best = best[:, :top]
     if best.shape[0] == 1:
         return best[0].tolist()
     ids, where, votes = np.unique(best, return_inverse=True, return_counts=True)
@@ -292,7 +293,7 @@ class MoeBlock:
         return self.next_block.router(router_input()).experts
 
     def _prefetch_guesses(self, guessed: np.ndarray, wave_size: int) -> None:
-        predicted = lookahead_picks(guessed[:, :self.lookahead_top], self.lookahead_top)
+        predicted = lookahead_picks(guessed, self.lookahead_top)
         self.experts.prefetch(self.next_block.layer, predicted[: max(1, wave_size // 2)])  # room for its own
 
     def _run_ready_runs(self, x: np.ndarray, routing: Routing, wave: list[int], weights, out: np.ndarray,

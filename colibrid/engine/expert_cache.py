@@ -49,7 +49,7 @@ def expert_slot_bytes(manifest) -> int:
 POLICIES = {"lru": native.CachePolicy.LRU, "lfru": native.CachePolicy.LFRU, "lfu-decay": native.CachePolicy.DECAYED_LFU,
             "next-use": native.CachePolicy.NEXT_USE}
 # lfu-decay's half-life, in decode tokens: the best of a sweep on both trained models' routing
-# traces (docs/performance.md); the cache counts it in requested experts (layers x top-k a token).
+# traces (docs/performance-log.md); the cache counts it in requested experts (layers x top-k a token).
 DECAY_HALF_LIFE_TOKENS = 16
 LOCK_MODES = {"off": native.AepcMode.OFF, "try": native.AepcMode.TRY, "required": native.AepcMode.REQUIRED}
 BACKING_NAMES = {native.SlabBacking.PAGES: "pages", native.SlabBacking.THP: "thp", native.SlabBacking.HUGETLB: "hugetlb"}

@@ -147,7 +147,7 @@ class DamageWatch:
 
 # Lookahead prefetch reads, per step, only the next layer's LOOKAHEAD_TOP likeliest experts.
 # Replaying the 64-expert trained model's routing (top-8) on the OLMoE-shaped bench pack at a
-# 25 % cache (docs/performance.md, "Replaying this routing"): 4 guesses are right 94 % of the
+# 25 % cache (docs/performance-log.md, "Replaying this routing"): 4 guesses are right 94 % of the
 # time, +6 % tok/s over reading on demand; 8 raise the hit rate but are right 78 % of the time
 # and lose 14 %, since a wrong guess costs a whole read and evicts an expert that would have hit.
 LOOKAHEAD_TOP = 4
@@ -162,7 +162,7 @@ def lookahead_picks(best: np.ndarray, top: int = LOOKAHEAD_TOP) -> list[int]:
     memory limit a batch's own misses keep the disk busy, so a guess read early saves no disk
     time and a wrong one costs a whole read. With 8 sequences on random routing, reading ahead
     the union of every row's guesses (~25 experts a layer) read 70.1 GB where these read 58.4,
-    2.25-2.61 against 2.57-3.06 tok/s (docs/performance.md, "Asks that arrive together, a
+    2.25-2.61 against 2.57-3.06 tok/s (docs/performance-log.md, "Asks that arrive together, a
     batch's lookahead, and the limit's KV budget"). The experts most rows name are the ones
     the step is surest to need."""
     best = best[:, :top]
@@ -176,7 +176,7 @@ def lookahead_picks(best: np.ndarray, top: int = LOOKAHEAD_TOP) -> list[int]:
 
 
 # What the lookahead guesses layer l+1's experts from (config lookahead_predictor; measured in
-# docs/performance.md, "Lookahead predictors on real routing"): layer l+1's router on
+# docs/performance-log.md, "Lookahead predictors on real routing"): layer l+1's router on
 # "router-on-moe-input", layer l's MoE input, as soon as layer l's own reads are done; or on
 # "router-on-residual", the residual stream leaving layer l through layer l+1's pre-MoE norm
 # (what layer l+1 would read if its attention added nothing): guesses a little better, but only
@@ -272,7 +272,7 @@ class MoeBlock:
         _run_ready_runs): the disk would otherwise idle through the rest of this layer and the
         next one's attention, and these reads never compete with a read this layer waits for.
         Only LOOKAHEAD_TOP guesses a step (lookahead_picks): a wrong guess costs a whole read of
-        disk time, and the lower-ranked guesses are wrong more often (see docs/performance.md)."""
+        disk time, and the lower-ranked guesses are wrong more often (see docs/performance-log.md)."""
         self._prefetch_guesses(self._guesses(x.shape[0], lambda: x), wave_size)
 
     def lookahead_from_residual(self, residual: np.ndarray) -> None:

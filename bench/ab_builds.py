@@ -96,7 +96,7 @@ def run_decode(args, builds) -> None:
     from bench_kernels import ResidentExpertSource
 
     from colibrid.engine.engine import Engine
-    from colibrid.engine.model import StepInput
+    from colibrid.engine.forward.model import StepInput
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(args.pack)
@@ -186,7 +186,7 @@ def run_products(args, builds) -> None:
 
 
 def run_attention(args, builds) -> None:
-    from colibrid.engine.model import KV_CACHE_DTYPES
+    from colibrid.engine.forward.model import KV_CACHE_DTYPES
     from colibrid.native import TensorType, attention_block, attention_layer, quantize
 
     D, HD = 2048, 128

@@ -76,10 +76,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))  # also when loaded by path (tests/engine/test_expert_cache.py)
+sys.path.insert(0, str(ROOT / "bench"))  # also when loaded by path (tests/engine/experts/test_cache.py)
 
 from colibrid import native  # noqa: E402
-from colibrid.memory import format_bytes, parse_size  # noqa: E402
+from colibrid.sizes import format_bytes  # noqa: E402
+from colibrid.system.memory import parse_size  # noqa: E402
 from memory_cgroup import (  # noqa: E402
     PROCESS_ALLOWANCE_BYTES, drop_from_page_cache, evict_from_page_cache, run_in_memory_cgroup,
 )
@@ -126,7 +127,7 @@ def build_shaped_pack(out: Path, num_layers: int, num_experts: int, top_k: int, 
     head_dim = hidden // heads
     with tempfile.TemporaryDirectory(prefix="aepc-template-") as tmp:
         template = Path(tmp) / "demo.pack"
-        subprocess.run([sys.executable, "-m", "colibrid.demo", str(template), "--force"], check=True,
+        subprocess.run([sys.executable, "-m", "colibrid.tools.demo", str(template), "--force"], check=True,
                        capture_output=True, cwd=ROOT)
         manifest = json.loads((template / "manifest.json").read_text())
         model = dict(manifest["model"])
@@ -180,7 +181,7 @@ def build_shaped_pack(out: Path, num_layers: int, num_experts: int, top_k: int, 
 
 def measure_disk(pack_path: Path, queue_depth: int = 16, seconds: float = 4.0, seed: int = 1) -> dict:
     """O_DIRECT read bandwidth of random whole expert records at ``queue_depth``."""
-    from colibrid.engine.expert_cache import expert_slot_bytes
+    from colibrid.engine.experts.cache import expert_slot_bytes
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(pack_path)
@@ -239,7 +240,7 @@ class DecodeRun:
     def __init__(self, pack_path: Path, cache_bytes: int, policy: str, prefetch: str, queue_depth: int,
                  max_tokens: int, seed: int = 0, feed: str = "random", hugepages: str = "auto", replay=None) -> None:
         from colibrid.engine.engine import Engine
-        from colibrid.engine.expert_cache import CachedExpertSource
+        from colibrid.engine.experts.cache import CachedExpertSource
         from colibrid.engine.routing_override import RoutingOverride
         from colibrid.pack.reader import Pack
 
@@ -380,7 +381,7 @@ def alternate_runs(runs: list[DecodeRun], tokens: int, warmup: int, turn: int, s
 
 def _routing_trace(path: Path, pack, prefetches: list[str]):
     """The trace's decode steps, checked against the pack, with what replaying them means printed."""
-    from colibrid.engine.moe import LOOKAHEAD_TOP
+    from colibrid.engine.forward.moe import LOOKAHEAD_TOP
     from routing_traces import read_decode_steps
 
     config = pack.manifest.model
@@ -499,7 +500,7 @@ def replay_routing(pack_path: Path, ids: list[int], cache_bytes: int, policy: st
     """Decodes ``ids`` one token at a time (teacher-forced, a new sequence every ``document``
     tokens, the cache kept across them) and returns the cache's hit rate and reads."""
     from colibrid.engine.engine import Engine
-    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.engine.experts.cache import CachedExpertSource
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(pack_path)
@@ -520,7 +521,7 @@ def replay_routing(pack_path: Path, ids: list[int], cache_bytes: int, policy: st
 
 
 def cmd_policies(args) -> int:
-    from colibrid.engine.tokenizer import Tokenizer
+    from colibrid.engine.text.tokenizer import Tokenizer
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(args.pack)
@@ -599,7 +600,7 @@ def read_trace(path: Path) -> list[list[tuple[int, list[int]]]]:
 def replay_trace(pack_path: Path, steps: list[list[tuple[int, list[int]]]], cache_bytes: int, policy: str) -> dict:
     """Acquires each step's experts layer by layer (in waves of the cache's pinnable slots, as
     the engine does) and returns the cache's hit rate and reads."""
-    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.engine.experts.cache import CachedExpertSource
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(pack_path)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from colibrid import native  # noqa: E402
-from colibrid.engine.model import KV_CACHE_DTYPES  # noqa: E402
+from colibrid.engine.forward.model import KV_CACHE_DTYPES  # noqa: E402
 from colibrid.native import TensorType  # noqa: E402
 from machine import cpu_model, memory_bandwidth  # noqa: E402
 

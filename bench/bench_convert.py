@@ -4,7 +4,7 @@ disk read and write bandwidth measured in the same run.
 
 Not a test: the first run writes the checkpoints under --work (default
 /tmp/colibri-bench-convert, ~3 GB; delete it afterwards). Every conversion runs in a fresh
-process (`python -m colibrid.convert.cli SRC OUT --quant TYPE --threads N --quiet`), with the
+process (`python -m colibrid.tools.convert.cli SRC OUT --quant TYPE --threads N --quiet`), with the
 checkpoint in the page cache (one warm-up read), so the rate is the converter's, not the
 disk's; the disk's bandwidth is measured separately with O_DIRECT and printed next to it.
 
@@ -156,7 +156,7 @@ def run_convert(repo: Path, checkpoint: Path, out: Path, quant: str, threads: in
     conversion in a fresh process (output deleted afterwards). On a machine shared with other
     work the CPU seconds still say what the conversion costs: parameters per CPU second is the
     per-core rate."""
-    cmd = [sys.executable, "-m", "colibrid.convert.cli", str(checkpoint), str(out), "--quant", quant, "--force", "--quiet"]
+    cmd = [sys.executable, "-m", "colibrid.tools.convert.cli", str(checkpoint), str(out), "--quant", quant, "--force", "--quiet"]
     if threads:
         cmd += ["--threads", str(threads)]
     env = dict(os.environ, PYTHONPATH=str(repo))

@@ -211,7 +211,7 @@ SCENARIOS = {"pipeline": pipeline, "bigid": bigid, "idle": idle, "prompt": promp
 
 def demo_pack(work: Path) -> Path:
     pack = work / "demo.pack"
-    subprocess.run([sys.executable, "-m", "colibrid.demo", str(pack), "--force"], check=True,
+    subprocess.run([sys.executable, "-m", "colibrid.tools.demo", str(pack), "--force"], check=True,
                    stdout=subprocess.DEVNULL)
     return pack
 

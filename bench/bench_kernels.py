@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibrid.engine.experts import PlainExpertSource
+from colibrid.engine.experts.source import PlainExpertSource
 from machine import cpu_model, memory_bandwidth
 from shapes import SHAPES, Shape, Variant, log
 
@@ -160,8 +160,8 @@ def prepare(work: Path, shape: Shape, variants: list[Variant], layers: int, with
             keep_checkpoint: bool) -> dict[str, tuple[Path, Path]]:
     """(pack, GGUF) per variant, made from one random checkpoint (written first when a file is
     missing, deleted afterwards unless keep_checkpoint)."""
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
 
     config = shape.hf_config(layers)
     prefix = file_prefix(shape, layers)

@@ -44,7 +44,6 @@ from bench_serving import (  # noqa: E402
     SHAPE, ColibriDaemon, Sampling, colibri_cache_bytes, colibri_prompts, memory_settings, warm_up,
 )
 from machine import cpu_model  # noqa: E402
-from shapes import log  # noqa: E402
 
 TARGET_RATIO = 0.2  # issue 17: turn 2's time to first token <= 0.2 x turn 1's, 1,000-token history
 HISTORY_SEED, QUESTION_SEED, WARMUP_SEED = 17, 18, 19
@@ -99,8 +98,8 @@ def measure(pack: Path, args, histories: list[str], questions: list[tuple[str, s
 def copy_cost(pack: Path, tokens: int, repeats: int = 5) -> dict:
     """Keeping (compact copy) and restoring (copy into a fresh state) a sequence of ``tokens``
     tokens, on full-attention states of the pack's shape: the median ms of each."""
-    from colibrid.engine.kv_cache import KVCache
-    from colibrid.engine.sequence_state import SequenceState
+    from colibrid.engine.forward.kv_cache import KVCache
+    from colibrid.engine.forward.sequence_state import SequenceState
     from colibrid.pack.reader import Pack
 
     c = Pack.open(pack).manifest.model

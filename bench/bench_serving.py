@@ -102,7 +102,7 @@ def colibri_prompts(pack: Path, count: int, tokens: int, seed: int) -> list[str]
     """``count`` texts of ``tokens`` tokens each, or up to two fewer, for the pack's tokenizer:
     random vocabulary entries (those that decode to whole characters) as text, then cut or
     grown until the text encodes to that many tokens (re-encoding merges some neighbours)."""
-    from colibrid.engine.tokenizer import Tokenizer
+    from colibrid.engine.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(pack)
     rng = np.random.default_rng(seed)
@@ -428,7 +428,7 @@ class StepBytes:
 
     @classmethod
     def of(cls, pack_path: Path) -> "StepBytes":
-        from colibrid.engine.expert_cache import expert_slot_bytes
+        from colibrid.engine.experts.cache import expert_slot_bytes
         from colibrid.pack.reader import Pack
 
         pack = Pack.open(pack_path)
@@ -499,7 +499,7 @@ class Memory:
 
 
 def memory_settings(names: str, pack: Path, limit: str | None, limit_fraction: float) -> list[Memory]:
-    from colibrid.memory import parse_size
+    from colibrid.system.memory import parse_size
 
     out = []
     for name in names.split(","):
@@ -518,7 +518,7 @@ def kv_cache_bytes(pack: Path, sequences: int, tokens: int, kv_type: str = "f32"
     ``tokens`` tokens reserve: each its prompt plus max_tokens, in every layer (full attention,
     as the OLMoE shape has). The daemon is given this as its kv_cache_size, so that every
     client's request joins the batch at once."""
-    from colibrid.engine.model import KV_CACHE_DTYPES
+    from colibrid.engine.forward.model import KV_CACHE_DTYPES
     from colibrid.pack.reader import Pack
 
     c = Pack.open(pack).manifest.model
@@ -532,8 +532,8 @@ def colibri_cache_bytes(pack: Path, memory: Memory, sequences: int, tokens: int,
     weights, the process allowance and the sequences' KV caches, as the daemon's memory budget
     counts them. A string says why the limit leaves too little: less than one layer's experts,
     which one prompt (or one batch step) may need at once."""
-    from colibrid.engine.expert_cache import expert_slot_bytes
-    from colibrid.memory import format_bytes
+    from colibrid.engine.experts.cache import expert_slot_bytes
+    from colibrid.sizes import format_bytes
     from colibrid.pack.reader import Pack
 
     manifest = Pack.open(pack).manifest

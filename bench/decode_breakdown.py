@@ -76,9 +76,9 @@ def main() -> int:
         return time.perf_counter() - t0
 
     def decode_batch() -> float:
-        from colibrid.engine.model import StepInput
+        from colibrid.engine.forward.model import StepInput
         from colibrid.engine.sampling import Sampler
-        from colibrid.sampling_params import SamplingParams
+        from colibrid.wire.sampling_params import SamplingParams
 
         sessions = [engine.new_session(args.context + args.tokens + 8) for _ in range(args.batch)]
         if args.context:

@@ -76,7 +76,7 @@ def run_in_memory_cgroup(limit_bytes: int, argv: list[str], capture: bool = Fals
     """Runs ``argv`` in a new memory cgroup limited to ``limit_bytes``: its exit code, peak
     usage, how often it hit the limit and (with ``capture``) its stdout. The cgroup is removed
     afterwards."""
-    from colibrid.memory import format_bytes
+    from colibrid.sizes import format_bytes
 
     with MemoryCgroup(limit_bytes) as group:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE if capture else None, text=True, preexec_fn=group.join)

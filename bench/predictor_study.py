@@ -237,7 +237,7 @@ class NextLayer:
     router logits, and its pre-MoE input transform."""
 
     def __init__(self, model, layer: int, most_guesses: int) -> None:
-        from colibrid.engine.moe import Router
+        from colibrid.engine.forward.moe import Router
 
         self.layer = model.layers[layer]
         block = self.layer.moe
@@ -260,7 +260,7 @@ class NextLayer:
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         """(N, E) this layer's router logits for rows x (N, D)."""
-        from colibrid.engine.layers import linear
+        from colibrid.engine.forward.ops import linear
 
         out = linear(np.ascontiguousarray(x, dtype=np.float32), self.router_weight).astype(np.float64)
         return out if self.router_bias is None else out + self.router_bias

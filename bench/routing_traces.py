@@ -20,7 +20,7 @@ engine step: {"seq": i, "phase": "prompt" | "decode", "experts": (L, rows, top-k
 best first}. bench/cache_sim.py reads it.
 
 --guesses router-on-moe-input | router-on-residual also records, in every step, what that
-lookahead predictor (colibrid/engine/moe.py) guesses of each next MoE layer: "guesses" holds
+lookahead predictor (colibrid/engine/forward/moe.py) guesses of each next MoE layer: "guesses" holds
 (L - 1, rows, G) nested lists, for each MoE layer l but the last the G (--guesses-per-row,
 default 16) experts layer l+1's router ranks best on layer l's MoE input, or on the residual
 stream leaving layer l through layer l+1's pre-MoE norm; the header's "guesses" names the
@@ -54,7 +54,7 @@ def ensure_pack(model: Path, pack: Path) -> Path:
     newest = max(p.stat().st_mtime for p in model.glob("*.safetensors"))
     if manifest.is_file() and manifest.stat().st_mtime >= newest:
         return pack
-    from colibrid.convert.cli import main as convert
+    from colibrid.tools.convert.cli import main as convert
 
     print(f"converting {model} to {pack}", file=sys.stderr, flush=True)
     pack.parent.mkdir(parents=True, exist_ok=True)
@@ -91,7 +91,7 @@ class NextLayerGuesses:
     hidden states the routing capture kept: what the engine's lookahead would guess."""
 
     def __init__(self, model, predictor: str, per_row: int) -> None:
-        from colibrid.engine.moe import Router
+        from colibrid.engine.forward.moe import Router
 
         moe = [layer for layer in model.layers if layer.moe is not None]
         self.predictor = predictor

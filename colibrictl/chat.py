@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from colibrictl import cli, conversation
+from colibrictl import command, conversation
 from colibrictl.connection import ClientError, Connection, DaemonUnreachable, ProtocolViolation, RequestError
 from colibrictl.conversation import Conversation, ConversationFileError
 
@@ -227,9 +227,9 @@ class Chat:
     def __init__(self, args: argparse.Namespace, interactive: bool):
         self.args = args
         self.interactive = interactive
-        self.json = cli.wants_json(args)
+        self.json = command.wants_json(args)
         self.conversation = Conversation(system=args.system)
-        self.sampling = cli.sampling_fields(args)
+        self.sampling = command.sampling_fields(args)
         self._connection: Connection | None = None
 
     # ---- the connection -----------------------------------------------------------------
@@ -237,7 +237,7 @@ class Chat:
     def connection(self) -> Connection:
         """The open connection, or a new one (after a Ctrl-C or a lost daemon)."""
         if self._connection is None:
-            self._connection = cli.connect(self.args)
+            self._connection = command.connect(self.args)
         return self._connection
 
     def disconnect(self) -> None:
@@ -359,7 +359,7 @@ class Chat:
 
     def _report(self, error: ClientError) -> None:
         if isinstance(error, DaemonUnreachable):
-            cli.report_unreachable(error)
+            command.report_unreachable(error)
         elif isinstance(error, RequestError):
             _error(f"error [{error.code}]: {error.message}")
             if error.code == "frame_too_large":
@@ -385,10 +385,10 @@ class Chat:
                     continue
                 except EOFError:
                     _write("\n")
-                    return cli.EXIT_OK
+                    return command.EXIT_OK
                 try:
                     if not self.handle(line):
-                        return cli.EXIT_OK
+                        return command.EXIT_OK
                 except (ChatLineError, ConversationFileError) as error:
                     _error(str(error))
                 except KeyboardInterrupt:  # between the steps of a turn: start clean
@@ -402,16 +402,16 @@ class Chat:
         self.connection()  # an unreachable daemon is reported before stdin is read
         try:
             for raw_line in iter(sys.stdin.buffer.readline, b""):  # a line as soon as it comes
-                line = cli.drop_final_newline(raw_line.decode("utf-8", errors="replace"))
+                line = command.drop_final_newline(raw_line.decode("utf-8", errors="replace"))
                 try:
                     if not self.handle(line):
                         break
                 except (ChatLineError, ConversationFileError) as error:
                     _error(str(error))
-                    return cli.EXIT_USAGE
+                    return command.EXIT_USAGE
         finally:
             self.disconnect()
-        return cli.EXIT_OK
+        return command.EXIT_OK
 
 
 # --------------------------------------------------------------------------------------------

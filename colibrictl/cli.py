@@ -16,7 +16,25 @@ import sys
 from typing import Any
 
 from colibrictl import __version__, display
+from colibrictl import chat as chat_command
+from colibrictl.command import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PROTOCOL,
+    EXIT_REQUEST_ERROR,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    SOCKET_ENV,
+    add_sampling_options,
+    connect,
+    drop_final_newline,
+    print_error,
+    report_unreachable,
+    sampling_fields,
+    wants_json,
+)
 from colibrictl import verify as verify_command
+from colibrictl.top import add_top_parser
 from colibrictl.connection import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_SOCKET_PATH,
@@ -26,18 +44,6 @@ from colibrictl.connection import (
     ProtocolViolation,
     RequestError,
 )
-
-SOCKET_ENV = "COLIBRI_SOCKET"
-
-# Exit codes (sysexits.h where one fits), documented in EPILOG.
-EXIT_OK = 0
-EXIT_REQUEST_ERROR = 1
-EXIT_USAGE = 2
-EXIT_UNAVAILABLE = 69  # EX_UNAVAILABLE
-EXIT_PROTOCOL = 76  # EX_PROTOCOL
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
-
-START_HINT = "start it with `systemctl start colibrid` or `colibrid --model PACK --socket PATH`"
 
 EPILOG = f"""\
 socket:
@@ -134,25 +140,6 @@ def _add_ask_options(ask: argparse.ArgumentParser) -> None:
                           "each MoE layer chose for the position the token was sampled from")
 
 
-def add_sampling_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """The generation options ask and chat share (sent only when given: sampling_fields);
-    returns their group, for a command's own additions."""
-    sampling = parser.add_argument_group("generation (omitted: the daemon's defaults)")
-    sampling.add_argument("--max-tokens", type=int, metavar="N", help="generate at most N tokens")
-    sampling.add_argument("--temperature", type=float, metavar="T", help="0 picks the likeliest")
-    sampling.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest")
-    sampling.add_argument("--top-p", type=float, metavar="P",
-                          help="sample among the likeliest tokens whose probabilities sum to P")
-    sampling.add_argument("--min-p", type=float, metavar="P",
-                          help="drop tokens less likely than P times the likeliest")
-    sampling.add_argument("--repeat-penalty", type=float, metavar="R",
-                          help="penalise tokens already seen (the protocol's repetition_penalty)")
-    sampling.add_argument("--seed", type=int, metavar="S", help="make sampling reproducible")
-    sampling.add_argument("--stop", action="append", metavar="TEXT",
-                          help="end the answer at this text (repeatable)")
-    return sampling
-
-
 def build_parser() -> argparse.ArgumentParser:
     common = _common_options()
     parser = argparse.ArgumentParser(
@@ -168,9 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
                               epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_ask_options(ask)
     ask.set_defaults(run=run_ask, parser=ask)
-    # chat imports this module for its helpers, so it is imported here, not at the top.
-    from colibrictl import chat as chat_command
-
     chat = commands.add_parser("chat", parents=[common], help="hold a conversation with the model",
                                description="Hold a conversation: interactive on a terminal, "
                                            "one turn per line of stdin otherwise.",
@@ -183,24 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", parents=[common], help="the models the daemon serves")
     models.set_defaults(run=run_models, parser=models)
     verify_command.add_parser(commands, common, run_verify)
-    from colibrictl.top import add_top_parser  # top imports this module's helpers too
-
     add_top_parser(commands, common, argparse.RawDescriptionHelpFormatter)
     return parser
-
-
-def socket_path(args: argparse.Namespace) -> str:
-    """The one place the socket is chosen: --socket, then the environment, then the default."""
-    return getattr(args, "socket", None) or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET_PATH
-
-
-def connect(args: argparse.Namespace) -> Connection:
-    timeout_s = getattr(args, "connect_timeout", DEFAULT_CONNECT_TIMEOUT_S)
-    return Connection.open(socket_path(args), timeout_s=timeout_s if timeout_s > 0 else None)
-
-
-def wants_json(args: argparse.Namespace) -> bool:
-    return bool(getattr(args, "json", False))
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,10 +187,6 @@ def _emit_json(message: Any) -> None:
     _emit(json.dumps(message, ensure_ascii=False, default=str) + "\n")
 
 
-def _error(message: str) -> None:
-    print(f"colibrictl: {message}", file=sys.stderr, flush=True)
-
-
 # --------------------------------------------------------------------------------------------
 # ask
 # --------------------------------------------------------------------------------------------
@@ -237,43 +201,13 @@ def read_prompt(args: argparse.Namespace) -> str:
         args.parser.error("no prompt given and no stdin to read one from")
     else:
         if sys.stdin.isatty():  # otherwise a bare `colibrictl ask` would seem to hang
-            _error("reading the prompt from stdin; end it with Ctrl-D")
+            print_error("reading the prompt from stdin; end it with Ctrl-D")
         prompt = sys.stdin.buffer.read().decode("utf-8", errors="replace")
         if not args.stdin_verbatim:
             prompt = drop_final_newline(prompt)
     if not prompt.strip():
         args.parser.error("the prompt is empty")
     return prompt
-
-
-def drop_final_newline(text: str) -> str:
-    """'class Stack:\n' → 'class Stack:'. echo, a here-string and an editor all end the text
-    with a newline nobody means as part of the prompt, and a raw prompt that ends in one is
-    continued differently. Only one goes: a blank line the writer added on purpose stays."""
-    if text.endswith("\r\n"):
-        return text[:-2]
-    return text[:-1] if text.endswith("\n") else text
-
-
-# argparse destination → protocol field, for the generation options (add_sampling_options),
-# which are sent only when given.
-_SAMPLING_FIELDS = {
-    "max_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "min_p": "min_p",
-    "repeat_penalty": "repetition_penalty",
-    "seed": "seed",
-    "stop": "stop",
-}
-
-
-def sampling_fields(args: argparse.Namespace) -> dict:
-    """The generation fields of an ask; options left out are not sent, so the daemon's
-    defaults (documented in one place, the daemon's config) apply."""
-    return {field: getattr(args, option) for option, field in _SAMPLING_FIELDS.items()
-            if getattr(args, option) is not None}
 
 
 def ask_fields(args: argparse.Namespace, prompt: str) -> dict:
@@ -408,9 +342,9 @@ def run_verify(args: argparse.Namespace) -> int:
             if wants_json(args):
                 _emit_json(event)
             elif args.stop:
-                _error("the running verify is stopping (if one ran)")
+                print_error("the running verify is stopping (if one ran)")
             else:
-                _error("verify started in the background; `colibrictl status` shows its progress")
+                print_error("verify started in the background; `colibrictl status` shows its progress")
             return EXIT_OK
         try:
             return verify_command.follow(connection, request_id, wants_json(args), _emit, _emit_json)
@@ -435,15 +369,6 @@ def _silence_stdout() -> None:
         pass  # stdout is not a file descriptor (an embedding caller's stream); nothing to do
 
 
-def report_unreachable(error: DaemonUnreachable) -> None:
-    _error(str(error))
-    if isinstance(error.__cause__, PermissionError):
-        _error("ask for access to that socket (its group), or use another with --socket")
-    else:
-        _error(f"is colibrid running? {START_HINT}; "
-               f"or point --socket / ${SOCKET_ENV} at a running daemon")
-
-
 def main(argv: list[str] | None = None) -> int:
     if isinstance(sys.stdout, io.TextIOWrapper):
         # Model text is Unicode; a terminal with a narrower encoding gets '?' rather than a crash.
@@ -459,13 +384,13 @@ def main(argv: list[str] | None = None) -> int:
         report_unreachable(error)
         return EXIT_UNAVAILABLE
     except RequestError as error:
-        _error(f"error [{error.code}]: {error.message}")
+        print_error(f"error [{error.code}]: {error.message}")
         return EXIT_REQUEST_ERROR
     except ProtocolViolation as error:
-        _error(f"protocol error: {error} (is that socket really colibrid's?)")
+        print_error(f"protocol error: {error} (is that socket really colibrid's?)")
         return EXIT_PROTOCOL
     except ClientError as error:  # a future subclass: still a clean message, never a traceback
-        _error(str(error))
+        print_error(str(error))
         return EXIT_REQUEST_ERROR
     except BrokenPipeError:
         _silence_stdout()

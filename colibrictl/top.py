@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from colibrictl import display
-from colibrictl.connection import ClientError, Connection, DaemonUnreachable, ProtocolViolation
+from colibrictl.connection import ClientError, Connection, ProtocolViolation
 from colibrictl.router_health import LayerHealth, RoutingWindow
 
 DEFAULT_INTERVAL_S = 1.0
@@ -279,7 +279,7 @@ class Top:
 
 
 def run_top(args: argparse.Namespace) -> int:
-    from colibrictl.cli import EXIT_OK, EXIT_USAGE, connect, wants_json
+    from colibrictl.command import EXIT_OK, EXIT_USAGE, connect, wants_json
 
     if args.interval <= 0 or args.window < 1:
         args.parser.error("--interval must be > 0 and --window >= 1")

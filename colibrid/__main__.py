@@ -2,6 +2,6 @@
 
 import sys
 
-from colibrid.daemon import main
+from colibrid.daemon.lifecycle import main
 
 sys.exit(main())

@@ -25,8 +25,8 @@ class PackFactory:
         return self._checkpoints[spec.name]
 
     def pack(self, spec, quant: str = "f32") -> Path:
-        from colibrid.convert.converter import convert
-        from colibrid.convert.quant_spec import parse_quant
+        from colibrid.tools.convert.converter import convert
+        from colibrid.tools.convert.quant_spec import parse_quant
 
         key = (spec.name, quant)
         if key not in self._packs:
@@ -47,7 +47,7 @@ def demo_pack(tmp_path_factory) -> Path:
     """A random-weight OLMoE pack (numpy only, ~1 s; 4 MoE layers of 16 experts, ~4 ms a
     token): for the daemon and the thermal watch, which need no transformers."""
     out = tmp_path_factory.mktemp("demo-pack") / "demo.pack"
-    subprocess.run([sys.executable, "-m", "colibrid.demo", str(out), "--force"], check=True,
+    subprocess.run([sys.executable, "-m", "colibrid.tools.demo", str(out), "--force"], check=True,
                    capture_output=True, timeout=120)
     return out
 

@@ -6,7 +6,7 @@ the residual stream: each MoE layer's router sees the input token's own (normed)
 With random embeddings and router rows, different tokens choose different experts - a
 healthy router (sample at temperature 1 for varied tokens). The collapsed pack adds one
 large constant channel to every embedding and gives expert 0's router row a large weight on
-it alone, so expert 0's logit dwarfs the others for every token. Numpy only, like colibrid.demo;
+it alone, so expert 0's logit dwarfs the others for every token. Numpy only, like colibrid.tools.demo;
 the checkpoints go through the converter as any checkpoint does.
 """
 
@@ -14,11 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 
-from colibrid.convert.converter import convert
-from colibrid.convert.quant_spec import parse_quant
-from colibrid.demo import random_olmoe_tensors, write_demo_config, write_safetensors, write_tokenizer
+from colibrid.tools.convert.converter import convert
+from colibrid.tools.convert.quant_spec import parse_quant
+from colibrid.tools.demo import random_olmoe_tensors, write_demo_config, write_safetensors, write_tokenizer
 
 CONSTANT_CHANNEL = 0  # the embedding dimension the collapsed pack makes constant
 COLLAPSED_EXPERT = 0

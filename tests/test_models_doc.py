@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from colibrid.convert.tiktoken_tokenizer import KIMI_K2_PATTERN
+from colibrid.tools.convert.tiktoken_tokenizer import KIMI_K2_PATTERN
 from colibrid.models import ARCHITECTURES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def test_pack_size_tool_matches_a_conversion(packs):
         from pack_size import pack_bytes
     finally:
         sys.path.remove(str(REPO / "tools"))
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.quant_spec import parse_quant
     from colibrid.pack import Pack
     from tests.tiny_checkpoints import CheckpointSpec
 

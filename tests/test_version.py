@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("program, module", [
     ("colibrid", "colibrid"),
     ("colibrictl", "colibrictl"),
-    ("colibri-convert", "colibrid.convert.cli"),
+    ("colibri-convert", "colibrid.tools.convert.cli"),
 ])
 def test_version_flag(program, module):
     result = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True,

@@ -121,8 +121,8 @@ def completion_parse_rate(checkpoint: Path) -> dict:
     import ast
     import tempfile
 
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
     from colibrid.engine import load
     from colibrid.engine.generate import GenerationEvent
     from colibrid.engine.sampling import SamplingParams

@@ -40,8 +40,8 @@ PROMPTS = [
 
 
 def default_pack_greedy(checkpoint: Path, prompts: list[str], n_tokens: int) -> list[tuple[list[int], list[int]]]:
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
     from colibrid.engine import load
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -56,7 +56,7 @@ def default_pack_greedy(checkpoint: Path, prompts: list[str], n_tokens: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.quant_spec import parse_quant
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint")

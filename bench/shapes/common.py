@@ -137,7 +137,7 @@ def _normal_e4m3_codes() -> np.ndarray:
     """(65536) uint8: e4m3 codes; indexed by a uniform 16-bit number, their values follow
     N(0, FP8_CODE_STD) (the normal's quantiles rounded to the nearest e4m3 value). Uniform
     bytes looked up here are ~20x faster than drawing normals and rounding them."""
-    from colibrid.convert.fp8 import E4M3_VALUES
+    from colibrid.tools.convert.fp8 import E4M3_VALUES
 
     quantiles = (np.arange(65536) + 0.5) / 65536
     normal = NormalDist(0.0, FP8_CODE_STD)
@@ -188,7 +188,7 @@ def random_mxfp4_scales(name: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def write_checkpoint(directory: Path, config: dict, tensors: dict[str, TensorSpec]) -> None:
-    from colibrid.demo import write_tokenizer
+    from colibrid.tools.demo import write_tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
     write_tokenizer(directory)
@@ -228,7 +228,7 @@ def write_checkpoint(directory: Path, config: dict, tensors: dict[str, TensorSpe
 def open_checkpoint(directory: Path):
     """The checkpoint through Colibri's own reader: read_f32 gives every tensor's values
     exactly (bf16 widened, FP8 times its block scales), read_mxfp4 the MXFP4 bytes."""
-    from colibrid.convert.safetensors import Checkpoint
+    from colibrid.tools.convert.safetensors import Checkpoint
 
     return Checkpoint(directory)
 

@@ -60,7 +60,7 @@ def checkpoint_tensors(c: dict) -> dict[str, TensorSpec]:
 
 
 def write_gguf(checkpoint: Path, out: Path, variant: Variant, c: dict) -> None:
-    from colibrid.convert.safetensors import TensorRef
+    from colibrid.models.tensor_ref import TensorRef
 
     gguf = import_gguf()
     ckpt = open_checkpoint(checkpoint)

@@ -100,7 +100,7 @@ def tiled_value_heads(values: np.ndarray, axis: int, key_heads: int, head_dim: i
 
 
 def write_gguf(checkpoint: Path, out: Path, variant: Variant, c: dict) -> None:
-    from colibrid.convert.safetensors import TensorRef
+    from colibrid.models.tensor_ref import TensorRef
 
     gguf = import_gguf()
     ckpt = open_checkpoint(checkpoint)

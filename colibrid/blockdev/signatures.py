@@ -52,15 +52,6 @@ def _at(data: bytes, offset: int, magic: bytes) -> bool:
     return data[offset:offset + len(magic)] == magic
 
 
-def read_head_and_tail(fd: int, size_bytes: int) -> tuple[bytes, bytes, int]:
-    """(the first HEAD_BYTES, the last TAIL_BYTES, the tail's offset) of the device, buffered
-    reads: probing needs no O_DIRECT."""
-    head = os.pread(fd, min(HEAD_BYTES, size_bytes), 0)
-    tail_offset = max(size_bytes - TAIL_BYTES, 0)
-    tail = os.pread(fd, size_bytes - tail_offset, tail_offset)
-    return head, tail, tail_offset
-
-
 def find_signatures(head: bytes, tail: bytes, tail_offset: int, size_bytes: int,
                     logical_block_bytes: int) -> list[Signature]:
     """Every signature of the list above found in the device's first and last bytes."""

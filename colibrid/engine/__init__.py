@@ -1,7 +1,7 @@
 """The inference engine: ``load(path)`` returns an :class:`Engine` with ``generate``
 and the lower-level ``forward``.
 
-Names are imported lazily so that ``colibrid.engine.tokenizer`` and friends can be
+Names are imported lazily so that ``colibrid.engine.text.tokenizer`` and friends can be
 used without loading libcolibri.
 """
 

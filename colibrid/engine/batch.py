@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from colibrid.engine.generate import Generation, GenerationDone, GenerationEvent
-from colibrid.engine.model import Model, StepInput
-from colibrid.engine.moe import StepDamaged
+from colibrid.engine.generate import Generation
+from colibrid.engine.forward.model import Model, StepInput
+from colibrid.engine.forward.moe import StepDamaged
 from colibrid.engine.prefix_cache import PrefixCache
 
 Outcome = "GenerationEvent | GenerationDone | SequenceFailed"

@@ -12,12 +12,12 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from colibrid.engine.batch import Batch
-from colibrid.engine.expert_cache import CachedExpertSource, ExpertCacheError, ExpertCacheSettings
-from colibrid.engine.experts import ExpertSource, LoadingLimits, PreadExpertSource, apply_loading_limits
+from colibrid.engine.experts.cache import CachedExpertSource, ExpertCacheError, ExpertCacheSettings
+from colibrid.engine.experts.source import ExpertSource, LoadingLimits, PreadExpertSource, apply_loading_limits
 from colibrid.engine.generate import Generation, GenerationDone, GenerationEvent, generate
-from colibrid.engine.model import Model
+from colibrid.engine.forward.model import Model
 from colibrid.engine.sampling import SamplingParams, model_sampling_defaults
-from colibrid.engine.tokenizer import Tokenizer
+from colibrid.engine.text.tokenizer import Tokenizer
 from colibrid.models.config import parameter_counts
 from colibrid.pack.reader import Pack
 

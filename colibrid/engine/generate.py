@@ -28,7 +28,7 @@ from typing import Literal, Protocol
 import numpy as np
 
 from colibrid.engine.sampling import Sampler, SamplingParams, StopMatcher
-from colibrid.engine.tokenizer import IncrementalDecoder, Tokenizer
+from colibrid.engine.text.tokenizer import IncrementalDecoder, Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibrid.engine.sequence_state import SequencePrefix, SequenceState
+from colibrid.engine.forward.sequence_state import SequencePrefix, SequenceState
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from colibrid import native
 
 # SamplingParams is shared with the wire protocol, so it lives outside the engine; re-exported
 # here, next to the sampler that reads it.
-from colibrid.sampling_params import GREEDY_TEMPERATURE_BELOW, MAX_TOP_LOGPROBS, SamplingParams
+from colibrid.wire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

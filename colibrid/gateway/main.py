@@ -20,8 +20,8 @@ from aiohttp import web
 from colibrid import __version__
 from colibrid.gateway.app import Gateway
 from colibrid.gateway.config import ConfigError, GatewayConfig, load_config, parse_listen
-from colibrid.logsetup import configure_logging
-from colibrid.systemd_notify import Notifier
+from colibrid.system.logsetup import configure_logging
+from colibrid.system.systemd_notify import Notifier
 
 log = logging.getLogger("colibrid.gateway")
 

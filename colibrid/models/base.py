@@ -12,7 +12,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from colibrid.convert.safetensors import TensorRef
+from colibrid.models.tensor_ref import TensorRef
 from colibrid.models.config import ModelConfig, RopeConfig
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from colibrid.convert.safetensors import TensorRef
+from colibrid.models.tensor_ref import TensorRef
 from colibrid.models.base import Architecture, ExpertTensorNames, UnsupportedConfig, common_fields, num_experts, require
 from colibrid.models.config import ModelConfig
 

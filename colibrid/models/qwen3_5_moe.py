@@ -13,7 +13,7 @@ Every RMSNorm but the DeltaNet's gated one is zero-centred (scales by 1 + w, in 
 converter stores 1 + w, so the engine's plain RMSNorm computes the same float32 product.
 
 The published checkpoints are multimodal (model_type qwen3_5_moe: a text_config, the text
-model under ``model.language_model.``, a vision tower; colibrid/convert/wrapped.py reads the
+model under ``model.language_model.``, a vision tower; colibrid/tools/convert/wrapped.py reads the
 text model and leaves the vision tower out). The multi-token-prediction weights (``mtp.*``)
 are not converted. Routed experts may be stored one tensor per expert and projection, or fused
 per layer (``mlp.experts.gate_up_proj`` (E, 2F, D), gate rows first, and ``down_proj`` (E, D, F)).
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from colibrid.convert.safetensors import TensorRef
+from colibrid.models.tensor_ref import TensorRef
 from colibrid.models.base import FusedExpertsArchitecture, UnsupportedConfig, common_fields, num_experts, require
 from colibrid.models.config import DeltaNetConfig, ModelConfig
 

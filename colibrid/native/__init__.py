@@ -27,9 +27,9 @@ from colibrid.native.library import *  # noqa: F401,F403
 from colibrid.native.tensor_type import *  # noqa: F401,F403
 from colibrid.native.pool import *  # noqa: F401,F403
 from colibrid.native.compute import *  # noqa: F401,F403
-from colibrid.native.layers import *  # noqa: F401,F403
+from colibrid.native.layer_steps import *  # noqa: F401,F403
 from colibrid.native.checksum import *  # noqa: F401,F403
-from colibrid.native.expert_cache import *  # noqa: F401,F403
+from colibrid.native.aepc import *  # noqa: F401,F403
 from colibrid.native.io_priority import *  # noqa: F401,F403
 from colibrid.native.library import _lib  # noqa: F401
 from colibrid.native.pool import _PoolParams  # noqa: F401

@@ -5,14 +5,10 @@ instead of crashing the process; and the address of a checked buffer."""
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from colibrid.native.errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from colibrid.native.tensor_type import TensorType
 
 
 # --------------------------------------------------------------------------------------------
@@ -57,21 +53,6 @@ def _byte_view(data, name: str) -> np.ndarray:
         return np.frombuffer(data, dtype=np.uint8)
     except (TypeError, ValueError, BufferError) as exc:
         raise InvalidArgumentError(f"{name} must be a contiguous buffer: {exc}") from None
-
-
-def _matrix_bytes(data, name: str, t: TensorType, rows: int, cols: int) -> np.ndarray:
-    """``data`` as the bytes of a (rows, cols) matrix encoded as ``t``, its size checked: the
-    one size check of every binding that takes an encoded matrix. A C-contiguous ndarray is
-    used as it is (the hot path: matmul runs for every projection of every token), any other
-    buffer as a flat uint8 view."""
-    if type(data) is np.ndarray and data.flags.c_contiguous and not data.dtype.hasobject:
-        raw = data
-    else:
-        raw = _byte_view(data, name)
-    need = rows * t.row_bytes(cols)
-    if raw.nbytes != need:
-        raise InvalidArgumentError(f"{name} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs {need}")
-    return raw
 
 
 _char_from_buffer, _addressof = ctypes.c_char.from_buffer, ctypes.addressof

@@ -11,11 +11,11 @@ import ctypes
 
 import numpy as np
 
-from colibrid.native.arguments import _as_count, _byte_view, _f32_matrix, _f32_vector, _matrix_bytes, _ptr
+from colibrid.native.arguments import _as_count, _byte_view, _f32_matrix, _f32_vector, _ptr
 from colibrid.native.errors import InvalidArgumentError
 from colibrid.native.library import _lib, check, mirrors_c_struct, status_error
 from colibrid.native.pool import ThreadPool, _pool_handle
-from colibrid.native.tensor_type import TensorType, _as_type
+from colibrid.native.tensor_type import TensorType, _as_type, _matrix_bytes
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 
-from colibrid.native.arguments import _as_count
+import numpy as np
+
+from colibrid.native.arguments import _as_count, _byte_view
 from colibrid.native.errors import InvalidArgumentError
 from colibrid.native.library import _lib
 
@@ -71,3 +73,18 @@ def _as_type(type_: TensorType | int | str) -> TensorType:
         return TensorType(int(type_))
     except (ValueError, TypeError):
         raise InvalidArgumentError(f"unknown tensor type {type_!r}") from None
+
+
+def _matrix_bytes(data, name: str, t: TensorType, rows: int, cols: int) -> np.ndarray:
+    """``data`` as the bytes of a (rows, cols) matrix encoded as ``t``, its size checked: the
+    one size check of every binding that takes an encoded matrix. A C-contiguous ndarray is
+    used as it is (the hot path: matmul runs for every projection of every token), any other
+    buffer as a flat uint8 view."""
+    if type(data) is np.ndarray and data.flags.c_contiguous and not data.dtype.hasobject:
+        raw = data
+    else:
+        raw = _byte_view(data, name)
+    need = rows * t.row_bytes(cols)
+    if raw.nbytes != need:
+        raise InvalidArgumentError(f"{name} has {raw.nbytes} bytes, {t.name_in_pack} ({rows}, {cols}) needs {need}")
+    return raw

@@ -100,9 +100,6 @@ class Pack:
         """The experts file, or the device node the experts region was last found at."""
         return self.experts.path
 
-    def has_dense(self, name: str) -> bool:
-        return name in self.manifest.dense_tensors
-
     def dense(self, name: str) -> PackedTensor:
         entry = self.manifest.dense_tensors.get(name)
         if entry is None:

@@ -1,8 +1,8 @@
 """Check a whole pack: the manifest (parsed strictly, validated against its model, its own
 SHA-256), the CRC-32C of every dense tensor and of every expert record, and the SHA-256 of
 every file (and of the experts region of a pack on a raw block device), reading each byte
-once. ``colibri-verify PACK`` (colibrid/pack/verify_cli.py) and the daemon's `verify` request
-(colibrid/verification.py) both run a PackVerifier.
+once. ``colibri-verify PACK`` (colibrid/tools/verify_cli.py) and the daemon's `verify` request
+(colibrid/daemon/verify_request.py) both run a PackVerifier.
 
 How it reads:
   the records   through the pack's ExpertsRegion (experts.bin, or the device found by its
@@ -633,10 +633,3 @@ class _TensorChecksums:
             self._next, self._crc = self._next + 1, 0
         return wrong
 
-
-if __name__ == "__main__":
-    import sys
-
-    from colibrid.pack.verify_cli import main
-
-    sys.exit(main())

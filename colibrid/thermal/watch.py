@@ -27,10 +27,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from colibrid.engine.loading_limits import LoadingLimits, LoadingPause
+from colibrid.thermal.loading_limits import LoadingLimits, LoadingPause
 from colibrid.thermal.discovery import DEV_ROOT, MOUNTINFO, SYSFS_ROOT, NvmeDrive, Placement, find_drives
 from colibrid.thermal.hwmon import HwmonReading, read_hwmon
 from colibrid.thermal.policy import Decision, ThermalState, ThrottlePolicy, derive_thresholds

@@ -765,7 +765,7 @@ COL_API int col_crc32c_hw(void);
  *
  * The handles are opaque; every object is made by *_create and freed by *_destroy. All
  * functions of one object may be called from several threads at once. The Python side is
- * colibrid/native/expert_cache.py (the ctypes bindings) and colibrid/engine/expert_cache.py.
+ * colibrid/native/aepc.py (the ctypes bindings) and colibrid/engine/experts/cache.py.
  * These functions add the status codes COL_EIO, COL_ECHECKSUM, COL_EBUSY and COL_ESYSTEM.
  * ------------------------------------------------------------------------------------ */
 

@@ -100,7 +100,7 @@ static void rope_pairs(float *x, int64_t n_heads, int64_t head_dim, int64_t rota
     }
 }
 
-/* Phase 2 for token t: the order of colibrid/engine/attention.py. */
+/* Phase 2 for token t: the order of colibrid/engine/forward/attention.py. */
 static void finish_qkv(const block_job *j, int64_t t) {
     const col_attention_layer *l = j->l;
     const int64_t H = l->n_heads, K = l->n_kv_heads, Hd = l->head_dim;

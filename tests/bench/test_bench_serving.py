@@ -112,7 +112,7 @@ def test_a_small_run_against_colibrid(demo_pack, tmp_path):
 
 
 def test_prompts_differ_per_client_and_hold_about_the_tokens_asked(demo_pack):
-    from colibrid.engine.tokenizer import Tokenizer
+    from colibrid.engine.text.tokenizer import Tokenizer
 
     texts = bench_serving.colibri_prompts(demo_pack, 3, 32, seed=1)
     assert len(set(texts)) == 3

@@ -24,8 +24,8 @@ bench = load_bench_module("bench_aepc")
 @pytest.mark.parametrize("predictor", ["router-on-moe-input", "router-on-residual"])
 def test_recorded_guesses_are_what_the_engines_lookahead_prefetches(demo_pack, tmp_path, predictor):
     from colibrid.engine.engine import Engine
-    from colibrid.engine.expert_cache import CachedExpertSource
-    from colibrid.engine.moe import LOOKAHEAD_TOP
+    from colibrid.engine.experts.cache import CachedExpertSource
+    from colibrid.engine.forward.moe import LOOKAHEAD_TOP
     from colibrid.pack.reader import Pack
 
     out = tmp_path / "trace.jsonl"
@@ -195,7 +195,7 @@ def test_alternating_runs_decode_the_same_tokens_as_runs_alone(demo_pack, tmp_pa
 
 
 def test_prefetch_modes_parse_and_on_n_reads_n_guesses_ahead(demo_pack, tmp_path):
-    from colibrid.engine.moe import LOOKAHEAD_TOP
+    from colibrid.engine.forward.moe import LOOKAHEAD_TOP
     from colibrid.pack.reader import Pack
 
     assert bench.prefetch_mode("off") == ("off", None) and bench.prefetch_mode("oracle") == ("oracle", None)

@@ -26,7 +26,7 @@ DEVICE_BYTES = 32 * MIB  # the default model's experts are ~7 MB
 
 
 def _convert(out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "colibrid.convert.cli", str(MODEL), str(out), "--quiet", *args],
+    return subprocess.run([sys.executable, "-m", "colibrid.tools.convert.cli", str(MODEL), str(out), "--quiet", *args],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
@@ -39,7 +39,7 @@ def file_pack(tmp_path_factory) -> Path:
 
 def _greedy(pack_path: Path, cache: bool) -> list[int]:
     from colibrid.engine.engine import Engine
-    from colibrid.engine.expert_cache import ExpertCacheSettings
+    from colibrid.engine.experts.cache import ExpertCacheSettings
     from colibrid.pack import Pack
 
     settings = ExpertCacheSettings(cache_size="4M", hugepages="off", lock_memory="off", hugepage_record=None)

@@ -18,8 +18,8 @@ DEVICE_BYTES = 8 * MIB  # the tiny OLMoE's q8_0 experts are far smaller
 
 
 def _device_pack(loops, packs, tmp_path):
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
 
     node = loops.attach(DEVICE_BYTES)
     out = tmp_path / "device.pack"
@@ -28,7 +28,7 @@ def _device_pack(loops, packs, tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "colibrid.pack.verify", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "colibrid.tools.verify_cli", *map(str, args)], capture_output=True,
                           text=True, timeout=120)
 
 

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _probe(node) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "colibrid.blockdev.probe", str(node)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "colibrid.tools.device_probe", str(node)], capture_output=True,
                           text=True, timeout=30, cwd=REPO)
 
 
@@ -50,7 +50,7 @@ def test_anything_else_prints_nothing_and_exits_1(loops, tmp_path):
 
 
 def test_usage():
-    result = subprocess.run([sys.executable, "-m", "colibrid.blockdev.probe"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "colibrid.tools.device_probe"], capture_output=True, text=True,
                             timeout=30, cwd=REPO)
     assert result.returncode == 2 and "usage" in result.stderr
 

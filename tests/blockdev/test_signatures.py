@@ -5,7 +5,6 @@ by mkfs/mkswap, where installed, are found too."""
 from __future__ import annotations
 
 import shutil
-import struct
 import subprocess
 import uuid
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import tokenizers
 
-from colibrid.engine.tokenizer import Tokenizer
+from colibrid.engine.text.tokenizer import Tokenizer
 from tests.daemon.conftest import DaemonProcess
 from tests.daemon.wire import WireClient
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from colibrid.config import KEYS, ConfigError, DaemonConfig, load_config
+from colibrid.daemon.config import KEYS, ConfigError, DaemonConfig, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_CONFIG = REPO / "etc" / "colibri" / "colibrid.toml"
@@ -137,7 +137,7 @@ def test_the_daemon_exits_2_with_one_line_on_stderr(demo_pack, tmp_path, source)
 
 def test_help_shows_every_key():
     """argparse %-formats help text: a literal % ("40%" of MemAvailable) once broke --help."""
-    from colibrid.config import build_arg_parser
+    from colibrid.daemon.config import build_arg_parser
 
     text = build_arg_parser().format_help()
     assert all(f"--{key.name.replace('_', '-')}" in text for key in KEYS)

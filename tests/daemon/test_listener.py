@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from colibrid.listener import ListenerError, open_listener
+from colibrid.daemon.listener import ListenerError, open_listener
 
 
 def test_close_removes_the_socket_file(socket_dir):

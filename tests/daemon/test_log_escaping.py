@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from colibrid.logsetup import JournalFormatter, TerminalFormatter
+from colibrid.system.logsetup import JournalFormatter, TerminalFormatter
 from tests.daemon.wire import WireClient
 
 FORGED_NAME = "tests\ncolibrid: error: forged line from the client name\r\x1b[2J"
@@ -17,7 +17,7 @@ FORGED_ID = "id\n<3>forged journal entry\x1b]0;title\x07\u2028\x85"
 
 
 def _record(message: str, *args, exc_info=None) -> logging.LogRecord:
-    return logging.LogRecord("colibrid.server", logging.INFO, __file__, 1, message, args, exc_info)
+    return logging.LogRecord("colibrid.daemon.server", logging.INFO, __file__, 1, message, args, exc_info)
 
 
 def test_a_client_cannot_forge_a_log_line_or_send_terminal_escapes(start_daemon):
@@ -34,7 +34,7 @@ def test_a_client_cannot_forge_a_log_line_or_send_terminal_escapes(start_daemon)
     assert forged_lines, stderr  # the client's text is logged (at debug level), but within our own lines
     # Each is one of our own lines (at debug: the hello and the ask; at info, shown without level
     # and logger: the finished request), which the client's text only continues.
-    ours = re.compile(r"colibrid: (debug: colibrid\.\w+: )?(connection \d+ |request ')")
+    ours = re.compile(r"colibrid: (debug: colibrid(\.\w+)+: )?(connection \d+ |request ')")
     assert all(ours.match(line) for line in forged_lines), forged_lines
     assert any("hello from tests\\x0acolibrid: error: forged" in line for line in forged_lines), forged_lines
 
@@ -64,6 +64,6 @@ def test_a_traceback_still_spans_lines_after_the_escaped_message():
 
 
 def test_escaping_leaves_printable_text_alone():
-    from colibrid.logsetup import escape_controls
+    from colibrid.system.logsetup import escape_controls
 
     assert escape_controls("serving model — 42 °C, café 中文 \\n") == "serving model — 42 °C, café 中文 \\n"

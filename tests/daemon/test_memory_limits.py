@@ -52,7 +52,7 @@ def ask_and_status(socket_path: Path) -> tuple[dict, dict]:
 def pack_with_f32_experts(tmp_path_factory) -> Path:
     """The demo model with f32 experts: a ~50 MiB pack (48 MiB of experts) built in ~2 s."""
     out = tmp_path_factory.mktemp("f32-pack") / "f32.pack"
-    subprocess.run([sys.executable, "-m", "colibrid.demo", str(out), "--quant", "experts=f32", "--force"],
+    subprocess.run([sys.executable, "-m", "colibrid.tools.demo", str(out), "--quant", "experts=f32", "--force"],
                    check=True, capture_output=True, timeout=120)
     return out
 

@@ -1,4 +1,4 @@
-"""colibrid.protocol on its own: framing and request checks, code by code as docs/protocol.md lists them."""
+"""colibrid.wire.protocol on its own: framing and request checks, code by code as docs/protocol.md lists them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import msgpack
 import pytest
 
-from colibrid.protocol import (
+from colibrid.wire.protocol import (
     Ask, Cancel, Hello, Models, ProtocolError, Status, body_length, decode_body, encode_frame, parse_request,
 )
 
@@ -172,7 +172,7 @@ def test_a_cancel_target_longer_than_256_bytes_is_a_bad_request():
 def test_the_protocol_imports_nothing_from_the_engine():
     """The wire format stands alone (a client, a gateway, a test can use it without numpy or
     libcolibri); what it shares with the engine, SamplingParams, is a plain value type."""
-    script = "import sys, colibrid.protocol; print(sorted(m for m in sys.modules if m.startswith('colibrid.engine')))"
+    script = "import sys, colibrid.wire.protocol; print(sorted(m for m in sys.modules if m.startswith('colibrid.engine')))"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from colibrid.engine.routing_capture import RoutingCapture
-from colibrid.routing_stream import RoutingStream
+from colibrid.daemon.routing_stream import RoutingStream
 from tests.daemon.wire import WireClient
 
 PROMPT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)"

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 
 from colibrid.engine.engine import Engine
-from colibrid.engine.expert_cache import ExpertLoadingPaused
-from colibrid.engine.experts import ExpertLoadError
-from colibrid.protocol import parse_request
-from colibrid.scheduler import STOP_CANCELLED, STOP_DISCONNECTED, Job, QueueFull, Scheduler, SchedulerStopped
+from colibrid.engine.experts.cache import ExpertLoadingPaused
+from colibrid.engine.experts.source import ExpertLoadError
+from colibrid.wire.protocol import parse_request
+from colibrid.daemon.scheduler import STOP_CANCELLED, STOP_DISCONNECTED, Job, QueueFull, Scheduler, SchedulerStopped
 
 BIG_BUDGET = 1 << 34
 

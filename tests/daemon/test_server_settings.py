@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from colibrid.pack.damage import DamageMarks
-from colibrid.server import ClientLimits, Server, ServerSettings
+from colibrid.daemon.server import ClientLimits, Server, ServerSettings
 
 
 class FakeEngine:
@@ -58,7 +58,7 @@ def test_reconfigure_replaces_the_settings_as_a_whole():
 
 
 def test_the_recent_token_rate_is_measured_between_samples(monkeypatch):
-    import colibrid.server as server_module
+    import colibrid.daemon.server as server_module
 
     now_s = [100.0]
     monkeypatch.setattr(server_module.time, "monotonic", lambda: now_s[0])

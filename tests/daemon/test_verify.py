@@ -190,7 +190,7 @@ def test_a_disconnect_stops_a_foreground_verify_and_a_shutdown_a_background_one(
     ({"max_mb_per_s": 1e7}, "invalid_params"),
 ])
 def test_a_verify_request_is_checked(fields, code):
-    from colibrid.protocol import ProtocolError, Verify, parse_request
+    from colibrid.wire.protocol import ProtocolError, Verify, parse_request
 
     with pytest.raises(ProtocolError) as info:
         parse_request({"op": "verify", "id": 1, **fields}, 16)
@@ -202,7 +202,7 @@ def test_a_verify_request_is_checked(fields, code):
 def test_only_root_and_the_daemons_user_may_verify():
     import os
 
-    from colibrid.access import PeerCredentials, may_administer
+    from colibrid.daemon.access import PeerCredentials, may_administer
 
     def peer(uid):
         return PeerCredentials(pid=1, uid=uid, gid=uid, groups=frozenset({uid}))

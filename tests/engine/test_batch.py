@@ -220,7 +220,7 @@ def test_the_batched_attention_call_refuses_rows_that_do_not_add_up(demo_engine)
 @pytest.mark.parametrize("n_slots", [1, 3])  # fewer than one token's top-k; fewer than a batch step's experts
 def test_a_batch_through_a_tiny_expert_cache_gets_the_same_tokens(n_slots, packs):
     from colibrid.engine.engine import Engine
-    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.engine.experts.cache import CachedExpertSource
     from colibrid.pack.reader import Pack
 
     path = packs.pack(STATE_KINDS[0], "q8_0")

@@ -31,7 +31,7 @@ def _slot_bytes(pack_path) -> int:
 
 
 def _settings(pack_path, slots: int, **changes):
-    from colibrid.engine.expert_cache import ExpertCacheSettings
+    from colibrid.engine.experts.cache import ExpertCacheSettings
 
     return ExpertCacheSettings(cache_size=slots * _slot_bytes(pack_path), hugepages="off", lock_memory="off",
                                hugepage_record=None, **changes)
@@ -96,7 +96,7 @@ def test_a_rebuild_that_cannot_be_had_keeps_the_current_cache(engine, reference,
 
 
 def _settings_of_size(cache_bytes: int):
-    from colibrid.engine.expert_cache import ExpertCacheSettings
+    from colibrid.engine.experts.cache import ExpertCacheSettings
 
     return ExpertCacheSettings(cache_size=cache_bytes, hugepages="off", lock_memory="off", hugepage_record=None)
 
@@ -104,7 +104,7 @@ def _settings_of_size(cache_bytes: int):
 def test_the_loader_s_limits_reach_every_cache_the_engine_builds_later(engine, demo_pack):
     """A cache built after the thermal watch throttled the loader starts throttled too: a
     resize or a reopen must not lift a throttle."""
-    from colibrid.engine.experts import ExpertLoadingPaused, LoadingLimits, LoadingPause
+    from colibrid.engine.experts.source import ExpertLoadingPaused, LoadingLimits, LoadingPause
 
     pause = LoadingPause("thermal", "the NVMe drive is at 86 °C")
     engine.limit_loading(LoadingLimits(io_queue_depth=2, prefetch=False, pause=pause))
@@ -120,7 +120,7 @@ def test_the_loader_s_limits_reach_every_cache_the_engine_builds_later(engine, d
 
 
 def test_the_loader_threads_start_on_their_cpus_and_the_caller_keeps_its_own(demo_pack):
-    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.engine.experts.cache import CachedExpertSource
     from colibrid.pack.reader import Pack
 
     before = os.sched_getaffinity(0)
@@ -139,7 +139,7 @@ def test_the_loader_threads_start_on_their_cpus_and_the_caller_keeps_its_own(dem
 
 def test_a_source_made_by_the_caller_is_used_as_it_is(demo_pack):
     from colibrid.engine.engine import Engine
-    from colibrid.engine.experts import PreadExpertSource
+    from colibrid.engine.experts.source import PreadExpertSource
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(demo_pack)

@@ -9,7 +9,7 @@ import pytest
 
 from colibrid.engine.generate import GenerationDone, GenerationEvent, generate
 from colibrid.engine.sampling import SamplingParams
-from colibrid.engine.tokenizer import REPLACEMENT_CHAR, Tokenizer
+from colibrid.engine.text.tokenizer import REPLACEMENT_CHAR, Tokenizer
 
 GREEDY = dict(temperature=0.0)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibrid.engine.deltanet import DeltaNetState
-from colibrid.engine.kv_cache import KVCache, LatentCache, RingKVCache
+from colibrid.engine.forward.deltanet import DeltaNetState
+from colibrid.engine.forward.kv_cache import KVCache, LatentCache, RingKVCache
 from tests.engine.test_batch import _requests, _run, _summary
 from tests.engine.test_prefix_cache import CHUNK, GREEDY, KINDS, SEEDED, _chat, _turns
 

@@ -35,9 +35,9 @@ def test_out_of_range_values_are_ignored_with_a_warning(caplog):
 
 
 def test_the_engine_reads_the_pack_s_generation_config(tmp_path):
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
-    from colibrid.demo import build_demo_checkpoint
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
+    from colibrid.tools.demo import build_demo_checkpoint
     from colibrid.engine import load
 
     pack = tmp_path / "pack"

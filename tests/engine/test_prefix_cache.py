@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibrid.engine.generate import GenerationDone, GenerationEvent
+from colibrid.engine.generate import GenerationEvent
 from colibrid.engine.sampling import SamplingParams
 from tests.engine.test_batch import BIG_BUDGET, STATE_KINDS, _summary
 from tests.tiny_checkpoints import CheckpointSpec
@@ -142,7 +142,7 @@ def test_rows_written_by_decode_steps_equal_a_prefill_of_the_same_tokens(spec, q
 def test_a_window_layer_resumes_across_a_ring_and_a_flat_cache(entry_context, new_context, packs):
     """Whether a window layer keeps a ring depends on the sequence's size: an entry of one
     kind restores into a state of the other."""
-    from colibrid.engine.kv_cache import KVCache, RingKVCache
+    from colibrid.engine.forward.kv_cache import KVCache, RingKVCache
 
     engine = _engine(packs, STATE_KINDS[1], "q8_0", max_step_tokens=512)  # gpt-oss, window 4
     model = engine.model
@@ -164,8 +164,8 @@ def test_a_window_layer_resumes_across_a_ring_and_a_flat_cache(entry_context, ne
 def _state(token_ids, seed=0, max_tokens=64):
     """A state of one full-attention layer that has processed ``token_ids``: each position's
     keys and values are a function of the ids so far, as a model's are."""
-    from colibrid.engine.kv_cache import KVCache
-    from colibrid.engine.sequence_state import SequenceState
+    from colibrid.engine.forward.kv_cache import KVCache
+    from colibrid.engine.forward.sequence_state import SequenceState
 
     state = SequenceState([KVCache(1, 4, max_tokens)], max_tokens)
     n = len(token_ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from colibrid.engine.tokenizer import Tokenizer
+from colibrid.engine.text.tokenizer import Tokenizer
 from tests.engine.conftest import SAMPLE_TEXTS
 
 MAX_CONTEXT = 64

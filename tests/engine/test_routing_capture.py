@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from colibrid.engine.engine import Engine
-from colibrid.engine.layers import linear, rms_norm
-from colibrid.engine.model import StepInput
+from colibrid.engine.forward.ops import linear, rms_norm
+from colibrid.engine.forward.model import StepInput
 from colibrid.pack.reader import Pack
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from colibrid.engine.engine import Engine
-from colibrid.engine.expert_cache import CachedExpertSource
+from colibrid.engine.experts.cache import CachedExpertSource
 from colibrid.engine.routing_override import RoutingOverride
 from colibrid.pack.reader import Pack
 

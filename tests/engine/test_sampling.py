@@ -9,12 +9,10 @@ import math
 import numpy as np
 import pytest
 
+from colibrid.wire.sampling_params import GREEDY_TEMPERATURE_BELOW, MAX_TOP_LOGPROBS, SamplingParams
 from colibrid.engine.sampling import (
-    GREEDY_TEMPERATURE_BELOW,
-    MAX_TOP_LOGPROBS,
     TOP_P_FIRST_CANDIDATES,
     Sampler,
-    SamplingParams,
     StopMatcher,
     apply_repetition_penalty,
     log_softmax,

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 from tokenizers import AddedToken, Tokenizer
 
-from colibrid.convert.converter import convert
-from colibrid.convert.quant_spec import parse_quant
-from colibrid.demo import random_olmoe_tensors, write_demo_config, write_safetensors, write_tokenizer
+from colibrid.tools.convert.converter import convert
+from colibrid.tools.convert.quant_spec import parse_quant
+from colibrid.tools.demo import random_olmoe_tensors, write_demo_config, write_safetensors, write_tokenizer
 from tests.hermes_template import HERMES_TEMPLATE
 
 CALL_JSON = '{"name": "get_weather", "arguments": {"city": "Paris"}}'

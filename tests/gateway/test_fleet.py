@@ -69,7 +69,7 @@ class Pair:
         self.daemon.proc.kill()
 
     def stop(self) -> None:
-        from colibrid.memory import HugepageRecord, return_orphaned_hugepages
+        from colibrid.system.memory import HugepageRecord, return_orphaned_hugepages
 
         if self.gateway.proc.poll() is None:
             self.gateway.proc.kill()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from colibrid.engine.tokenizer import Tokenizer
+from colibrid.engine.text.tokenizer import Tokenizer
 from tests.daemon.conftest import DaemonProcess
 from tests.gateway.conftest import GatewayProcess
 from tests.gateway.steered_pack import ANSWER_TEXT, build_steered_pack

@@ -88,7 +88,7 @@ def test_latent_cache_gives_the_logits_of_the_expanded_form(spec, packs):
     numpy expanded form (per-head keys and values rebuilt from the cached latents at every
     step, as transformers computes them); prompt, then 8 decode steps."""
     from colibrid.engine.engine import Engine
-    from colibrid.engine.kv_cache import LatentCache
+    from colibrid.engine.forward.kv_cache import LatentCache
     from colibrid.pack import Pack
 
     latent, expanded = Engine(Pack.open(packs.pack(spec, "f32"))), Engine(Pack.open(packs.pack(spec, "f32")))
@@ -185,7 +185,7 @@ def test_latent_cache_is_one_57th_of_a_full_cache_for_deepseek_v3():
     """Per token and layer, V3 caches 512 + 64 = 576 floats. Expanded per-head keys (128 nope + 64
     rope) and values (128) would be 128 x 320 = 40960 (71.1 x); the full cache of a plain
     128-head attention with 128-dim heads, 128 x 2 x 128 = 32768 (56.9 x, the ratio usually quoted)."""
-    from colibrid.engine.kv_cache import KVCache, LatentCache
+    from colibrid.engine.forward.kv_cache import KVCache, LatentCache
 
     c = architecture_for(DEEPSEEK_V3).model_config(DEEPSEEK_V3)
     tokens = 256
@@ -214,11 +214,11 @@ def test_fp8_checkpoint_as_published_converts_and_matches_transformers(packs, tm
     the decoded values exactly and generates as transformers does on them."""
     from safetensors.numpy import load_file, save_file
 
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
     from colibrid.engine import load
     from colibrid.pack import Pack
-    from tests.convert.test_published_quantized import oracle_fp8, random_e4m3, write_safetensors
+    from tests.tools.convert.test_published_quantized import oracle_fp8, random_e4m3, write_safetensors
 
     block = (48, 40)
     source = packs.checkpoint(SPECS[0])

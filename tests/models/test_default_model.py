@@ -53,8 +53,8 @@ def golden(model) -> dict:
 
 
 def _convert(model: Path, tmp_path_factory, quant: str | None) -> Path:
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
 
     out = tmp_path_factory.mktemp(model.name) / "model.pack"
     convert(model, out, parse_quant(quant), progress=False)
@@ -84,7 +84,7 @@ def reference(model):
 
 
 def test_golden_was_recorded_with_the_current_default_quantization(golden):
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.quant_spec import parse_quant
 
     # A new default changes the default pack's function: re-record (tools/record_golden.py).
     assert golden["default_quant"] == parse_quant(None).to_json()

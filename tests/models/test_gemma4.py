@@ -88,7 +88,7 @@ def test_the_fused_gate_up_is_split_gate_first(packs):
     (2F, D) gate_up_proj; the down is down_proj as it is."""
     import torch
 
-    from colibrid.engine.experts import PreadExpertSource
+    from colibrid.engine.experts.source import PreadExpertSource
     from colibrid.pack import Pack
 
     spec = SPECS[0]
@@ -107,8 +107,8 @@ def test_the_multimodal_checkpoint_converts_as_the_text_model(packs, tmp_path, c
     import torch
     import transformers
 
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
     from colibrid.pack import Pack
 
     spec = SPECS[0]
@@ -229,8 +229,8 @@ def test_the_step_by_step_expert_path_computes_what_the_fused_one_does(packs):
     """Experts whose parts differ in type (never written by the converter) run one at a time in
     numpy glue (moe._expert_ffn): the same GeGLU as col_moe_experts_ffn."""
     from colibrid import native
-    from colibrid.engine.experts import PreadExpertSource
-    from colibrid.engine.moe import _expert_ffn
+    from colibrid.engine.experts.source import PreadExpertSource
+    from colibrid.engine.forward.moe import _expert_ffn
     from colibrid.pack import Pack
 
     pack = Pack.open(packs.pack(SPECS[0], "f32"))

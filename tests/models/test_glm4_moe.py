@@ -110,8 +110,8 @@ def test_mtp_layers_are_skipped_with_a_note(packs, tmp_path, caplog):
     """A checkpoint as published: an extra layer past num_hidden_layers (the MTP module)."""
     from safetensors.numpy import load_file, save_file
 
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
     from colibrid.pack import Pack
 
     ckpt = shutil.copytree(packs.checkpoint(SPECS[0]), tmp_path / "ckpt")
@@ -120,7 +120,7 @@ def test_mtp_layers_are_skipped_with_a_note(packs, tmp_path, caplog):
     tensors["model.layers.3.mlp.experts.0.up_proj.weight"] = np.ones((64, 64), np.float32)
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
     assert json.loads((ckpt / "config.json").read_text())["num_nextn_predict_layers"] == 1
-    with caplog.at_level(logging.WARNING, logger="colibrid.convert.converter"):
+    with caplog.at_level(logging.WARNING, logger="colibrid.tools.convert.converter"):
         convert(ckpt, tmp_path / "out", parse_quant("f32"), progress=False)
     assert "skipping 1 multi-token-prediction layer(s) (model.layers.3)" in caplog.text
     manifest = Pack.open(tmp_path / "out").manifest
@@ -138,7 +138,7 @@ def test_a_missing_tensor_is_refused_naming_the_family(packs, tmp_path):
     tensors = load_file(ckpt / "model.safetensors")
     del tensors["model.layers.2.mlp.gate.e_score_correction_bias"]
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
-    result = subprocess.run([sys.executable, "-m", "colibrid.convert.cli", str(ckpt), str(tmp_path / "out")],
+    result = subprocess.run([sys.executable, "-m", "colibrid.tools.convert.cli", str(ckpt), str(tmp_path / "out")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (

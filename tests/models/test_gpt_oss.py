@@ -80,7 +80,7 @@ def test_the_fused_gate_up_is_split_even_gate_odd_up(packs):
     (D, 2F) gate_up_proj, transposed; the biases follow the same split."""
     import torch
 
-    from colibrid.engine.experts import PreadExpertSource
+    from colibrid.engine.experts.source import PreadExpertSource
     from colibrid.pack import Pack
 
     spec = SPECS[0]
@@ -162,10 +162,10 @@ def mxfp4_checkpoint(packs, tmp_path_factory):
 
 
 def test_mxfp4_experts_convert_losslessly(mxfp4_checkpoint, tmp_path):
-    from colibrid.convert.converter import convert
-    from colibrid.convert.safetensors import Checkpoint
-    from colibrid.convert.quant_spec import parse_quant
-    from colibrid.engine.experts import PreadExpertSource
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.safetensors import Checkpoint
+    from colibrid.tools.convert.quant_spec import parse_quant
+    from colibrid.engine.experts.source import PreadExpertSource
     from colibrid.pack import Pack
 
     ckpt, reference = mxfp4_checkpoint
@@ -189,8 +189,8 @@ def test_mxfp4_experts_convert_losslessly(mxfp4_checkpoint, tmp_path):
 
 def test_mxfp4_experts_match_transformers_on_the_portable_level(mxfp4_checkpoint, tmp_path):
     from colibrid import native
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
     from colibrid.engine import load
 
     ckpt, reference = mxfp4_checkpoint
@@ -243,8 +243,8 @@ def test_published_gpt_oss_20b_config():
 def test_a_missing_tensor_is_refused_naming_the_family(packs, tmp_path):
     from safetensors.numpy import load_file, save_file
 
-    from colibrid.convert.converter import ConversionError, convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import ConversionError, convert
+    from colibrid.tools.convert.quant_spec import parse_quant
 
     ckpt = shutil.copytree(packs.checkpoint(SPECS[0]), tmp_path / "ckpt")
     tensors = load_file(ckpt / "model.safetensors")
@@ -284,8 +284,8 @@ def test_the_step_by_step_expert_path_computes_what_the_fused_one_does(packs):
     """Experts whose parts differ in type (never written by the converter) run one at a time in
     numpy glue (moe._expert_ffn): the same biases and clamped SwiGLU as col_moe_experts_ffn."""
     from colibrid import native
-    from colibrid.engine.experts import PreadExpertSource
-    from colibrid.engine.moe import _expert_ffn
+    from colibrid.engine.experts.source import PreadExpertSource
+    from colibrid.engine.forward.moe import _expert_ffn
     from colibrid.pack import Pack
 
     pack = Pack.open(packs.pack(SPECS[1], "f32"))
@@ -303,8 +303,8 @@ def test_pack_size_tool_counts_the_expert_biases_and_mxfp4(packs, mxfp4_checkpoi
     import sys
     from pathlib import Path
 
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
     from colibrid.pack import Pack
 
     tools = str(Path(__file__).resolve().parents[2] / "tools")

@@ -14,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
-from colibrid.convert.wrapped import text_model_config
+from colibrid.tools.convert.wrapped import text_model_config
 from colibrid.models import ARCHITECTURES, UnsupportedConfig, architecture_for
 from colibrid.models.config import parameter_counts
 from tests.pack.conftest import assert_refused_after
@@ -100,7 +100,7 @@ def test_chunked_layers_keep_a_ring_and_stay_token_exact(spec, packs):
     """In steps of 3 tokens the chunked layers keep a ring of chunk + 2 rows (the NoPE layer every
     key): the logits of a flat cache bit for bit, and transformers' greedy tokens, past many wraps."""
     from colibrid.engine.engine import Engine
-    from colibrid.engine.kv_cache import KVCache, RingKVCache
+    from colibrid.engine.forward.kv_cache import KVCache, RingKVCache
     from colibrid.pack.reader import Pack
 
     path = packs.pack(spec, "f32")
@@ -133,7 +133,7 @@ def test_experts_are_the_halves_of_the_fused_gate_up(packs):
     gate_up_proj, transposed; its down the (F, D) down_proj, transposed."""
     import torch
 
-    from colibrid.engine.experts import PreadExpertSource
+    from colibrid.engine.experts.source import PreadExpertSource
     from colibrid.pack import Pack
 
     spec = SPECS[0]
@@ -153,7 +153,7 @@ def test_llama3_frequencies_are_transformers(low, high):
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from colibrid.engine.rope import Rotary
+    from colibrid.engine.forward.rope import Rotary
     from colibrid.models.base import rope_config
 
     params = {**LLAMA3_ROPE, "low_freq_factor": low, "high_freq_factor": high, "rope_theta": 500000.0,
@@ -200,8 +200,8 @@ def multimodal_checkpoint(tmp_path_factory):
 def test_the_multimodal_checkpoint_converts_its_text_model(multimodal_checkpoint, tmp_path, caplog):
     from safetensors import safe_open
 
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
     from colibrid.engine import load
     from colibrid.pack import Pack
 
@@ -317,7 +317,7 @@ def test_pack_size_tool_counts_llama4(packs):
     import sys
     from pathlib import Path
 
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.quant_spec import parse_quant
     from colibrid.pack import Pack
 
     tools = str(Path(__file__).resolve().parents[2] / "tools")

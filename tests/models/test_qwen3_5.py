@@ -81,8 +81,8 @@ def test_published_layout_converts_and_matches_transformers(packs, tmp_path, cap
     fused (gate_up_proj (E, 2F, D), down_proj (E, D, F)) and the MTP weights (mtp.*)."""
     from safetensors.numpy import load_file, save_file
 
-    from colibrid.convert.converter import convert
-    from colibrid.convert.quant_spec import parse_quant
+    from colibrid.tools.convert.converter import convert
+    from colibrid.tools.convert.quant_spec import parse_quant
     from colibrid.pack import Pack
 
     ckpt = shutil.copytree(packs.checkpoint(PUBLISHED), tmp_path / "published")
@@ -102,7 +102,7 @@ def test_published_layout_converts_and_matches_transformers(packs, tmp_path, cap
     config["text_config"]["mtp_num_hidden_layers"] = 1
     (ckpt / "config.json").write_text(json.dumps(config))
 
-    with caplog.at_level(logging.WARNING, logger="colibrid.convert.converter"):
+    with caplog.at_level(logging.WARNING, logger="colibrid.tools.convert.converter"):
         convert(ckpt, tmp_path / "pack", parse_quant("f32"), progress=False)
     assert "qwen3_5_moe: converting its qwen3_5_moe text model (text_config); the vision tower" in caplog.text
     assert "skipping the 1 multi-token-prediction layer(s) (mtp.*)" in caplog.text
@@ -117,7 +117,7 @@ def test_decode_with_state_equals_a_full_forward(packs):
     from colibrid.engine import load
 
     from colibrid import native
-    from colibrid.engine.deltanet import DeltaNet
+    from colibrid.engine.forward.deltanet import DeltaNet
 
     engine = load(packs.pack(SPECS[0], "f32"))
     mixers = [layer.mixer for layer in engine.model.layers if isinstance(layer.mixer, DeltaNet)]
@@ -134,7 +134,7 @@ def test_decode_with_state_equals_a_full_forward(packs):
 
 def test_fused_gated_attention_gives_the_logits_of_the_numpy_path(packs):
     """The full-attention layers' libcolibri step (output gate included) against the numpy path."""
-    from colibrid.engine.attention import Attention
+    from colibrid.engine.forward.attention import Attention
     from colibrid.engine.engine import Engine
     from colibrid.pack import Pack
 
@@ -155,7 +155,7 @@ def test_text_mrope_is_plain_rope_on_the_rotated_dims():
     import torch
     import transformers
 
-    from colibrid.engine.rope import Rotary
+    from colibrid.engine.forward.rope import Rotary
 
     hf = transformers.Qwen3_5MoeTextConfig(hidden_size=64, num_attention_heads=4, head_dim=64,
                                            rope_parameters={"rope_type": "default", "rope_theta": 1e7,
@@ -204,8 +204,8 @@ QWEN3_NEXT_80B = {
 
 
 def test_published_qwen36_config():
-    from colibrid.convert.converter import Converter
-    from colibrid.convert.wrapped import text_model_config
+    from colibrid.tools.convert.converter import Converter
+    from colibrid.tools.convert.wrapped import text_model_config
 
     text = text_model_config(QWEN36_35B, Converter._is_supported)
     assert text.wrapper == "qwen3_5_moe"
@@ -245,7 +245,7 @@ def test_hybrid_model_state_is_small():
     """A Qwen3.6-35B-A3B sequence: each of the 30 DeltaNet layers keeps 2.2 MB whatever the
     context (conv inputs 3 x 8192 floats, recurrent state 32 x 128 x 128); only the 10
     full-attention layers grow, by 2 kv heads x 256 dims x (k, v) per token."""
-    from colibrid.engine.deltanet import DeltaNetState
+    from colibrid.engine.forward.deltanet import DeltaNetState
 
     c = architecture_for(QWEN36_35B["text_config"]).model_config(QWEN36_35B["text_config"])
     assert DeltaNetState(c.deltanet).nbytes == 4 * (3 * 8192 + 32 * 128 * 128) == 2_195_456

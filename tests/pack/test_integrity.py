@@ -13,7 +13,7 @@ from tests.pack.conftest import SPEC, flip_byte
 
 def test_flipped_byte_in_expert_record_is_named(pack_copy):
     from colibrid.engine import load
-    from colibrid.engine.experts import ExpertChecksumError
+    from colibrid.engine.experts.source import ExpertChecksumError
     from colibrid.pack import Pack
 
     record = Pack.open(pack_copy).manifest.expert_records

@@ -5,7 +5,6 @@ expert) and the file; nothing is read from the wrong place."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest

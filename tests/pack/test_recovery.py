@@ -5,14 +5,12 @@ PIDs, and never through a symbolic link."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 
-from tests.convert.test_durability import convert_killed_between_renames
+from tests.tools.convert.test_durability import convert_killed_between_renames
 from tests.tiny_checkpoints import CheckpointSpec
 
 SPEC = CheckpointSpec("olmoe")

@@ -35,7 +35,7 @@ def _verify(pack, **kwargs):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "colibrid.pack.verify", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "colibrid.tools.verify_cli", *map(str, args)], capture_output=True,
                           text=True, timeout=120)
 
 

@@ -7,7 +7,7 @@ import os
 import signal
 import time
 
-from colibrid.systemd_notify import Notifier, watchdog_interval_s
+from colibrid.system.systemd_notify import Notifier, watchdog_interval_s
 from tests.daemon.wire import WireClient
 from tests.systemd.notify_socket import NotifySocket
 

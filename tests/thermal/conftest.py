@@ -15,7 +15,7 @@ def sysfs(tmp_path) -> FakeSysfs:
 @pytest.fixture
 def expert_source(demo_pack):
     """A CachedExpertSource with room for every expert, 16 reads in flight and prefetch on."""
-    from colibrid.engine.expert_cache import CachedExpertSource
+    from colibrid.engine.experts.cache import CachedExpertSource
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(demo_pack)

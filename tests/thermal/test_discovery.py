@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from colibrid.thermal.discovery import find_drives
-from tests.thermal.fake_sysfs import FakeSysfs, file_dev
+from tests.thermal.fake_sysfs import file_dev
 
 
 def test_a_file_on_an_nvme_partition(sysfs, tmp_path):

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from colibrid.engine.expert_cache import ExpertLoadingPaused
+from colibrid.engine.experts.cache import ExpertLoadingPaused
 from colibrid.thermal.smart_log import parse_smart_log
 from colibrid.thermal.watch import ThermalSettings, ThermalWatch
 from tests.thermal.fake_sysfs import file_dev
@@ -33,7 +33,7 @@ def make_watch(sysfs, source, clock=None, smart_sources=(), on_drive_back=None, 
 
 def limiter(source):
     """What the engine's limit_loading does to its source."""
-    from colibrid.engine.experts import apply_loading_limits
+    from colibrid.engine.experts.source import apply_loading_limits
 
     return lambda limits: apply_loading_limits(source, limits)
 

@@ -1,0 +1,1 @@
+"""colibrid, the daemon: lifecycle, config, listener, server, connections, scheduler."""

@@ -226,3 +226,12 @@ def test_the_graph_sees_late_and_type_only_imports(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOTS", ("colibrid",))
     assert import_graph() == {"colibrid": set(), "colibrid.a": {"colibrid.b"}, "colibrid.b": {"colibrid.a"}}
     assert cycles(import_graph()) == [["colibrid.a", "colibrid.b"]]
+
+
+def test_only_the_native_layer_loads_libcolibri_and_ctypes_has_one_other_user():
+    # docs/architecture.md says so: native/ turns C's statuses into exceptions in one place;
+    # the thermal watch's SMART source needs ctypes only for the kernel's NVMe ioctl structure.
+    users = sorted(name for name, path in product_modules().items()
+                   if "ctypes" in {target.split(".")[0] for target in imported_names(name, path)}
+                   and layer_of(name) != "colibrid.native")
+    assert users == ["colibrid.thermal.smart_source"]

@@ -2,7 +2,8 @@
 
     tools · gateway · colibrictl                     entry points
     daemon                                           lifecycle, server, scheduler, config
-    engine · system                                  the model at work; what the daemon asks of the machine
+    engine · system · settings                       the model at work; what the daemon asks of the machine;
+                                                     how a program reads its config
     models · pack · thermal · blockdev               descriptions and formats
     wire · native · sizes                            the protocol, the C library, byte sizes
 
@@ -28,7 +29,7 @@ RANKS = {
     "colibrid.wire": 0, "colibrid.native": 0, "colibrid.sizes": 0,
     "colibrid.models": 1, "colibrid.thermal": 1, "colibrid.blockdev": 1,
     "colibrid.pack": 2,
-    "colibrid.engine": 3, "colibrid.system": 3,
+    "colibrid.engine": 3, "colibrid.system": 3, "colibrid.settings": 3,
     "colibrid.daemon": 4,
     "colibrid.tools": 5, "colibrid.gateway": 5, "colibrictl": 5,
     "colibrid.__main__": 6,

@@ -1,46 +1,26 @@
-"""colibri-openai's settings: a TOML file (etc/colibri/colibri-openai.toml documents each key),
-every key also a flag (`max_request_bytes` <-> `--max-request-bytes`); a flag overrides the file.
-An unknown key or a bad value stops the gateway at start with one line naming it (exit 2).
+"""colibri-openai's settings: GatewayConfig, one field per key, read by colibrid.settings.
+
+Every key is also a flag (`max_request_bytes` <-> `--max-request-bytes`); a flag overrides the
+file. An unknown key or a bad value stops the gateway at start with one line naming it (exit 2).
+Each field below is its key's only description: etc/colibri/colibri-openai.toml is written from
+this table (`python -m colibrid.gateway.config > etc/colibri/colibri-openai.toml`;
+tests/gateway/test_config.py fails when the two differ).
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from colibrid import __version__
 from colibrid.gateway.model_output import FORMATS
+from colibrid.settings import LOG_LEVEL, SOCKET_PATH, Check, ConfigError, ProgramSettings, integer, number, one_of, setting
+
+# ConfigError is the gateway's one start-up error: main.py and app.py raise it too.
+__all__ = ["ConfigError", "GATEWAY_SETTINGS", "GatewayConfig", "load_config", "parse_listen"]
 
 DEFAULT_CONFIG_PATH = Path("/etc/colibri/colibri-openai.toml")
-LOG_LEVELS = ("error", "warning", "info", "debug")
-
-
-class ConfigError(Exception):
-    """A setting the gateway cannot start with; str() is the one-line explanation."""
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    socket: str = "/run/colibri/colibrid.sock"  # colibrid's Unix socket
-    listen: str = "127.0.0.1:8080"  # HOST:PORT to bind when systemd passes no socket
-    api_keys_file: str = ""  # one bearer key per line; "" = no authentication
-    max_request_bytes: int = 1024 * 1024  # largest HTTP request body
-    tool_call_format: str = "auto"  # how tool calls are read from the model's text (model_output.FORMATS)
-    retry_after_s: int = 1  # Retry-After of a 429 (colibrid busy) or 503 (thermal, unreachable)
-    daemon_timeout_s: float = 10.0  # connecting to colibrid and its hello; status for /health and /metrics
-    log_level: str = "info"
-
-
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _positive_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -59,61 +39,71 @@ def _is_listen(value: Any) -> bool:
     return isinstance(value, str)
 
 
-# key -> (check, what is allowed, how a flag's text becomes a value)
-KEYS = {
-    "socket": (lambda v: isinstance(v, str) and 0 < len(v.encode()) <= 107, "a socket path of at most 107 bytes", str),
-    "listen": (_is_listen, "HOST:PORT", str),
-    "api_keys_file": (lambda v: isinstance(v, str), "a path, or \"\" for no authentication", str),
-    "max_request_bytes": (_positive_int, "an integer >= 1", int),
-    "tool_call_format": (lambda v: v in FORMATS, " or ".join(FORMATS), str),
-    "retry_after_s": (_positive_int, "an integer >= 1", int),
-    "daemon_timeout_s": (_positive_number, "a number > 0", float),
-    "log_level": (lambda v: v in LOG_LEVELS, " or ".join(LOG_LEVELS), str),
-}
-assert set(KEYS) == {f.name for f in dataclasses.fields(GatewayConfig)}
+LISTEN = Check("must be HOST:PORT, e.g. 127.0.0.1:8080 or [::1]:8080", _is_listen)
+API_KEYS_FILE = Check('must be a path, or "" for no authentication', lambda v: isinstance(v, str))
 
 
-def flag_name(key: str) -> str:
-    return "--" + key.replace("_", "-")
+@dataclass(frozen=True)
+class GatewayConfig:
+    socket: str = setting("/run/colibri/colibrid.sock", SOCKET_PATH, "PATH", doc="""
+        colibrid's Unix socket.
+
+        The gateway connects once per request (and per health check).""")
+    listen: str = setting("127.0.0.1:8080", LISTEN, "HOST:PORT", doc="""
+        HOST:PORT to listen on when systemd passes no socket.
+
+        colibri-openai.socket passes one, and this key is then not used. [::1]:8080 for IPv6;
+        port 0 lets the kernel choose (logged).""")
+    api_keys_file: str = setting("", API_KEYS_FILE, "PATH", doc="""
+        A file of API keys, one per line; "" (the default): no authentication.
+
+        Blank lines and lines starting with # are skipped. Requests to /v1/... must then carry
+        `Authorization: Bearer KEY`; /health and /metrics stay open for load balancers and
+        Prometheus. A file that cannot be read, or holds no key, stops the gateway at start.""")
+    max_request_bytes: int = setting(1024 * 1024, integer(1), "BYTES", doc="""
+        The largest HTTP request body, in bytes; a larger one is answered 413.
+
+        colibrid refuses frames above its max_frame_bytes (1 MiB by default), so a larger value
+        buys nothing.""")
+    tool_call_format: str = setting("auto", one_of(*FORMATS), "FORMAT", doc="""
+        How tool calls are read out of the model's text.
+
+        "auto": Harmony for gpt-oss; for other families any of the Hermes/GLM <tool_call>,
+        DeepSeek and Kimi K2 conventions, by their markers. "hermes", "harmony", "deepseek" or
+        "kimi": that convention only. "none": never parse.""")
+    retry_after_s: int = setting(1, integer(1, unit="seconds"), "SECONDS", doc="""
+        Retry-After, in seconds, sent with a 429 or a 503.
+
+        A 429 when colibrid's queue is full; a 503 when colibrid is unreachable, or its drive too
+        hot.""")
+    daemon_timeout_s: float = setting(10.0, number(0, above=True, unit="seconds"), "SECONDS", doc="""
+        Seconds that connecting to colibrid and its hello, and a status for /health or /metrics,
+        may take.""")
+    log_level: str = setting("info", LOG_LEVEL, "LEVEL", doc="""
+        How much colibri-openai logs to stderr (the journal under systemd).""")
 
 
-def build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="colibri-openai",
-        description="An OpenAI-compatible HTTP gateway to colibrid (docs/gateway.md).")
-    parser.add_argument("--config", type=Path, default=None,
-                        help=f"TOML file of the keys below (default {DEFAULT_CONFIG_PATH} if it exists)")
-    parser.add_argument("--version", action="version", version=f"colibri-openai {__version__}")
-    for key, (_, allowed, _) in KEYS.items():
-        default = getattr(GatewayConfig(), key)
-        parser.add_argument(flag_name(key), dest=key, default=None, metavar="VALUE",
-                            help=f"{allowed} (default {default!r})")
-    return parser
+GATEWAY_SETTINGS = ProgramSettings(
+    program="colibri-openai",
+    config_type=GatewayConfig,
+    default_path=DEFAULT_CONFIG_PATH,
+    description="An OpenAI-compatible HTTP gateway to colibrid (docs/gateway.md).",
+    file_header="""
+        colibri-openai configuration (docs/gateway.md). Installed as
+        /etc/colibri/colibri-openai.toml; read at start. Every key is also a flag of the same name
+        in kebab case (max_request_bytes <-> --max-request-bytes); a flag overrides the file. Keys
+        shown commented out are at their default. An unknown key or a bad value stops the gateway
+        at start (exit 2).
+
+        These descriptions are written from colibrid/gateway/config.py, the gateway's one table of
+        keys (python -m colibrid.gateway.config).""",
+)
 
 
 def load_config(argv: Sequence[str] | None = None) -> GatewayConfig:
-    args = build_arg_parser().parse_args(argv)
-    values: dict[str, Any] = {}
-    path = args.config or (DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None)
-    if path is not None:
-        try:
-            values = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read {path}: {exc}") from None
-        unknown = sorted(set(values) - set(KEYS))
-        if unknown:
-            raise ConfigError(f"{path}: unknown key {unknown[0]!r}; the keys are {', '.join(KEYS)}")
-    for key, (_, _, from_text) in KEYS.items():
-        text = getattr(args, key)
-        if text is not None:
-            try:
-                values[key] = from_text(text)
-            except ValueError:
-                raise ConfigError(f"{flag_name(key)} {text!r}: must be {KEYS[key][1]}") from None
-    for key, value in values.items():
-        check, allowed, _ = KEYS[key]
-        if key == "daemon_timeout_s" and isinstance(value, int) and not isinstance(value, bool):
-            value = values[key] = float(value)
-        if not check(value):
-            raise ConfigError(f"{key} = {value!r}: must be {allowed}")
-    return GatewayConfig(**values)
+    """The defaults, then the file, then the flags; ConfigError for the first bad key."""
+    return GATEWAY_SETTINGS.load(argv)
+
+
+if __name__ == "__main__":  # python -m colibrid.gateway.config > etc/colibri/colibri-openai.toml
+    print(GATEWAY_SETTINGS.documented_toml(), end="")

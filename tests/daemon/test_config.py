@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from colibrid.daemon.config import KEYS, ConfigError, DaemonConfig, load_config
+from colibrid.daemon.config import DAEMON_SETTINGS, KEYS, ConfigError, DaemonConfig, build_arg_parser, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_CONFIG = REPO / "etc" / "colibri" / "colibrid.toml"
@@ -122,6 +123,31 @@ def test_the_shipped_file_documents_every_key_with_its_default(demo_pack):
             assert table[key.name] == expected, key.name
 
 
+def test_the_shipped_file_is_written_from_the_key_table():
+    """Each key is described once, in colibrid/daemon/config.py; the shipped file follows."""
+    assert SHIPPED_CONFIG.read_text() == DAEMON_SETTINGS.documented_toml(), (
+        f"{SHIPPED_CONFIG} differs from the keys of colibrid/daemon/config.py: write it again with "
+        "python -m colibrid.daemon.config > etc/colibri/colibrid.toml")
+
+
+def test_every_key_of_the_shipped_file_is_a_flag():
+    """The README says so: max_queue <-> --max-queue."""
+    keys = re.findall(r"^#?(\w+) = ", SHIPPED_CONFIG.read_text(), re.MULTILINE)
+    assert keys == [key.name for key in KEYS]
+    parser = build_arg_parser()
+    for key in keys:
+        assert vars(parser.parse_args(["--" + key.replace("_", "-"), "x"]))[key] == "x", key
+
+
+def test_the_keys_a_reload_applies():
+    """Daemon.apply_reload applies exactly these; the shipped file says so key by key."""
+    assert {key.name for key in KEYS if key.reloadable} == {
+        "allow_users", "allow_groups", "max_queue", "max_frame_bytes", "max_connections", "max_outbox_bytes",
+        "stalled_client_timeout_s", "hello_timeout_s", "frame_timeout_s", "default_max_tokens", "cache_size",
+        "cache_policy", "io_queue_depth", "prefetch", "thermal", "thermal_poll_s", "thermal_throttle",
+        "thermal_resume", "shutdown_grace_s", "stall_timeout_s", "log_level"}
+
+
 @pytest.mark.parametrize("source", ["file", "flag"])
 def test_the_daemon_exits_2_with_one_line_on_stderr(demo_pack, tmp_path, source):
     path = write_config(tmp_path, "max_queue = -1\n" if source == "file" else "")
@@ -137,8 +163,6 @@ def test_the_daemon_exits_2_with_one_line_on_stderr(demo_pack, tmp_path, source)
 
 def test_help_shows_every_key():
     """argparse %-formats help text: a literal % ("40%" of MemAvailable) once broke --help."""
-    from colibrid.daemon.config import build_arg_parser
-
     text = build_arg_parser().format_help()
     assert all(f"--{key.name.replace('_', '-')}" in text for key in KEYS)
     assert '"40%" of MemAvailable' in text

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from colibrid.gateway.config import ConfigError, GatewayConfig, load_config, parse_listen
+from colibrid.gateway.config import GATEWAY_SETTINGS, ConfigError, GatewayConfig, load_config, parse_listen
 
 SHIPPED = Path(__file__).resolve().parents[2] / "etc/colibri/colibri-openai.toml"
 
@@ -32,13 +32,30 @@ def test_flags_override_the_file(tmp_path):
 
 @pytest.mark.parametrize("content, flags, message", [
     ('lissen = "x"\n', [], "unknown key 'lissen'"),
-    ('tool_call_format = "xml"\n', [], "tool_call_format = 'xml'"),
-    ("", ["--listen", "localhost"], "listen = 'localhost': must be HOST:PORT"),
-    ("", ["--max-request-bytes", "many"], "--max-request-bytes 'many'"),
+    ('tool_call_format = "xml"\n', [], 'tool_call_format = "xml"'),
+    ("", ["--listen", "localhost"], 'listen = "localhost": must be HOST:PORT'),
+    ("", ["--max-request-bytes", "many"], 'max_request_bytes = "many": must be an integer >= 1 (from --max-request-bytes)'),
     ("", ["--retry-after-s", "0"], "retry_after_s = 0"),
 ])
 def test_a_bad_setting_is_one_line_naming_it(tmp_path, content, flags, message):
     config_file = tmp_path / "gateway.toml"
     config_file.write_text(content)
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    with pytest.raises(ConfigError, match=re.escape(message)) as caught:
         load_config(["--config", str(config_file), *flags])
+    assert "\n" not in str(caught.value)
+
+
+def test_the_shipped_file_is_written_from_the_key_table():
+    """Each key is described once, in colibrid/gateway/config.py; the shipped file follows."""
+    assert SHIPPED.read_text() == GATEWAY_SETTINGS.documented_toml(), (
+        f"{SHIPPED} differs from the keys of colibrid/gateway/config.py: write it again with "
+        "python -m colibrid.gateway.config > etc/colibri/colibri-openai.toml")
+
+
+def test_every_key_of_the_shipped_file_is_a_flag():
+    """docs/gateway.md says so: max_request_bytes <-> --max-request-bytes."""
+    keys = re.findall(r"^#?(\w+) = ", SHIPPED.read_text(), re.MULTILINE)
+    assert keys == [f.name for f in dataclasses.fields(GatewayConfig)]
+    parser = GATEWAY_SETTINGS.arg_parser()
+    for key in keys:
+        assert vars(parser.parse_args(["--" + key.replace("_", "-"), "x"]))[key] == "x", key

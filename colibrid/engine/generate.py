@@ -28,7 +28,8 @@ from typing import Literal, Protocol
 import numpy as np
 
 from colibrid.engine.sampling import Sampler, SamplingParams, StopMatcher
-from colibrid.engine.text.tokenizer import IncrementalDecoder, Tokenizer
+from colibrid.engine.text.incremental_decoder import IncrementalDecoder
+from colibrid.engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -152,10 +152,11 @@ class Batch:
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[tuple[BatchSequence, list[Outcome]]]:
-        """Advances every running sequence by one step; returns what each produced (a token
-        event, and GenerationDone at its end; nothing for a prompt chunk that is not the last;
-        SequenceFailed for one that cannot go on). Finished and failed sequences leave the
-        batch. StepFailed if the model fails (see there)."""
+        """Runs the next step's plan (plan_step); returns what each sequence of the plan
+        produced, in the plan's order, which is also the order the step's routing capture
+        numbers its sequences by (a token event, and GenerationDone at its end; nothing for a
+        prompt chunk that is not the last; SequenceFailed for one that cannot go on). Finished
+        and failed sequences leave the batch. StepFailed if the model fails (see there)."""
         plan = self.plan_step()
         if not plan:
             return []

@@ -135,7 +135,7 @@ def test_the_planner_refuses_a_chunk_of_no_tokens():
         plan_step([], 0)
 
 
-def test_the_planned_token_ids_are_int32_views_to_feed_as_they_are(batch, demo_engine):
+def test_the_planned_token_ids_are_int32_one_chunk_long(batch, demo_engine):
     _admit(batch, demo_engine, "long", list(range(10, 50)))
     ids = batch.plan_step().rows[0].token_ids
     assert ids.dtype == np.int32 and ids.shape == (CHUNK,)

@@ -33,7 +33,8 @@ from typing import Any
 
 from colibrid import native
 from colibrid.pack.damage import DamagedRecord
-from colibrid.pack.verify import Damage, PackVerifier, Progress, VerifyControls, VerifyReport
+from colibrid.pack.verify import PackVerifier
+from colibrid.pack.verify_report import Damage, Progress, VerifyControls, VerifyReport
 
 log = logging.getLogger(__name__)
 

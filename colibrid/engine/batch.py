@@ -3,10 +3,11 @@
 A step carries one decode token for every running sequence that has sampled, and chunks of
 prompt from the sequences still prefilling (at most ``prefill_chunk`` prompt tokens per step
 in all while any sequence decodes, twice that while none does; whole chunks in arrival
-order), so a long prompt never stalls the others' tokens for more than one chunk. The model
-runs each sequence's token mixer on its own state and the feed-forward half once over every
-row of the step: each routed expert is acquired and computed once per layer for all the
-sequences routed to it (Model.forward_batch).
+order), so a long prompt never stalls the others' tokens for more than one chunk. That rule
+is the step plan's contract (engine/step_plan.py), and each step runs one plan. The model runs
+each sequence's token mixer on its own state and the feed-forward half once over every row of
+the step: each routed expert is acquired and computed once per layer for all the sequences
+routed to it (Model.forward_batch).
 
 A sequence's tokens do not depend on what else runs: the kernels compute each row alone and
 every sequence keeps its own sampler, seed and stop strings (Generation). Each sequence's
@@ -32,6 +33,7 @@ from colibrid.engine.generate import Generation
 from colibrid.engine.forward.model import Model, StepInput
 from colibrid.engine.forward.moe import StepDamaged
 from colibrid.engine.prefix_cache import PrefixCache
+from colibrid.engine.step_plan import StepPlan, plan_step
 
 Outcome = "GenerationEvent | GenerationDone | SequenceFailed"
 
@@ -79,12 +81,6 @@ class StepFailed(Exception):
 
 class KVBudgetExceeded(ValueError):
     """The sequence cannot fit in the KV budget even alone: it will never be admitted."""
-
-
-# Prompt tokens a step takes while no sequence decodes, in prefill_chunks: twice a normal
-# step's, which keeps its transient memory (activations, the experts' inputs) within twice
-# what the daemon already needs for a step with a chunk and max_batch decoding rows.
-IDLE_PREFILL_CHUNKS = 2
 
 
 class Batch:
@@ -156,37 +152,48 @@ class Batch:
     # -- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[tuple[BatchSequence, list[Outcome]]]:
-        """Advances every running sequence by one step; returns what each produced (a token
-        event, and GenerationDone at its end; nothing for a prompt chunk that is not the last;
-        SequenceFailed for one that cannot go on). Finished and failed sequences leave the
-        batch. StepFailed if the model fails (see there)."""
-        plan = self._plan()
+        """Runs the next step's plan (plan_step); returns what each sequence of the plan
+        produced, in the plan's order, which is also the order the step's routing capture
+        numbers its sequences by (a token event, and GenerationDone at its end; nothing for a
+        prompt chunk that is not the last; SequenceFailed for one that cannot go on). Finished
+        and failed sequences leave the batch. StepFailed if the model fails (see there)."""
+        plan = self.plan_step()
         if not plan:
             return []
+        for rows in plan:  # taken now: a sequence whose step fails leaves the batch with them
+            rows.sequence.generation.next_input(rows.tokens)
         before = self._expert_counts() if self._expert_counts is not None else (0, 0)
         damaged = {}  # index in the plan -> the damaged expert record that sequence needed
-        chunk_ends = [seq for seq, ids, _ in plan if seq.generation.prefilling and ids.shape[0] == self.prefill_chunk]
         try:
-            logits = self.model.forward_batch([StepInput(seq.session.state, ids, "last" if last else None)
-                                               for seq, ids, last in plan])
+            logits = self.model.forward_batch([StepInput(rows.sequence.session.state, rows.token_ids,
+                                                         "last" if rows.samples else None) for rows in plan])
         except StepDamaged as exc:
             if exc.logits is None:  # no sequence of the step was spared
-                failed = [sequence for sequence, _, _ in plan]
-                self.sequences = [sequence for sequence in self.sequences if sequence not in failed]
-                raise StepFailed(failed) from exc
+                raise self._leave(plan) from exc
             logits, damaged = exc.logits, exc.inputs
         except Exception as exc:
-            failed = [sequence for sequence, _, _ in plan]
-            self.sequences = [sequence for sequence in self.sequences if sequence not in failed]
-            raise StepFailed(failed) from exc
-        for sequence in chunk_ends:  # a whole prompt chunk: where a fresh prefill is cut too
-            sequence.session.state.note_prefill_chunk()
+            raise self._leave(plan) from exc
+        for rows in plan:
+            if rows.ends_prompt_chunk:  # a whole prompt chunk: where a fresh prefill is cut too
+                rows.sequence.session.state.note_prefill_chunk()
         after = self._expert_counts() if self._expert_counts is not None else (0, 0)
         self.steps += 1
         self.last_step_size = len(plan)
-        return [(sequence, self._damaged(sequence, damaged[i]) if i in damaged else
-                 self._outcomes(sequence, rows if last else None, after[0] - before[0], after[1] - before[1]))
-                for i, ((sequence, _, last), rows) in enumerate(zip(plan, logits))]
+        return [(rows.sequence, self._damaged(rows.sequence, damaged[i]) if i in damaged else
+                 self._outcomes(rows.sequence, sequence_logits if rows.samples else None,
+                                after[0] - before[0], after[1] - before[1]))
+                for i, (rows, sequence_logits) in enumerate(zip(plan, logits))]
+
+    def plan_step(self) -> StepPlan:
+        """The plan of the next step (engine/step_plan.py): which running sequences take part,
+        with which tokens. Only reads the sequences: step() runs the plan."""
+        return plan_step(self.sequences, self.prefill_chunk)
+
+    def _leave(self, plan: StepPlan) -> StepFailed:
+        """The step of ``plan`` failed: its sequences leave the batch (see StepFailed)."""
+        failed = [rows.sequence for rows in plan]
+        self.sequences = [sequence for sequence in self.sequences if sequence not in failed]
+        return StepFailed(failed)
 
     def _damaged(self, sequence: BatchSequence, record) -> list[Outcome]:
         """A sequence that needed a damaged expert record: its numbers are wrong, it leaves."""
@@ -209,36 +216,6 @@ class Batch:
                 self.prefix_cache.keep(sequence.generation.fed_token_ids(), sequence.session.state,
                                        sequence.prefix_scope)
         return outcomes
-
-    def _plan(self) -> list[tuple[BatchSequence, np.ndarray, bool]]:
-        """(sequence, its tokens this step, whether they end its pending input) for each
-        sequence in the step: every decoding sequence's one token, and prompt chunks in
-        arrival order, at least one and then as many as fit in prefill_chunk tokens.
-
-        A prompt is always cut at the same places, every prefill_chunk tokens of its own,
-        whatever else runs: DeltaNet's chunked prefill rounds differently for different
-        cuts, and a request's numbers must not depend on its neighbours.
-
-        The budget bounds how long a step keeps the decoding sequences from their next token.
-        While none decodes, nobody waits on the step, so it takes IDLE_PREFILL_CHUNKS times
-        as many prompt tokens (whole chunks of different prompts): requests waiting
-        together get their first tokens together, in one pass over the experts' weights
-        instead of one per chunk, and no request's first tokens then wait on a second
-        prompt step."""
-        decoding = any(not sequence.generation.prefilling for sequence in self.sequences)
-        plan, prompt_budget = [], self.prefill_chunk * (1 if decoding else IDLE_PREFILL_CHUNKS)
-        for sequence in self.sequences:
-            generation = sequence.generation
-            if not generation.prefilling:
-                plan.append((sequence, generation.next_input(), True))
-                continue
-            chunk = min(self.prefill_chunk, generation.pending_tokens)
-            if chunk <= prompt_budget:
-                prompt_budget -= chunk
-                plan.append((sequence, generation.next_input(chunk), generation.pending_tokens == 0))
-            else:
-                prompt_budget = 0  # the next prompts wait their turn: first come, first fed
-        return plan
 
     # -- observability ------------------------------------------------------------------------
 

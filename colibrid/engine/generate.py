@@ -28,7 +28,8 @@ from typing import Literal, Protocol
 import numpy as np
 
 from colibrid.engine.sampling import Sampler, SamplingParams, StopMatcher
-from colibrid.engine.text.tokenizer import IncrementalDecoder, Tokenizer
+from colibrid.engine.text.incremental_decoder import IncrementalDecoder
+from colibrid.engine.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -223,11 +224,17 @@ class Generation:
         """Nothing sampled yet: the prompt (or the rest of it) is still to be fed."""
         return self._counters.generated_tokens == 0
 
+    def peek_input(self, max_tokens: int | None = None) -> np.ndarray:
+        """The tokens next_input(max_tokens) would take (int32 (n,)), left pending: a view,
+        not to be written, that stays valid after they are taken."""
+        n = self.pending_tokens if max_tokens is None else min(max_tokens, self.pending_tokens)
+        return self._pending[:n]
+
     def next_input(self, max_tokens: int | None = None) -> np.ndarray:
         """The next tokens to feed (int32 (n,)), at most ``max_tokens`` of the pending ones.
         When this takes the last pending token, the caller must pass its logits to accept()."""
-        n = self.pending_tokens if max_tokens is None else min(max_tokens, self.pending_tokens)
-        taken, self._pending = self._pending[:n], self._pending[n:]
+        taken = self.peek_input(max_tokens)
+        self._pending = self._pending[taken.shape[0]:]
         return taken
 
     def accept(self, logits: np.ndarray) -> list[GenerationEvent | GenerationDone]:

@@ -21,22 +21,23 @@ used, every file is opened without following a symbolic link and must be a regul
 size the manifest says. What is wrong is reported, never raised: a Damage per finding, naming
 the file and where in it (layer, expert and offset of an expert record; name and offset of a
 dense tensor), and the run goes on to find the rest.
+
+What a verify reports, and the controls its caller steers it with, are verify_report.py's; the
+sequential reads and the double buffer, verify_reads.py's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import mmap
 import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -47,6 +48,8 @@ from colibrid.pack.manifest import (
     read_manifest_data,
 )
 from colibrid.pack.validate import check_manifest
+from colibrid.pack.verify_reads import DIRECT_ALIGN_BYTES, DoubleBuffer, SequentialFile
+from colibrid.pack.verify_report import Damage, Progress, VerifyCancelled, VerifyControls, VerifyReport
 
 log = logging.getLogger(__name__)
 
@@ -55,90 +58,8 @@ CHUNK_BYTES = 8 << 20  # one sequential read of a file other than experts.bin
 # (the manifest key that describes it; its digest is experts.device.sha256).
 EXPERTS_DEVICE = "experts.device"
 BATCH_BYTES = 32 << 20  # expert records read per loader call (at least one record)
-DIRECT_ALIGN_BYTES = 4096  # O_DIRECT offsets, lengths and buffers are multiples of this
 PACING_WINDOW_S = 0.25  # under a bandwidth cap, one read is at most this many seconds' worth
 DIRECT_MODES = {"try": native.AepcMode.TRY, "required": native.AepcMode.REQUIRED, "off": native.AepcMode.OFF}
-
-
-class VerifyCancelled(Exception):
-    """The verify was stopped before its end (a cancel, a disconnect, a shutdown)."""
-
-
-@dataclass(frozen=True)
-class Damage:
-    """One thing found wrong: ``file`` of the pack, and where in it when that is known."""
-
-    file: str
-    message: str  # one line for humans, naming the place again
-    offset: int | None = None  # bytes into the file
-    length: int | None = None  # bytes from offset
-    layer: int | None = None  # an expert record's
-    expert: int | None = None
-    tensor: str | None = None  # a dense tensor's name
-
-    def to_json(self) -> dict[str, Any]:
-        return {key: value for key, value in asdict(self).items() if value is not None}
-
-
-@dataclass(frozen=True)
-class Progress:
-    bytes_done: int
-    bytes_total: int
-    elapsed_s: float  # since the start, pauses included
-    file: str  # the file being read
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes_done / 1e6 / self.elapsed_s if self.elapsed_s > 0 else 0.0
-
-    @property
-    def eta_s(self) -> float | None:
-        """Seconds left at the rate so far; None before anything is done."""
-        rate = self.bytes_done / self.elapsed_s if self.elapsed_s > 0 else 0.0
-        return (self.bytes_total - self.bytes_done) / rate if rate > 0 else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"bytes_done": self.bytes_done, "bytes_total": self.bytes_total, "elapsed_s": round(self.elapsed_s, 3),
-                "mb_per_s": round(self.mb_per_s, 1), "eta_s": None if self.eta_s is None else round(self.eta_s, 1),
-                "file": self.file}
-
-
-@dataclass
-class VerifyReport:
-    pack: str
-    damage: list[Damage] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # what this verify could not check, and why
-    files: dict[str, str] = field(default_factory=dict)  # file -> "ok", "damaged", "sha256 not recorded", ...
-    bytes_read: int = 0
-    seconds: float = 0.0
-    cancelled: bool = False
-
-    @property
-    def clean(self) -> bool:
-        return not self.damage and not self.cancelled
-
-    def to_json(self, max_damage: int | None = None) -> dict[str, Any]:
-        """The report; ``max_damage``: list at most that many findings (damage_found counts all)."""
-        return {"pack": self.pack, "clean": self.clean, "cancelled": self.cancelled,
-                "damage": [d.to_json() for d in self.damage[:max_damage]], "damage_found": len(self.damage),
-                "notes": list(self.notes), "files": dict(self.files), "bytes_read": self.bytes_read,
-                "seconds": round(self.seconds, 3)}
-
-
-@dataclass
-class VerifyControls:
-    """How a verify reports and yields. Every callback may be called from either of the
-    verify's two threads; ``before_read`` runs on the reading thread before each read and may
-    block (the daemon waits there while it serves); ``stop`` set means stop at the next read."""
-
-    on_progress: Callable[[Progress], None] | None = None
-    on_damage: Callable[[Damage], None] | None = None
-    # each record checked: (record, intact, the CRC-32C read when it does not match its checksum)
-    on_expert: Callable[[ExpertRecord, bool, int | None], None] | None = None
-    before_read: Callable[[], None] | None = None
-    stop: threading.Event = field(default_factory=threading.Event)
-    max_bytes_per_s: float | None = None  # a bandwidth cap; None: as fast as the disk goes
-    progress_interval_s: float = 0.5
 
 
 @dataclass
@@ -185,7 +106,7 @@ class PackVerifier:
         try:
             manifest = self._check_manifest()
             if manifest is not None:
-                checks = self._plan(manifest)
+                checks = self._files_to_read(manifest)
                 self._bytes_total = sum(check.size for check in checks)
                 self._progress(force=True)  # what there is to read, before the first read
                 with ThreadPoolExecutor(max_workers=1, thread_name_prefix="colibri-verify-hash") as hasher:
@@ -236,7 +157,7 @@ class PackVerifier:
                        "tensors are checked by its SHA-256 only, if recorded")
         return manifest
 
-    def _plan(self, manifest: Manifest) -> list[_FileCheck]:
+    def _files_to_read(self, manifest: Manifest) -> list[_FileCheck]:
         """The files to read, in the order they are read: each one the pack needs or the
         manifest records a digest of, that exists as a regular file of the expected size;
         on a device pack, its experts region second, in place of experts.bin."""
@@ -331,7 +252,7 @@ class PackVerifier:
             return
         try:
             sha256 = hashlib.sha256()
-            with _DoubleBuffer(capacity) as buffers:
+            with DoubleBuffer(capacity) as buffers:
                 for batch in _batches(check.records, capacity):
                     buffer = buffers.next_free()
                     self._before_read(sum(r.length for r in batch))
@@ -376,7 +297,7 @@ class PackVerifier:
         chunk_bytes = min(CHUNK_BYTES, self._batch_limit())
         chunk_bytes = max(DIRECT_ALIGN_BYTES, chunk_bytes - chunk_bytes % DIRECT_ALIGN_BYTES)
         try:
-            reader = _SequentialFile(self.path / check.name, self.direct)
+            reader = SequentialFile(self.path / check.name, self.direct)
         except OSError as exc:
             self._damage(Damage(check.name, f"{check.name} cannot be opened: {exc.strerror}"))
             self.report.files[check.name] = "damaged"
@@ -386,7 +307,7 @@ class PackVerifier:
         sha256 = hashlib.sha256()
         crcs = _TensorChecksums(check.tensors)
         try:
-            with _DoubleBuffer(chunk_bytes) as buffers:
+            with DoubleBuffer(chunk_bytes) as buffers:
                 for offset in range(0, check.size, chunk_bytes):
                     buffer = buffers.next_free()
                     length = min(chunk_bytes, check.size - offset)
@@ -523,89 +444,6 @@ def _batches(records: list[ExpertRecord], capacity: int) -> Iterator[list[Expert
         size += record.length
     if batch:
         yield batch
-
-
-class _DoubleBuffer:
-    """Two page-aligned buffers (O_DIRECT needs aligned memory): one is read into while the
-    other is checked on the hashing thread. A buffer is reused only once its check is done;
-    leaving the block waits for the last checks (and raises what they raised)."""
-
-    def __init__(self, capacity: int) -> None:
-        self._maps = [mmap.mmap(-1, capacity) for _ in range(2)]
-        self._views = [np.frombuffer(m, dtype=np.uint8) for m in self._maps]
-        self._pending: list[Future | None] = [None, None]
-        self._turn = 0
-
-    def next_free(self) -> np.ndarray:
-        i = self._turn
-        self._wait(i)
-        self._turn = 1 - i
-        return self._views[i]
-
-    def hand_over(self, buffer: np.ndarray, check: Future) -> None:
-        self._pending[1 - self._turn] = check  # the buffer next_free just gave out
-
-    def _wait(self, i: int) -> None:
-        pending, self._pending[i] = self._pending[i], None
-        if pending is not None:
-            pending.result()
-
-    def __enter__(self) -> "_DoubleBuffer":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            for i in range(2):
-                self._wait(i)
-        finally:
-            self._views = []
-            for m in self._maps:
-                try:
-                    m.close()
-                except BufferError:  # a view still lives (an exception's traceback): the GC frees it
-                    pass
-
-
-class _SequentialFile:
-    """A pack file read front to back: opened without following a symbolic link, O_DIRECT
-    unless the file system refuses it (then buffered, with a note, and the pages read are
-    dropped from the page cache so a verify does not push the experts out of it)."""
-
-    def __init__(self, path: Path, direct: str) -> None:
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-        self.note = None
-        self.direct = direct != "off"
-        self.path = path
-        try:
-            self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0))
-        except OSError as exc:
-            if not (self.direct and exc.errno == 22):  # EINVAL: no O_DIRECT on this file system
-                raise
-            if direct == "required":
-                raise OSError(exc.errno, f"O_DIRECT refused by the file system of {path.name} (direct = required)")
-            self.direct = False
-            self.note = f"O_DIRECT refused by the file system of {path.name} (EINVAL): buffered reads"
-            self.fd = os.open(path, flags)
-        if not stat.S_ISREG(os.fstat(self.fd).st_mode):
-            os.close(self.fd)
-            raise OSError(21, "not a regular file")
-
-    def read_into(self, buffer: np.ndarray, offset: int, length: int) -> int:
-        """Read ``length`` bytes at ``offset`` into buffer; returns the bytes read (fewer only at
-        the end of the file). O_DIRECT reads whole blocks: the last one may ask past the end."""
-        asked = -(-length // DIRECT_ALIGN_BYTES) * DIRECT_ALIGN_BYTES if self.direct else length
-        view, done = memoryview(buffer), 0
-        while done < length:
-            n = os.preadv(self.fd, [view[done:asked]], offset + done)
-            if n == 0:
-                break
-            done += n
-        if not self.direct:
-            os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_DONTNEED)
-        return min(done, length)
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class _TensorChecksums:

@@ -17,7 +17,8 @@ import time
 
 from colibrid import __version__
 from colibrid.tools.convert.progress import format_duration
-from colibrid.pack.verify import Damage, Progress, VerifyControls, VerifyReport, verify_pack
+from colibrid.pack.verify import verify_pack
+from colibrid.pack.verify_report import Damage, Progress, VerifyControls, VerifyReport
 
 EXIT_CLEAN = 0
 EXIT_DAMAGED = 1

@@ -118,7 +118,7 @@ def test_a_long_prompt_is_fed_in_chunks_while_the_others_keep_their_token_per_st
 
 
 def test_prompts_arriving_together_share_a_step_until_someone_decodes(demo_engine):
-    from colibrid.engine.batch import IDLE_PREFILL_CHUNKS
+    from colibrid.engine.step_plan import IDLE_PREFILL_CHUNKS
 
     engine = demo_engine
     chunk = 16

@@ -9,7 +9,8 @@ import pytest
 
 from colibrid.engine.generate import GenerationDone, GenerationEvent, generate
 from colibrid.engine.sampling import SamplingParams
-from colibrid.engine.text.tokenizer import REPLACEMENT_CHAR, Tokenizer
+from colibrid.engine.text.incremental_decoder import REPLACEMENT_CHAR
+from colibrid.engine.text.tokenizer import Tokenizer
 
 GREEDY = dict(temperature=0.0)
 

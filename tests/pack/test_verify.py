@@ -66,7 +66,7 @@ def test_a_flipped_byte_in_an_expert_record_is_found_by_layer_expert_and_offset(
     target = next(r for r in Pack.open(demo_copy).manifest.expert_records if (r.layer, r.expert) == (2, 11))
     flip_byte(demo_copy / "experts.bin", target.offset + 777, mask=0x10)
     seen = []
-    from colibrid.pack.verify import VerifyControls
+    from colibrid.pack.verify_report import VerifyControls
 
     report = _verify(demo_copy, controls=VerifyControls(on_expert=lambda record, ok, crc: seen.append((record, ok))))
     assert not report.clean
@@ -174,7 +174,7 @@ def test_a_missing_file_a_symlink_and_a_wrong_size_are_each_named(demo_copy, tmp
 
 
 def test_the_bandwidth_cap_is_honoured(demo_pack):
-    from colibrid.pack.verify import VerifyControls
+    from colibrid.pack.verify_report import VerifyControls
 
     total = sum(p.stat().st_size for p in demo_pack.iterdir() if p.name != "manifest.json")
     cap = total / 1.0  # bytes per second: the whole pack in about a second
@@ -188,7 +188,7 @@ def test_the_bandwidth_cap_is_honoured(demo_pack):
 
 
 def test_a_verify_stops_when_asked(demo_pack):
-    from colibrid.pack.verify import VerifyControls
+    from colibrid.pack.verify_report import VerifyControls
 
     controls = VerifyControls(max_bytes_per_s=1e6)  # about 10 s for the pack
     threading.Timer(0.3, controls.stop.set).start()

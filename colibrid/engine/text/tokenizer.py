@@ -1,33 +1,22 @@
 """Text <-> token ids for a pack, with the same results as transformers' fast tokenizer.
 
-A pack carries verbatim copies of the checkpoint's tokenizer files:
+Encoding and decoding run in the `tokenizers` library (Rust), from the pack's tokenizer.json;
+this module only decides the same things transformers 5.x decides around it: which special
+tokens exist, which ids end a generation (both read from the pack's other tokenizer files,
+tokenizer_files.py), how the chat template is rendered. transformers itself is never imported
+here.
 
-    tokenizer.json           the `tokenizers` pipeline (normalizer, pre-tokenizer, model,
-                             post-processor, decoder) - required
-    tokenizer_config.json    special tokens, chat template, clean-up flag - optional
-    special_tokens_map.json  legacy special tokens - optional
-    generation_config.json   eos_token_id (int or list), pad_token_id - optional
-    chat_template.jinja      the chat template as a file - optional, wins over the config
-    config.json              eos_token_id, the last fallback - optional
-
-Encoding and decoding run in the `tokenizers` library (Rust); this module only decides the
-same things transformers 5.x decides around it: which special tokens exist, which ids end a
-generation, how the chat template is rendered. transformers itself is never imported here.
-
-`IncrementalDecoder` turns a stream of generated ids into text deltas that never split a
-UTF-8 character, in O(1) decode work per token.
+Streaming generated ids as text is incremental_decoder.py's.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import re
 import secrets
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -39,108 +28,14 @@ from colibrid.engine.text.chat_template import (
     compile_chat_template,
     render_bounded,
 )
+from colibrid.engine.text.tokenizer_files import TOKENIZER_FILE, TokenizerFiles, read_tokenizer_files
 
 logger = logging.getLogger(__name__)
-
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
-CHAT_TEMPLATE_FILE = "chat_template.jinja"
-MODEL_CONFIG_FILE = "config.json"
-
-# The named special tokens transformers exposes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES),
-# in its order.
-SPECIAL_TOKEN_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
 
 NO_CHAT_TEMPLATE_MESSAGE = "this model has no chat template; send a raw prompt"
 
 # Names a message's reasoning may arrive under; templates read the first (transformers aliases them).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-REPLACEMENT_CHAR = "\ufffd"
-# After this many pushed tokens without the text tail ever completing, the tail is treated as
-# genuinely invalid bytes and released, so a model emitting garbage cannot grow the window forever.
-MAX_PENDING_TOKENS = 64
-
-
-# --------------------------------------------------------------------------------------------
-# Reading the pack's files
-# --------------------------------------------------------------------------------------------
-
-
-def _read_json(path: str) -> dict[str, Any]:
-    """The JSON object in `path`, or {} if the file is absent (every file but tokenizer.json is optional)."""
-    if not os.path.isfile(path):
-        return {}
-    with open(path, encoding="utf-8") as handle:
-        value = json.load(handle)
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
-def _token_content(value: Any) -> str | None:
-    """A special token as configured: a string, an AddedToken dict {"content": ...}, or null."""
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    raise ValueError(f"unrecognised special token entry: {value!r}")
-
-
-def _special_tokens(tokenizer_config: dict[str, Any], special_tokens_map: dict[str, Any]) -> dict[str, str]:
-    """The named special tokens (bos_token, ...) that are set, as transformers resolves them.
-
-    transformers reads special_tokens_map.json only for configs without "added_tokens_decoder"
-    (the legacy layout), and there it overrides tokenizer_config.json.
-    """
-    merged = {name: tokenizer_config.get(name) for name in SPECIAL_TOKEN_NAMES}
-    if "added_tokens_decoder" not in tokenizer_config:
-        for name in SPECIAL_TOKEN_NAMES:
-            if name in special_tokens_map:
-                merged[name] = special_tokens_map[name]
-    resolved = {name: _token_content(value) for name, value in merged.items()}
-    return {name: content for name, content in resolved.items() if content is not None}
-
-
-def _ids_from_config_value(value: Any) -> list[int]:
-    """An `eos_token_id`-style entry: an int, a list of ints, or null."""
-    if value is None:
-        return []
-    if isinstance(value, bool) or not isinstance(value, (int, list)):
-        raise ValueError(f"expected a token id or a list of token ids, got {value!r}")
-    ids = value if isinstance(value, list) else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise ValueError(f"expected a token id or a list of token ids, got {value!r}")
-    return ids
-
-
-def _select_chat_template(pack_dir: str, tokenizer_config: dict[str, Any]) -> str | None:
-    """The default chat template: chat_template.jinja wins over the config entry, as in transformers."""
-    template_path = os.path.join(pack_dir, CHAT_TEMPLATE_FILE)
-    if os.path.isfile(template_path):
-        with open(template_path, encoding="utf-8") as handle:
-            return handle.read()
-    entry = tokenizer_config.get("chat_template")
-    if entry is None or isinstance(entry, str):
-        return entry
-    if isinstance(entry, list):
-        # The multi-template layout: [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
-        named = {item.get("name"): item.get("template") for item in entry if isinstance(item, dict)}
-        if isinstance(named.get("default"), str):
-            return named["default"]
-        logger.warning("chat templates %s have none named 'default'; chat is disabled", sorted(map(str, named)))
-        return None
-    raise ValueError(f"{TOKENIZER_CONFIG_FILE}: chat_template must be a string or a list, got {type(entry).__name__}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,17 +137,6 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TokenizerFiles:
-    """What a pack's tokenizer files say, parsed once; the inputs of `Tokenizer`."""
-
-    special_tokens: dict[str, str]  # "bos_token" -> "<s>", only the tokens that are set
-    eos_token_ids: frozenset[int]
-    pad_token_id: int | None
-    chat_template: str | None
-    clean_up_tokenization_spaces: bool
-
-
 class Tokenizer:
     """A pack's tokenizer: encode, decode, special ids and the chat template."""
 
@@ -288,20 +172,7 @@ class Tokenizer:
         if not os.path.isfile(tokenizer_path):
             raise FileNotFoundError(f"{tokenizer_path} is missing; the pack has no tokenizer")
         backend = tokenizers.Tokenizer.from_file(tokenizer_path)
-        tokenizer_config = _read_json(os.path.join(pack_dir, TOKENIZER_CONFIG_FILE))
-        special_tokens_map = _read_json(os.path.join(pack_dir, SPECIAL_TOKENS_MAP_FILE))
-        generation_config = _read_json(os.path.join(pack_dir, GENERATION_CONFIG_FILE))
-        model_config = _read_json(os.path.join(pack_dir, MODEL_CONFIG_FILE))
-        _log_ignored_bos_eos_flags(tokenizer_config)
-
-        special_tokens = _special_tokens(tokenizer_config, special_tokens_map)
-        files = TokenizerFiles(
-            special_tokens=special_tokens,
-            eos_token_ids=_resolve_eos_token_ids(backend, special_tokens, generation_config, model_config),
-            pad_token_id=_resolve_pad_token_id(backend, special_tokens, generation_config),
-            chat_template=_select_chat_template(pack_dir, tokenizer_config),
-            clean_up_tokenization_spaces=bool(tokenizer_config.get("clean_up_tokenization_spaces", False)),
-        )
+        files = read_tokenizer_files(pack_dir, backend)
         logger.debug(
             "tokenizer from %s: vocab %d, eos ids %s", pack_dir, backend.get_vocab_size(), sorted(files.eos_token_ids)
         )
@@ -498,42 +369,6 @@ class Tokenizer:
         raise ValueError(self._template_error or NO_CHAT_TEMPLATE_MESSAGE)
 
 
-def _log_ignored_bos_eos_flags(tokenizer_config: dict[str, Any]) -> None:
-    flags = {key: tokenizer_config[key] for key in ("add_bos_token", "add_eos_token") if key in tokenizer_config}
-    if flags:
-        logger.debug("ignoring %s: tokenizer.json's post-processor adds special tokens (as in transformers 5)", flags)
-
-
-def _resolve_eos_token_ids(
-    backend: tokenizers.Tokenizer,
-    special_tokens: dict[str, str],
-    generation_config: dict[str, Any],
-    model_config: dict[str, Any],
-) -> frozenset[int]:
-    # generation_config.json is what transformers' generate() stops on, and it lists every end
-    # token of chat models (e.g. <|eot_id|> and <|end_of_text|>), so it comes first.
-    ids = _ids_from_config_value(generation_config.get("eos_token_id"))
-    if not ids and "eos_token" in special_tokens:
-        eos_id = backend.token_to_id(special_tokens["eos_token"])
-        ids = [] if eos_id is None else [eos_id]
-    if not ids:
-        ids = _ids_from_config_value(model_config.get("eos_token_id"))
-    if not ids:
-        logger.warning("no end-of-sequence token found; generations end only on length or stop strings")
-    return frozenset(ids)
-
-
-def _resolve_pad_token_id(
-    backend: tokenizers.Tokenizer, special_tokens: dict[str, str], generation_config: dict[str, Any]
-) -> int | None:
-    if "pad_token" in special_tokens:
-        pad_id = backend.token_to_id(special_tokens["pad_token"])
-        if pad_id is not None:
-            return pad_id
-    pad_ids = _ids_from_config_value(generation_config.get("pad_token_id"))
-    return pad_ids[0] if pad_ids else None
-
-
 def _clean_up_tokenization(text: str) -> str:
     """transformers' clean_up_tokenization: removes spaces WordPiece-era decoders put before punctuation."""
     return (
@@ -548,90 +383,3 @@ def _clean_up_tokenization(text: str) -> str:
         .replace(" 've", "'ve")
         .replace(" 're", "'re")
     )
-
-
-# --------------------------------------------------------------------------------------------
-# Streaming decode
-# --------------------------------------------------------------------------------------------
-
-
-def _trailing_replacement_chars(text: str) -> int:
-    """How many U+FFFD end `text`.
-
-    All of them may still change: byte-level decoders render an unfinished character as one
-    U+FFFD, but sentencepiece's byte fallback renders a whole run of byte tokens as one U+FFFD
-    per byte until the run is valid UTF-8 (so "测" followed by a lone lead byte shows as four).
-    """
-    return len(text) - len(text.rstrip(REPLACEMENT_CHAR))
-
-
-class IncrementalDecoder:
-    """Turns generated ids, one at a time, into text deltas.
-
-    Decoding one token alone is wrong for most tokenizers (sentencepiece strips a leading
-    space at the start of a decode; byte-level BPE splits characters across tokens), and
-    decoding the whole sequence each step costs O(n^2). So each step decodes a short window
-    ids[prefix_offset:] twice - without and with the tokens after read_offset - and emits the
-    difference. The window moves forward only once a step produced new, complete text.
-
-    A decoded tail ending in U+FFFD may be an unfinished UTF-8 character whose remaining bytes
-    are in later tokens: the trailing replacement characters are held back (the text before
-    them is emitted) until the character completes or other text follows them.
-
-    The concatenation of all deltas plus `flush()` equals `tokenizer.decode_raw(all_ids)`,
-    which is `decode(all_ids)` whenever the legacy space clean-up is off (always for BPE
-    models). One exception, inherent to streaming: sentencepiece's byte fallback turns a whole
-    run of byte tokens into U+FFFD, retroactively, when the run is not valid UTF-8; if a model
-    emits invalid bytes, text already streamed from that run stays as it was streamed.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix_offset = 0  # window start: context tokens whose text was already emitted
-        self._read_offset = 0  # tokens from here on have text not yet (fully) emitted
-        self._held_emitted_chars = 0  # chars past the prefix text emitted while the tail was incomplete
-
-    @property
-    def token_ids(self) -> list[int]:
-        return list(self._ids)
-
-    def push(self, token_id: int) -> str:
-        """Add one generated id; return the text it completes ("" while text is held back)."""
-        self._ids.append(int(token_id))
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        window_text = self._decode(self._ids[self._prefix_offset :])
-        start = len(prefix_text) + self._held_emitted_chars
-        held_chars = _trailing_replacement_chars(window_text)
-        pending_tokens = len(self._ids) - self._read_offset
-        if held_chars and pending_tokens <= MAX_PENDING_TOKENS:
-            stable_end = len(window_text) - held_chars
-            delta = window_text[start:stable_end]
-            self._held_emitted_chars += len(delta)
-            return delta
-        delta = window_text[start:]
-        if len(window_text) > len(prefix_text):
-            # New complete text: the tokens just read become the next step's context.
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            self._held_emitted_chars = 0
-        return delta
-
-    def flush(self) -> str:
-        """Release the text still held back (an unfinished character at the very end).
-
-        Call once, after the last push: released replacement characters are final.
-        """
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        window_text = self._decode(self._ids[self._prefix_offset :])
-        delta = window_text[len(prefix_text) + self._held_emitted_chars :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._held_emitted_chars = 0
-        return delta
-
-    def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return self._tokenizer.decode_raw(ids, skip_special_tokens=self._skip_special_tokens)

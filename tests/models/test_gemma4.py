@@ -16,7 +16,7 @@ import pytest
 
 from colibrid.models import UnsupportedConfig, architecture_for
 from colibrid.models.config import parameter_counts
-from tests.tiny_checkpoints import CheckpointSpec, load_reference, reference_greedy, reference_logits
+from tests.tiny_checkpoints import CheckpointSpec, assert_same_model, load_reference, random_prompt
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 SPECS = [
@@ -30,21 +30,13 @@ SPECS = [
                    dtype="bfloat16"),
 ]
 
-PROMPT_TOKENS = 32
-GREEDY_TOKENS = 32
-
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_logits_and_greedy_match_transformers(spec, packs):
     from colibrid.engine import load
 
-    reference, engine = load_reference(packs.checkpoint(spec)), load(packs.pack(spec, "f32"))
-    ids = np.random.default_rng(1).integers(0, engine.config.vocab_size, PROMPT_TOKENS).tolist()
-    expected = reference_logits(reference, ids)
-    actual = engine.forward(ids)
-    assert actual.shape == expected.shape
-    assert np.abs(actual - expected).max() <= 1e-4 * np.abs(expected).max()
-    assert engine.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)
+    engine = load(packs.pack(spec, "f32"))
+    assert_same_model(load_reference(packs.checkpoint(spec)), engine, random_prompt(engine.config.vocab_size))
 
 
 def test_decode_over_the_window_equals_prefill(packs):

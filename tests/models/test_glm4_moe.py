@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from colibrid.models import architecture_for
-from tests.tiny_checkpoints import CheckpointSpec, load_reference, reference_greedy, reference_logits
+from tests.tiny_checkpoints import CheckpointSpec, assert_same_model, load_reference, random_prompt
 
 SPECS = [
     # partial rotary 0.5 (the default: 8 of 16 dims), qk-norm, q/k/v biases, 4 groups of 2 keeping 2, scaling 2.5
@@ -27,23 +27,13 @@ SPECS = [
                                                     "partial_rotary_factor": 0.25}}, dtype="bfloat16"),
 ]
 
-PROMPT_TOKENS = 32
-GREEDY_TOKENS = 32
-
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_logits_and_greedy_match_transformers(spec, packs):
     from colibrid.engine import load
 
-    reference = load_reference(packs.checkpoint(spec))
     engine = load(packs.pack(spec, "f32"))
-    ids = np.random.default_rng(1).integers(0, engine.config.vocab_size, PROMPT_TOKENS).tolist()
-
-    expected = reference_logits(reference, ids)
-    actual = engine.forward(ids)
-    assert actual.shape == expected.shape
-    assert np.abs(actual - expected).max() <= 1e-4 * np.abs(expected).max()
-    assert engine.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)
+    assert_same_model(load_reference(packs.checkpoint(spec)), engine, random_prompt(engine.config.vocab_size))
 
 
 def test_specs_exercise_the_features_they_claim(packs):

@@ -15,7 +15,7 @@ import pytest
 
 from colibrid.models import architecture_for
 from tests.pack.conftest import assert_refused_after
-from tests.tiny_checkpoints import CheckpointSpec, load_reference, reference_greedy, reference_logits
+from tests.tiny_checkpoints import CheckpointSpec, assert_same_model, load_reference, random_prompt
 
 SPECS = [
     # the default clamp (7) never bites at these magnitudes; sliding, full, sliding
@@ -26,24 +26,13 @@ SPECS = [
                                "layer_types": ["full_attention", "sliding_attention"]}, dtype="bfloat16"),
 ]
 
-PROMPT_TOKENS = 32
-GREEDY_TOKENS = 32
-
-
-def _check_against_transformers(reference, engine, seed: int = 1) -> None:
-    ids = np.random.default_rng(seed).integers(0, engine.config.vocab_size, PROMPT_TOKENS).tolist()
-    expected = reference_logits(reference, ids)
-    actual = engine.forward(ids)
-    assert actual.shape == expected.shape
-    assert np.abs(actual - expected).max() <= 1e-4 * np.abs(expected).max()
-    assert engine.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)
-
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_logits_and_greedy_match_transformers(spec, packs):
     from colibrid.engine import load
 
-    _check_against_transformers(load_reference(packs.checkpoint(spec)), load(packs.pack(spec, "f32")))
+    engine = load(packs.pack(spec, "f32"))
+    assert_same_model(load_reference(packs.checkpoint(spec)), engine, random_prompt(engine.config.vocab_size))
 
 
 def test_decode_over_the_window_equals_prefill(packs):
@@ -198,7 +187,8 @@ def test_mxfp4_experts_match_transformers_on_the_portable_level(mxfp4_checkpoint
     before = native.kernels()
     native.set_kernels("portable")  # float activations: the decoded MXFP4 values exactly
     try:
-        _check_against_transformers(reference, load(tmp_path / "pack"), seed=2)
+        engine = load(tmp_path / "pack")
+        assert_same_model(reference, engine, random_prompt(engine.config.vocab_size, seed=2))
     finally:
         native.set_kernels(before)
 

@@ -18,7 +18,8 @@ from colibrid.tools.convert.wrapped import text_model_config
 from colibrid.models import ARCHITECTURES, UnsupportedConfig, architecture_for
 from colibrid.models.config import parameter_counts
 from tests.pack.conftest import assert_refused_after
-from tests.tiny_checkpoints import CheckpointSpec, load_reference, reference_greedy, reference_logits
+from tests.tiny_checkpoints import (GREEDY_TOKENS, CheckpointSpec, assert_same_model, load_reference, random_prompt,
+                                    reference_greedy)
 
 # theta 500000 at head_dim 16: wavelengths 6.3 (kept), 32.6 (blended) and 169 on (divided by the factor)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -33,21 +34,13 @@ SPECS = [
                               "no_rope_layers": [0, 1, 1], "rope_parameters": LLAMA3_ROPE}, dtype="bfloat16"),
 ]
 
-PROMPT_TOKENS = 32
-GREEDY_TOKENS = 32
 
-
-def _prompt(vocab_size: int, seed: int = 1) -> list[int]:
-    return np.random.default_rng(seed).integers(0, vocab_size, PROMPT_TOKENS).tolist()
+def _prompt(vocab_size: int) -> list[int]:
+    return random_prompt(vocab_size)
 
 
 def _check_against(reference, engine) -> None:
-    ids = _prompt(engine.config.vocab_size)
-    expected = reference_logits(reference, ids)
-    actual = engine.forward(ids)
-    assert actual.shape == expected.shape
-    assert np.abs(actual - expected).max() <= 1e-4 * np.abs(expected).max()
-    assert engine.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)
+    assert_same_model(reference, engine, _prompt(engine.config.vocab_size))
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from colibrid.models import architecture_for
-from tests.tiny_checkpoints import CheckpointSpec, load_reference, reference_greedy, reference_logits
+from tests.tiny_checkpoints import CheckpointSpec, assert_same_model, load_reference, random_prompt
 
 SPECS = [
     # three DeltaNet layers, then a full-attention one; partial rotary 0.25 (4 of 16 dims)
@@ -31,24 +31,17 @@ SPECS = [
 PUBLISHED = CheckpointSpec("qwen3_5_moe_vl")  # the multimodal wrapper Qwen publishes
 
 PROMPT_TOKENS = 80  # longer than one 64-token chunk of the DeltaNet prefill
-GREEDY_TOKENS = 32
 
 
 def _prompt(vocab_size: int) -> list[int]:
-    return np.random.default_rng(1).integers(0, vocab_size, PROMPT_TOKENS).tolist()
+    return random_prompt(vocab_size, PROMPT_TOKENS)
 
 
 def _assert_matches_transformers(checkpoint, pack) -> None:
     from colibrid.engine import load
 
-    reference = load_reference(checkpoint)
     engine = load(pack)
-    ids = _prompt(engine.config.vocab_size)
-    expected = reference_logits(reference, ids)
-    actual = engine.forward(ids)
-    assert actual.shape == expected.shape
-    assert np.abs(actual - expected).max() <= 1e-4 * np.abs(expected).max()
-    assert engine.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)
+    assert_same_model(load_reference(checkpoint), engine, _prompt(engine.config.vocab_size))
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

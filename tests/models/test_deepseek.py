@@ -143,10 +143,11 @@ def test_published_deepseek_v3_config():
     assert (c.rope.type, c.rope.factor, c.rope.attention_factor) == ("yarn", 40.0, 1.0)
     assert c.moe_layers == (False,) * 3 + (True,) * 58 and c.dense_ffn == 18432
     assert (c.num_experts, c.num_experts_per_tok, c.expert_ffn, c.shared_expert_ffn) == (256, 8, 2048, 2048)
-    assert (c.router_scoring, c.router_choice_bias, c.router_groups, c.router_groups_kept, c.router_group_score) == \
-        ("sigmoid", True, 8, 4, "top2_sum")
+    assert (c.router_scoring, c.router_groups, c.router_groups_kept, c.router_group_score) == ("sigmoid", 8, 4, "top2_sum")
+    assert arch.optional_tensors(DEEPSEEK_V3) == {"router_choice_bias"}
     assert c.norm_topk_prob and c.routed_scaling_factor == 2.5
-    names = arch.dense_tensor_names(c)
+    names = arch.dense_tensor_names(c, arch.optional_tensors(DEEPSEEK_V3))
+    assert names["layers.3.router_choice_bias"] == "model.layers.3.mlp.gate.e_score_correction_bias"
     assert names["layers.3.attn.q_b"] == "model.layers.3.self_attn.q_b_proj.weight"
     assert names["layers.0.attn.kv_a"] == "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
     assert "layers.0.attn.q" not in names and "layers.0.attn.k" not in names

@@ -238,10 +238,19 @@ def _published(text: dict) -> dict:
             "vision_config": {"model_type": "llama4_vision_model"}, "tie_word_embeddings": False}
 
 
-def _read(published: dict):
+def _text_config(published: dict) -> dict:
     supported = lambda t: any(t in a.hf_model_types for a in ARCHITECTURES.values())  # noqa: E731
-    hf = text_model_config(published, supported).config
+    return text_model_config(published, supported).config
+
+
+def _read(published: dict):
+    hf = _text_config(published)
     return architecture_for(hf).model_config(hf)
+
+
+def _optional_tensors(published: dict) -> frozenset[str]:
+    hf = _text_config(published)
+    return architecture_for(hf).optional_tensors(hf)
 
 
 def test_published_scout_config():
@@ -255,7 +264,9 @@ def test_published_scout_config():
     assert c.rope.type == "llama3" and (c.rope.factor, c.rope.low_freq_factor, c.rope.high_freq_factor) == (16.0, 1.0, 1.0)
     assert c.rope.original_max_position_embeddings == 8192 and c.rope.theta == 500000.0
     assert c.eos_token_ids == (200001, 200007, 200008)
-    total, active = parameter_counts(c)
+    assert _optional_tensors(_published(SCOUT_TEXT)) == frozenset()  # attention_bias false
+    assert _optional_tensors(_published(dict(SCOUT_TEXT, attention_bias=True))) == {"qkv_bias", "o_bias"}
+    total, active = parameter_counts(c, _optional_tensors(_published(SCOUT_TEXT)))
     assert round(total / 1e9, 1) == 107.8 and round(active / 1e9, 1) == 17.2  # 109 B with the vision tower
 
 
@@ -263,7 +274,7 @@ def test_published_maverick_config():
     c = _read(_published(MAVERICK_TEXT))
     assert c.num_experts == 128 and c.moe_layer_ids == list(range(1, 48, 2)) and c.dense_ffn == 16384
     assert c.qk_norm == "none" and c.rope.type == "default"
-    total, active = parameter_counts(c)
+    total, active = parameter_counts(c, _optional_tensors(_published(MAVERICK_TEXT)))
     assert round(total / 1e9, 1) == 400.7 and round(active / 1e9, 1) == 17.2
 
 
@@ -322,4 +333,5 @@ def test_pack_size_tool_counts_llama4(packs):
     for quant in ("f32", "experts=q4_g64,dense=q8_0,embeddings=q8_0"):
         pack = packs.pack(SPECS[0], quant)
         expected = ((pack / "dense.bin").stat().st_size, (pack / "experts.bin").stat().st_size)
-        assert pack_bytes(Pack.open(pack).manifest.model, parse_quant(quant).to_json()) == expected, quant
+        manifest = Pack.open(pack).manifest
+        assert pack_bytes(manifest.model, manifest.optional_tensors, parse_quant(quant).to_json()) == expected, quant

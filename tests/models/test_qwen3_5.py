@@ -58,7 +58,8 @@ def test_specs_exercise_the_features_they_claim(packs):
     assert [c.layer_mixers for c in configs] == [("deltanet",) * 3 + ("attention",),
                                                  ("deltanet", "attention") * 2, ("deltanet",) * 3 + ("attention",)]
     assert all(c.deltanet.num_value_heads > c.deltanet.num_key_heads and c.deltanet.conv_kernel == 4 for c in configs)
-    assert all(c.attention_output_gate and c.qk_norm == "head" and c.shared_expert_gated for c in configs)
+    assert all(c.qk_norm == "head" for c in configs)
+    assert all(p.manifest.optional_tensors == {"attention_output_gate", "shared_expert_gated"} for p in packs_)
     assert [c.rotary_dim for c in configs] == [4, 8, 4]
     assert [c.norm_topk_prob for c in configs] == [True, True, False]
     assert [c.moe_layers for c in configs] == [(True,) * 4, (True,) * 4, (True, False, True, True)]
@@ -208,8 +209,9 @@ def test_published_qwen36_config():
     assert (c.head_dim, c.rotary_dim, c.rope.theta, c.rope.type) == (256, 64, 1e7, "default")
     assert c.deltanet.conv_channels == 2 * 16 * 128 + 32 * 128 and c.deltanet.num_value_heads == 32
     assert (c.num_experts, c.num_experts_per_tok, c.expert_ffn, c.shared_expert_ffn) == (256, 8, 512, 512)
-    assert c.norm_topk_prob and c.shared_expert_gated and all(c.moe_layers)
-    names = arch.dense_tensor_names(c)
+    optional = arch.optional_tensors(text.config)
+    assert c.norm_topk_prob and optional == {"attention_output_gate", "shared_expert_gated"} and all(c.moe_layers)
+    names = arch.dense_tensor_names(c, optional)
     assert names["layers.0.attn.qkv"] == "model.layers.0.linear_attn.in_proj_qkv.weight"
     assert names["layers.3.attn.gate"].rows[:2] == (256, 257) and len(names["layers.3.attn.gate"].rows) == 16 * 256
     assert "layers.0.attn.q" not in names and "layers.3.attn.qkv" not in names

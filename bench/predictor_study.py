@@ -244,9 +244,9 @@ class NextLayer:
         self.config = c = model.config
         self.ranker = Router(c, block.w, top_k=most_guesses)  # the C router, more experts ranked
         self.router_weight = block.w["router"]  # (E, D)
-        self.router_bias = block.w["router_bias"].data if c.router_bias else None  # (E)
+        self.router_bias = block.w["router_bias"].data if "router_bias" in block.w else None  # (E)
         # The probe ranks by logits: right where the router chooses by them (no choice bias, groups, own norm)
-        self.logits_rank_choice = (not c.router_choice_bias and c.router_groups == 1 and not c.router_input_norm
+        self.logits_rank_choice = ("router_choice_bias" not in block.w and c.router_groups == 1 and "router_norm" not in block.w
                                    and c.router_scoring in ("softmax", "topk_softmax", "sigmoid"))
 
     def moe_input_of(self, residual: np.ndarray) -> np.ndarray:

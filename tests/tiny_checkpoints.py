@@ -1,8 +1,11 @@
-"""Build tiny random Hugging Face MoE checkpoints with transformers (the oracle), no network.
+"""Build tiny random Hugging Face MoE checkpoints with transformers (the oracle), no network,
+and compare the engine with the oracle.
 
 Each spec names an architecture and config overrides; :func:`build_checkpoint` writes a
 checkpoint directory exactly as ``save_pretrained`` does (optionally sharded, optionally
 bf16), with a small byte-level BPE tokenizer and a ChatML template.
+:func:`assert_same_model` is the one comparison every model test makes: the engine's logits
+against transformers' at every position of a prompt, then the same greedy continuation.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import torch
 import transformers
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CORPUS = [
@@ -214,3 +218,36 @@ def reference_greedy(model: torch.nn.Module, ids: list[int], n_tokens: int) -> l
     for _ in range(n_tokens):
         seq.append(int(reference_logits(model, seq)[-1].argmax()))
     return seq[len(ids):]
+
+
+# --- the engine against the oracle ---
+
+PROMPT_TOKENS = 32
+GREEDY_TOKENS = 32
+# The largest logit difference allowed, as a share of the largest |logit| of the oracle: float32
+# sums in another order differ by far less, a wrong feature (a missing bias, a norm in the wrong
+# place, another rope) by far more.
+LOGIT_TOLERANCE = 1e-4
+
+
+def random_prompt(vocab_size: int, tokens: int = PROMPT_TOKENS, seed: int = 1) -> list[int]:
+    """``tokens`` token ids drawn uniformly from the vocabulary: every embedding row is as
+    likely, and a random model has no favourite text."""
+    return np.random.default_rng(seed).integers(0, vocab_size, tokens).tolist()
+
+
+def assert_same_logits(reference: torch.nn.Module, engine, ids: list[int]) -> None:
+    """The engine's logits (T, V) for ``ids`` are transformers' at every position, within
+    LOGIT_TOLERANCE of the largest |logit|."""
+    expected = reference_logits(reference, ids)
+    actual = engine.forward(ids)
+    assert actual.shape == expected.shape
+    assert np.abs(actual - expected).max() <= LOGIT_TOLERANCE * np.abs(expected).max()
+
+
+def assert_same_model(reference: torch.nn.Module, engine, ids: list[int], greedy_tokens: int = GREEDY_TOKENS) -> None:
+    """The engine is the transformers model on ``ids``: the same logits (assert_same_logits),
+    then the same ``greedy_tokens`` greedy tokens (the engine decoding with its caches, the
+    oracle re-reading the whole sequence at every step)."""
+    assert_same_logits(reference, engine, ids)
+    assert engine.greedy(ids, greedy_tokens) == reference_greedy(reference, ids, greedy_tokens)

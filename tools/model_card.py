@@ -152,7 +152,8 @@ def parameter_counts(checkpoint: Path) -> tuple[int, int]:
     from colibrid.models.config import parameter_counts as counts
 
     hf = json.loads((checkpoint / "config.json").read_text())
-    return counts(architecture_for(hf).model_config(hf))
+    arch = architecture_for(hf)
+    return counts(arch.model_config(hf), arch.optional_tensors(hf))
 
 
 def render(checkpoint: Path, training: dict, m: dict, bigram_ppl: float, lam: float, params: tuple[int, int],

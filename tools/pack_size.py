@@ -40,18 +40,19 @@ def _tensor_bytes(wanted, shape: tuple[int, ...]) -> int:
     return shape[0] * type_.row_bytes(shape[1])
 
 
-def pack_bytes(config: ModelConfig, quant: dict[str, str], align: int = 4096) -> tuple[int, int]:
-    """(dense.bin, experts.bin) bytes of the pack the converter writes for ``config``."""
+def pack_bytes(config: ModelConfig, optional: frozenset[str], quant: dict[str, str], align: int = 4096) -> tuple[int, int]:
+    """(dense.bin, experts.bin) bytes of the pack the converter writes for ``config`` with the
+    ``optional`` tensors (biases, sinks ...: Architecture.optional_tensors, or a manifest's)."""
     dense = 0
-    for name in ARCHITECTURES[config.architecture].dense_tensor_names(config):
+    for name in ARCHITECTURES[config.architecture].dense_tensor_names(config, optional):
         shape = expected_dense_shape(name, config)
         dense = _round_up(dense, align) + _tensor_bytes(requested_type(name, len(shape), quant), shape)
     from colibrid import native
 
     experts_type = native.TensorType.from_name(quant["experts"])
-    shapes = expected_expert_shapes(config)
+    shapes = expected_expert_shapes(config, optional)
     cursor = 0
-    for part in expert_part_names(config):  # the matrices, then their biases (f32) if the model has them
+    for part in expert_part_names(optional):  # the matrices, then their biases (f32) if the model has them
         cursor = _round_up(cursor + _tensor_bytes(expert_part_type(experts_type, shapes[part]), shapes[part]),
                            EXPERT_PART_ALIGN_BYTES)
     record = _round_up(cursor, align)
@@ -67,12 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     hf = json.loads(Path(args.config).read_text())
     hf = text_model_config(hf, lambda t: any(t in a.hf_model_types for a in ARCHITECTURES.values())).config
-    config = architecture_for(hf).model_config(hf)
-    total, active = parameter_counts(config)
+    arch = architecture_for(hf)
+    config, optional = arch.model_config(hf), arch.optional_tensors(hf)
+    total, active = parameter_counts(config, optional)
     print(f"{config.architecture}: {total / 1e9:.1f} B parameters, {active / 1e9:.1f} B active per token")
     for spec in args.quant or [None, "q8_0", "bf16"]:
         quant = parse_quant(spec).to_json()
-        dense, experts = pack_bytes(config, quant, args.align)
+        dense, experts = pack_bytes(config, optional, quant, args.align)
         label = ",".join(f"{k}={v}" for k, v in quant.items())
         print(f"{label:50s} dense {dense / 1e9:6.1f} GB  experts {experts / 1e9:7.1f} GB  total {(dense + experts) / 1e9:7.1f} GB")
     return 0

@@ -68,7 +68,7 @@ class Engine:
         # why), so longer prompts are refused before the tokenizer spends seconds and hundreds
         # of MB on them. Real text runs at about 4 bytes a token, so a prompt that fits is far below.
         self.max_prompt_bytes = self.max_context * self.tokenizer.max_token_bytes
-        self.parameters_total, self.parameters_active = parameter_counts(self.config)
+        self.parameters_total, self.parameters_active = parameter_counts(self.config, pack.manifest.optional_tensors)
         # The cache the engine built from settings (None: the source was made by the caller, or
         # is a plain pread source) and those settings, to rebuild it from.
         self._cache: CachedExpertSource | None = None

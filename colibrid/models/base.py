@@ -1,9 +1,9 @@
 """What an architecture module provides, and the Hugging Face config readers they share.
 
 An architecture is described at conversion time only: how to read its ``config.json``
-into a :class:`ModelConfig`, and where each tensor lives in its checkpoint. The pack
-stores tensors under architecture-neutral names (listed in ``docs/format.md``), so the
-engine runs every architecture through the same code.
+into a :class:`ModelConfig` and the optional tensors its checkpoint holds, and where each
+tensor lives in its checkpoint. The pack stores tensors under architecture-neutral names
+(listed in ``docs/format.md``), so the engine runs every architecture through the same code.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from colibrid.models.tensor_ref import TensorRef
 from colibrid.models.config import ModelConfig, RopeConfig
+from colibrid.models.optional_tensors import check_names
+from colibrid.models.tensor_ref import TensorRef
 
 
 class UnsupportedConfig(ValueError):
@@ -23,7 +24,7 @@ class UnsupportedConfig(ValueError):
 @dataclass(frozen=True)
 class ExpertTensorNames:
     """Checkpoint names (or parts of fused tensors) of one routed expert's three projections,
-    and of their biases when the model has them (ModelConfig.expert_bias)."""
+    and of their biases when the model has them (the optional tensors' expert_bias)."""
 
     gate: "str | TensorRef"  # (F, D)
     up: "str | TensorRef"  # (F, D)
@@ -49,9 +50,9 @@ class Architecture:
     name: str = ""
     hf_model_types: tuple[str, ...] = ()
     router_name = "mlp.gate"  # under model.layers.{l}.
-    router_choice_bias_name = "e_score_correction_bias"  # under the router, when config.router_choice_bias
-    router_bias_name = "bias"  # under the router, when config.router_bias
-    attention_sinks_name = "self_attn.sinks"  # under model.layers.{l}., when config.attention_sinks
+    router_choice_bias_name = "e_score_correction_bias"  # under the router, with router_choice_bias
+    router_bias_name = "bias"  # under the router, with router_bias
+    attention_sinks_name = "self_attn.sinks"  # under model.layers.{l}., with attention_sinks
     shared_expert_prefix = "mlp.shared_expert"  # under model.layers.{l}.
     experts_prefix = "mlp.experts"  # under model.layers.{l}.
     dense_mlp_prefix = "mlp"  # under model.layers.{l}., a dense layer's gate_proj / up_proj / down_proj
@@ -60,6 +61,12 @@ class Architecture:
 
     def model_config(self, hf: dict[str, Any]) -> ModelConfig:
         raise NotImplementedError
+
+    def optional_tensors(self, hf: dict[str, Any]) -> frozenset[str]:
+        """Which optional tensors (colibrid/models/optional_tensors.py) a checkpoint of this
+        family with this config.json holds: the converter reads them, and refuses a checkpoint
+        that lacks one of them."""
+        return frozenset()
 
     def for_checkpoint(self, config: ModelConfig, has_tensor: Callable[[str], bool]) -> "Architecture":
         """This architecture as the checkpoint at hand lays it out (a family published in two
@@ -75,8 +82,10 @@ class Architecture:
         gate, up, down = self.expert_projections
         return ExpertTensorNames(f"{base}.{gate}.weight", f"{base}.{up}.weight", f"{base}.{down}.weight")
 
-    def dense_tensor_names(self, config: ModelConfig) -> dict[str, str]:
-        """Pack name -> checkpoint name for every non-routed tensor the model uses."""
+    def dense_tensor_names(self, config: ModelConfig, optional: frozenset[str]) -> dict[str, str]:
+        """Pack name -> checkpoint name for every non-routed tensor of the model that has the
+        ``optional`` tensors (names of colibrid/models/optional_tensors.py)."""
+        optional = check_names(optional)
         names = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight"}
         if not config.tie_word_embeddings:
             names["lm_head"] = "lm_head.weight"
@@ -85,10 +94,10 @@ class Architecture:
                          per_layer_model_proj="model.per_layer_model_projection.weight",
                          per_layer_proj_norm="model.per_layer_projection_norm.weight")
         for layer in range(config.num_layers):
-            names.update(self.layer_tensor_names(config, layer))
+            names.update(self.layer_tensor_names(config, layer, optional))
         return names
 
-    def layer_tensor_names(self, config: ModelConfig, layer: int) -> dict[str, str]:
+    def layer_tensor_names(self, config: ModelConfig, layer: int, optional: frozenset[str]) -> dict[str, str]:
         hf, pk = f"model.layers.{layer}.", f"layers.{layer}."
         names = {
             pk + "attn_norm": hf + "input_layernorm.weight",
@@ -102,36 +111,36 @@ class Architecture:
         for proj in "qkvo" if config.mla is None and attention else "":
             if proj != "v" or config.has_v_projection(layer):
                 names[pk + f"attn.{proj}"] = hf + f"self_attn.{proj}_proj.weight"
-        if config.attention_output_gate and attention:
+        if "attention_output_gate" in optional and attention:
             names.update(self.gated_query_names(config, layer))
-        if config.qkv_bias and attention:
+        if "qkv_bias" in optional and attention and config.mla is None:  # latent attention has none
             for proj in "qkv":
                 names[pk + f"attn.{proj}_bias"] = hf + f"self_attn.{proj}_proj.bias"
-        if config.o_bias and attention:
+        if "o_bias" in optional and attention:
             names[pk + "attn.o_bias"] = hf + "self_attn.o_proj.bias"
-        if config.attention_sinks and attention:
+        if "attention_sinks" in optional and attention:
             names[pk + "attn.sinks"] = hf + self.attention_sinks_name
         if config.qk_norm in ("full", "head") and attention:  # "l2" has no weight
             names[pk + "attn.q_norm"] = hf + "self_attn.q_norm.weight"
             names[pk + "attn.k_norm"] = hf + "self_attn.k_norm.weight"
-        if config.post_norms:
+        if "post_norms" in optional:
             names[pk + "attn.post_norm"] = hf + "post_attention_layernorm.weight"
             names[pk + "ffn_post_norm"] = hf + "post_feedforward_layernorm.weight"
         if config.moe_layers[layer]:
             names[pk + "router"] = hf + self.router_name + ".weight"
-            if config.router_choice_bias:
+            if "router_choice_bias" in optional:
                 names[pk + "router_choice_bias"] = hf + f"{self.router_name}.{self.router_choice_bias_name}"
-            if config.router_bias:
+            if "router_bias" in optional:
                 names[pk + "router_bias"] = hf + f"{self.router_name}.{self.router_bias_name}"
             if config.shared_expert_ffn:
                 for part in ("gate", "up", "down"):
                     names[pk + f"shared.{part}"] = hf + f"{self.shared_expert_prefix}.{part}_proj.weight"
-            if config.shared_expert_gated:
-                names[pk + "shared_gate"] = hf + "mlp.shared_expert_gate.weight"
+                if "shared_expert_gated" in optional:
+                    names[pk + "shared_gate"] = hf + "mlp.shared_expert_gate.weight"
         if not config.moe_layers[layer] or config.dense_mlp_with_experts:
             for part in ("gate", "up", "down"):
                 names[pk + f"mlp.{part}"] = hf + f"{self.dense_mlp_prefix}.{part}_proj.weight"
-        names.update(gemma_layer_tensor_names(config, layer))
+        names.update(gemma_layer_tensor_names(config, layer, optional))
         return names
 
     def deltanet_tensor_names(self, config: ModelConfig, layer: int) -> dict[str, "str | TensorRef"]:
@@ -158,7 +167,7 @@ class Architecture:
         return []
 
 
-def gemma_layer_tensor_names(config: ModelConfig, layer: int) -> dict[str, str]:
+def gemma_layer_tensor_names(config: ModelConfig, layer: int, optional: frozenset[str]) -> dict[str, str]:
     """A layer's tensors of the Gemma 4 features (Gemma's naming, the only family that has
     them): the norms and router parts of a dense MLP beside the experts, per-layer inputs,
     the layer scalar."""
@@ -166,14 +175,14 @@ def gemma_layer_tensor_names(config: ModelConfig, layer: int) -> dict[str, str]:
     if config.moe_layers[layer] and config.dense_mlp_with_experts:
         names.update(mlp_post_norm="post_feedforward_layernorm_1.weight", experts_norm="pre_feedforward_layernorm_2.weight",
                      experts_post_norm="post_feedforward_layernorm_2.weight")
-    if config.moe_layers[layer] and config.router_input_norm:
+    if config.moe_layers[layer] and "router_input_norm" in optional:
         names["router_norm"] = "router.scale"
-    if config.moe_layers[layer] and config.router_expert_scale:
+    if config.moe_layers[layer] and "router_expert_scale" in optional:
         names["router_expert_scale"] = "router.per_expert_scale"
     if config.per_layer_input:
         names.update({"per_layer.gate": "per_layer_input_gate.weight", "per_layer.proj": "per_layer_projection.weight",
                       "per_layer.norm": "post_per_layer_input_norm.weight"})
-    if config.layer_scalar:
+    if "layer_scalar" in optional:
         names["layer_scalar"] = "layer_scalar"
     return {f"layers.{layer}.{name}": f"model.layers.{layer}.{hf}" for name, hf in names.items()}
 
@@ -262,6 +271,14 @@ def rotary_dim(hf: dict[str, Any], head_size: int, default_factor: float = 1.0) 
     if dims % 2:
         raise UnsupportedConfig(f"partial_rotary_factor {factor} rotates an odd {dims} of {head_size} head dims")
     return 0 if dims == head_size else dims
+
+
+def attention_bias_tensors(hf: dict[str, Any], o_bias: bool = True) -> frozenset[str]:
+    """config.json's ``attention_bias`` as optional tensors: biases on q, k and v, and on o
+    unless the family never has one there (``o_bias`` False: GLM-4.5)."""
+    if not hf.get("attention_bias", False):
+        return frozenset()
+    return frozenset({"qkv_bias", "o_bias"} if o_bias else {"qkv_bias"})
 
 
 def eos_token_ids(hf: dict[str, Any]) -> tuple[int, ...]:

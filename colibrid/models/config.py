@@ -3,7 +3,10 @@
 Every architecture module translates its Hugging Face ``config.json`` into this one
 shape at conversion time, so the engine never reads architecture-specific keys and
 never branches on an architecture's name: it branches on features (``qk_norm``,
-``shared_expert_ffn`` ...). Adding an architecture means describing it here.
+``shared_expert_ffn`` ...). A field is what the engine computes with and the tensors do not
+say: dimensions, layer plans, kinds of norm, routing rules, scales. Which optional tensors a
+model has (biases, sinks, router extras ...) is not here: the pack's tables say it
+(colibrid/models/optional_tensors.py). docs/adding-a-model.md says when a new field is due.
 
 Dimension legend used across the engine:
   T tokens, S context length, D hidden, H query heads, K kv heads, Hd head dim,
@@ -93,8 +96,6 @@ class ModelConfig:
     rope: RopeConfig
     tie_word_embeddings: bool
     # Attention features.
-    qkv_bias: bool = False  # biases on q, k, v projections
-    o_bias: bool = False  # bias on the output projection
     qk_norm: str = "none"  # "full": RMSNorm over all heads (OLMoE); "head": per head (Qwen3); "l2": per head
     # without a weight, after RoPE, on the layers with RoPE only (Llama 4's L2 norm)
     clip_qkv: float | None = None  # clamp q, k, v to +-clip_qkv (OLMoE option)
@@ -103,7 +104,6 @@ class ModelConfig:
     # sees its own chunk of this many tokens only), None = none; () = none on every layer
     rotary_dim: int = 0  # leading dims of each head that RoPE rotates (partial rotary); 0 = all Hd
     mla: MlaConfig | None = None  # multi-head latent attention instead of grouped-query attention
-    attention_output_gate: bool = False  # q's projection also gives a gate per head: o(a * sigmoid(gate))
     # Hybrid models: per layer, its token mixer (LAYER_MIXERS); () = attention on every layer.
     layer_mixers: tuple[str, ...] = ()
     deltanet: DeltaNetConfig | None = None  # the dims of the "deltanet" layers
@@ -115,20 +115,15 @@ class ModelConfig:
     moe_layers: tuple[bool, ...] = ()  # per layer: routed experts (True) or a dense MLP (False)
     dense_ffn: int = 0  # ffn width of the dense-MLP layers
     shared_expert_ffn: int = 0  # 0 = no shared expert
-    shared_expert_gated: bool = False  # shared expert output scaled by sigmoid(x . w)
     # Routing beyond softmax top-k (DeepSeek-V2/V3, GLM-4.5); the defaults are plain softmax top-k.
     router_scoring: str = "softmax"  # "softmax" over all E, "sigmoid" of each logit, or "topk_softmax":
     # the top A logits first, then a softmax over those A (gpt-oss), or "topk_sigmoid": the top A logits,
     # then the sigmoid of each (Llama 4)
-    router_choice_bias: bool = False  # a per-expert bias (E) added to the scores for choosing only
     router_groups: int = 1  # experts split into this many groups of E / groups for the group limit
     router_groups_kept: int = 1  # experts are chosen from the best this-many groups only
     router_group_score: str = "max"  # a group's score: its best choice score, or its best two summed
     routed_scaling_factor: float = 1.0  # the A mixing weights are multiplied by this
-    # gpt-oss: attention sinks, a router bias, expert biases and a clamped SwiGLU.
-    attention_sinks: bool = False  # a learned logit per head (H) in each softmax denominator, without a value
-    router_bias: bool = False  # a per-expert bias (E) added to the router logits
-    expert_bias: bool = False  # biases on every routed expert's gate (F), up (F) and down (D) products
+    # gpt-oss: a clamped SwiGLU.
     expert_activation: str = "swiglu"  # "swiglu": silu(g) * u; "clamped_swiglu": see swiglu_limit
     swiglu_alpha: float = 1.0  # clamped_swiglu: h = (clamp(u, +-limit) + 1) * g' * sigmoid(alpha * g'),
     swiglu_limit: float = 0.0  # g' = min(g, limit)
@@ -139,8 +134,8 @@ class ModelConfig:
     attn_temperature_floor: int = 0  # > 0: on NoPE layers the query of position p is multiplied by
     attn_temperature_scale: float = 0.0  # log1p(floor((p + 1) / floor)) * scale + 1
     router_weight_on_input: bool = False  # an expert runs on weight * x and its output is added unweighted
-    # Gemma 4 (colibrid/models/gemma4.py): layers of two shapes, sandwich norms, a dense MLP beside
-    # the experts, per-layer input embeddings. The defaults switch every one of them off.
+    # Gemma 4 (colibrid/models/gemma4.py): layers of two shapes, a dense MLP beside the experts,
+    # per-layer input embeddings. The defaults switch every one of them off.
     layer_head_dim: tuple[int, ...] = ()  # per layer Hd where layers differ; () = head_dim everywhere
     layer_kv_heads: tuple[int, ...] = ()  # per layer K where layers differ; () = num_kv_heads everywhere
     full_attention_rope: RopeConfig | None = None  # RoPE of the full-attention layers (sliding_window None)
@@ -148,16 +143,11 @@ class ModelConfig:
     values_from_keys: bool = False  # full-attention layers have no v projection: v is k's (before the k norm)
     attention_scale: float = 0.0  # softmax scale of q.k; 0 = Hd^-0.5 (Gemma 4: 1, its q norm does the scaling)
     v_norm: bool = False  # each value head RMS-normed without a weight before it is cached
-    post_norms: bool = False  # the attention and the FFN outputs RMS-normed (own weights) before each residual add
     dense_mlp_with_experts: bool = False  # MoE layers also run the dense MLP (dense_ffn) beside the experts,
     # each with its own input and output norms, their sum normed by ffn_post_norm
-    router_input_norm: bool = False  # the router reads rms_norm(x) * router_norm * D^-0.5 of the layer's
-    # residual stream, not the experts' normed input
-    router_expert_scale: bool = False  # each chosen expert's weight times its learned scale (E)
     embed_scale: float = 1.0  # token embeddings times this (Gemma: sqrt(D)); a tied head is not scaled
     final_logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap)
     per_layer_input: int = 0  # P: width of the per-layer input embeddings (Gemma's PLE); 0 = none
-    layer_scalar: bool = False  # each layer's output times a learned scalar
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -253,23 +243,25 @@ class ModelConfig:
         return cls(**data)
 
 
-def parameter_counts(config: ModelConfig) -> tuple[int, int]:
-    """(total, active per token) parameter counts, embeddings and head included."""
+def parameter_counts(config: ModelConfig, optional: frozenset[str]) -> tuple[int, int]:
+    """(total, active per token) parameter counts, embeddings and head included, of a model
+    that has the ``optional`` tensors (names of colibrid.models.optional_tensors)."""
     D, V, P = config.hidden_size, config.vocab_size, config.per_layer_input
-    norms = 2 * D * (2 if config.post_norms else 1)
+    norms = 2 * D * (2 if "post_norms" in optional else 1)
     embed = V * D * (1 if config.tie_word_embeddings else 2) + D
     embed += (V + D + 1) * config.num_layers * P + P if P else 0  # per-layer embeddings, projection, norm
-    expert = 3 * D * config.expert_ffn + ((2 * config.expert_ffn + D) if config.expert_bias else 0)
-    shared = 3 * D * config.shared_expert_ffn + (D if config.shared_expert_gated else 0)
+    expert = 3 * D * config.expert_ffn + ((2 * config.expert_ffn + D) if "expert_bias" in optional else 0)
+    shared = 3 * D * config.shared_expert_ffn + (D if config.shared_expert_ffn and "shared_expert_gated" in optional else 0)
     dense = 3 * D * config.dense_ffn
     total = active = embed
     for layer, is_moe in enumerate(config.moe_layers):
-        mixer = _deltanet_parameters(config) if config.layer_mixer(layer) == "deltanet" else _attention_parameters(config, layer)
+        mixer = _deltanet_parameters(config) if config.layer_mixer(layer) == "deltanet" else \
+            _attention_parameters(config, layer, optional)
         per_layer = mixer + norms + (2 * D * P + D if P else 0)
         total += per_layer
         active += per_layer
         if is_moe:
-            router = config.num_experts * (D + int(config.router_choice_bias) + int(config.router_bias))
+            router = config.num_experts * (D + int("router_choice_bias" in optional) + int("router_bias" in optional))
             beside = dense + 3 * D if config.dense_mlp_with_experts else 0  # the MLP and its extra norms
             total += router + shared + beside + config.num_experts * expert
             active += router + shared + beside + config.num_experts_per_tok * expert
@@ -279,14 +271,15 @@ def parameter_counts(config: ModelConfig) -> tuple[int, int]:
     return total, active
 
 
-def _attention_parameters(config: ModelConfig, layer: int) -> int:
+def _attention_parameters(config: ModelConfig, layer: int, optional: frozenset[str]) -> int:
     """One layer's attention matrices (and sinks)."""
+    sinks = config.num_heads if "attention_sinks" in optional else 0
     if config.mla is not None:
-        return _mla_parameters(config) + (config.num_heads if config.attention_sinks else 0)
+        return _mla_parameters(config) + sinks
     D, Hd, K = config.hidden_size, config.head_dim_of(layer), config.kv_heads_of(layer)
     kv = D * K * Hd * (2 if config.has_v_projection(layer) else 1)
-    gate = D * config.num_heads * Hd if config.attention_output_gate else 0
-    return 2 * D * config.num_heads * Hd + kv + gate + (config.num_heads if config.attention_sinks else 0)
+    gate = D * config.num_heads * Hd if "attention_output_gate" in optional else 0
+    return 2 * D * config.num_heads * Hd + kv + gate + sinks
 
 
 def _deltanet_parameters(config: ModelConfig) -> int:

@@ -65,7 +65,7 @@ class DeepseekV2(Architecture):
         if (hf.get("scoring_func") or "softmax") != "softmax":
             raise UnsupportedConfig(f"{self.name}: scoring_func {hf['scoring_func']!r} is not supported (only softmax)")
         grouped = method == "group_limited_greedy"
-        return dict(norm_topk_prob=False, router_scoring="softmax", router_choice_bias=False,
+        return dict(norm_topk_prob=False, router_scoring="softmax",
                     router_groups=int(hf.get("n_group") or 1) if grouped else 1,
                     router_groups_kept=int(hf.get("topk_group") or 1) if grouped else 1, router_group_score="max")
 

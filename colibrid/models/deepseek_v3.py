@@ -26,7 +26,10 @@ class DeepseekV3(DeepseekV2):
         if (hf.get("scoring_func") or "sigmoid") != "sigmoid":
             raise UnsupportedConfig(f"{self.name}: scoring_func {hf['scoring_func']!r} is not supported (only sigmoid)")
         return dict(norm_topk_prob=bool(hf.get("norm_topk_prob", True)), router_scoring="sigmoid",
-                    router_choice_bias=True, router_groups=int(hf.get("n_group") or 1),
+                    router_groups=int(hf.get("n_group") or 1),
                     router_groups_kept=int(hf.get("topk_group") or 1), router_group_score="top2_sum")
+
+    def optional_tensors(self, hf: dict[str, Any]) -> frozenset[str]:
+        return frozenset({"router_choice_bias"})  # e_score_correction_bias
 
     conversion_notes = Glm4Moe.conversion_notes  # the same MTP layers past num_hidden_layers, skipped

@@ -133,7 +133,6 @@ class Gemma4(FusedExpertsArchitecture):
             values_from_keys=bool(hf.get("attention_k_eq_v", False)),
             attention_scale=1.0,
             v_norm=True,
-            post_norms=True,
             num_experts=require(hf, "num_experts"),
             num_experts_per_tok=require(hf, "top_k_experts"),
             expert_ffn=require(hf, "moe_intermediate_size"),
@@ -142,13 +141,14 @@ class Gemma4(FusedExpertsArchitecture):
             dense_ffn=require(hf, "intermediate_size"),
             dense_mlp_with_experts=True,
             expert_activation="geglu_tanh",
-            router_input_norm=True,
-            router_expert_scale=True,
             embed_scale=math.sqrt(dim),
             final_logit_softcap=float(softcap or 0.0),
             per_layer_input=int(hf.get("hidden_size_per_layer_input") or 0),
-            layer_scalar=True,
         )
+
+    def optional_tensors(self, hf: dict[str, Any]) -> frozenset[str]:
+        """The sandwich norms, the router's own norm and per-expert scale, the layer scalar."""
+        return frozenset({"post_norms", "router_input_norm", "router_expert_scale", "layer_scalar"})
 
     def conversion_notes(self, hf: dict[str, Any]) -> list[str]:
         notes = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from colibrid.models.base import Architecture, common_fields, require
+from colibrid.models.base import Architecture, attention_bias_tensors, common_fields, require
 from colibrid.models.config import ModelConfig
 
 # transformers' Glm4MoeConfig fills partial_rotary_factor in when config.json has none
@@ -29,11 +29,9 @@ class Glm4Moe(Architecture):
         fields = common_fields(hf, self.name, default_theta=10000.0, partial_rotary=DEFAULT_PARTIAL_ROTARY_FACTOR)
         layers = fields["num_layers"]
         first_moe_layer = int(hf.get("first_k_dense_replace", 1))
-        bias = bool(hf.get("attention_bias", False))
         expert_ffn = require(hf, "moe_intermediate_size")
         return ModelConfig(
             **fields,
-            qkv_bias=bias,  # o_proj never has a bias
             qk_norm="head" if hf.get("use_qk_norm", False) else "none",
             sliding_window=(None,) * layers,
             num_experts=require(hf, "n_routed_experts"),
@@ -44,12 +42,16 @@ class Glm4Moe(Architecture):
             dense_ffn=hf.get("intermediate_size") or 0,
             shared_expert_ffn=expert_ffn * int(hf.get("n_shared_experts", 1) or 0),
             router_scoring="sigmoid",
-            router_choice_bias=True,
             router_groups=int(hf.get("n_group") or 1),
             router_groups_kept=int(hf.get("topk_group") or 1),
             router_group_score="top2_sum",
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         )
+
+    def optional_tensors(self, hf: dict[str, Any]) -> frozenset[str]:
+        """The routers' choice bias (e_score_correction_bias); q/k/v biases with attention_bias
+        (o_proj never has one)."""
+        return attention_bias_tensors(hf, o_bias=False) | {"router_choice_bias"}
 
     def conversion_notes(self, hf: dict[str, Any]) -> list[str]:
         count = mtp_layers(hf)

@@ -53,21 +53,19 @@ class GptOss(Architecture):
         layers = fields["num_layers"]
         return ModelConfig(
             **fields,
-            qkv_bias=True,
-            o_bias=True,
-            attention_sinks=True,
             sliding_window=layer_windows(hf, layers),
             num_experts=num_experts(hf),
             num_experts_per_tok=require(hf, "num_experts_per_tok"),
             expert_ffn=require(hf, "intermediate_size"),
             moe_layers=(True,) * layers,
             router_scoring="topk_softmax",
-            router_bias=True,
-            expert_bias=True,
             expert_activation="clamped_swiglu",
             swiglu_alpha=float(hf.get("swiglu_alpha", DEFAULT_SWIGLU_ALPHA)),
             swiglu_limit=float(hf.get("swiglu_limit", DEFAULT_SWIGLU_LIMIT)),
         )
+
+    def optional_tensors(self, hf: dict[str, Any]) -> frozenset[str]:
+        return frozenset({"qkv_bias", "o_bias", "attention_sinks", "router_bias", "expert_bias"})
 
     def expert_tensor_names(self, layer: int, expert: int) -> ExpertTensorNames:
         base = f"model.layers.{layer}.{self.experts_prefix}."

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from colibrid.models.base import FusedExpertsArchitecture, UnsupportedConfig, common_fields, num_experts, require
+from colibrid.models.base import (FusedExpertsArchitecture, UnsupportedConfig, attention_bias_tensors, common_fields,
+                                  num_experts, require)
 from colibrid.models.config import ModelConfig
 
 DEFAULT_THETA = 500000.0  # transformers' Llama4TextConfig.default_theta
@@ -85,13 +86,10 @@ class Llama4(FusedExpertsArchitecture):
         layers = fields["num_layers"]
         nope = nope_layer_flags(hf, layers)
         temperature = bool(hf.get("attn_temperature_tuning", True)) and any(nope)
-        bias = bool(hf.get("attention_bias", False))
         expert_ffn = require(hf, "intermediate_size")
         moe = moe_layer_flags(hf, layers)
         return ModelConfig(
             **fields,
-            qkv_bias=bias,
-            o_bias=bias,
             qk_norm="l2" if hf.get("use_qk_norm", True) else "none",
             sliding_window=(None,) * layers,
             attention_chunk=layer_chunks(hf, nope),
@@ -108,4 +106,7 @@ class Llama4(FusedExpertsArchitecture):
             router_scoring="topk_sigmoid",
             router_weight_on_input=True,
         )
+
+    def optional_tensors(self, hf: dict[str, Any]) -> frozenset[str]:
+        return attention_bias_tensors(hf)
 

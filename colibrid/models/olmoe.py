@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from colibrid.models.base import Architecture, common_fields, num_experts
+from colibrid.models.base import Architecture, attention_bias_tensors, common_fields, num_experts
 from colibrid.models.config import ModelConfig
 
 
@@ -15,11 +15,8 @@ class Olmoe(Architecture):
 
     def model_config(self, hf: dict[str, Any]) -> ModelConfig:
         fields = common_fields(hf, self.name, default_theta=10000.0)
-        bias = bool(hf.get("attention_bias", False))
         return ModelConfig(
             **fields,
-            qkv_bias=bias,
-            o_bias=bias,
             qk_norm="full",
             clip_qkv=hf.get("clip_qkv"),
             sliding_window=(None,) * fields["num_layers"],
@@ -29,3 +26,6 @@ class Olmoe(Architecture):
             norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             moe_layers=(True,) * fields["num_layers"],
         )
+
+    def optional_tensors(self, hf: dict[str, Any]) -> frozenset[str]:
+        return attention_bias_tensors(hf)

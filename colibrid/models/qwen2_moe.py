@@ -32,9 +32,12 @@ class Qwen2Moe(Architecture):
         layers = fields["num_layers"]
         return ModelConfig(
             **fields,
-            qkv_bias=bool(hf.get("qkv_bias", True)),
             sliding_window=_layer_windows(hf, layers),
             **qwen_moe_fields(hf, layers),
             shared_expert_ffn=hf.get("shared_expert_intermediate_size") or 0,
-            shared_expert_gated=bool(hf.get("shared_expert_intermediate_size")),
         )
+
+    def optional_tensors(self, hf: dict[str, Any]) -> frozenset[str]:
+        """q/k/v biases unless config.json says qkv_bias false; the shared expert's gate."""
+        names = {"qkv_bias"} if hf.get("qkv_bias", True) else set()
+        return frozenset(names | ({"shared_expert_gated"} if hf.get("shared_expert_intermediate_size") else set()))

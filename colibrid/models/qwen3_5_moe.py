@@ -81,14 +81,17 @@ class Qwen35Moe(FusedExpertsArchitecture):
         return ModelConfig(
             **fields,
             qk_norm="head",
-            attention_output_gate=True,
             layer_mixers=mixers,
             deltanet=deltanet_config(hf) if "deltanet" in mixers else None,
             sliding_window=(None,) * layers,
             **self.moe_fields(hf, layers),
             shared_expert_ffn=shared_ffn,
-            shared_expert_gated=bool(shared_ffn),
         )
+
+    def optional_tensors(self, hf: dict[str, Any]) -> frozenset[str]:
+        """The attention layers' output gate (in q_proj); the shared expert's sigmoid gate."""
+        shared = {"shared_expert_gated"} if hf.get("shared_expert_intermediate_size") else set()
+        return frozenset({"attention_output_gate"} | shared)
 
     def zero_centred_norms(self, config: ModelConfig) -> list[str]:
         names = ["final_norm"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from colibrid.models.base import Architecture, common_fields, qwen_moe_fields
+from colibrid.models.base import Architecture, attention_bias_tensors, common_fields, qwen_moe_fields
 from colibrid.models.config import ModelConfig
 
 
@@ -17,12 +17,12 @@ class Qwen3Moe(Architecture):
         fields = common_fields(hf, self.name, default_theta=10000.0)
         layers = fields["num_layers"]
         window = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
-        bias = bool(hf.get("attention_bias", False))
         return ModelConfig(
             **fields,
-            qkv_bias=bias,
-            o_bias=bias,
             qk_norm="head",
             sliding_window=(window,) * layers,
             **qwen_moe_fields(hf, layers),
         )
+
+    def optional_tensors(self, hf: dict[str, Any]) -> frozenset[str]:
+        return attention_bias_tensors(hf)

@@ -1,5 +1,6 @@
 """What a pack of a given model must contain: the name, shape and element type of every
-tensor, derived from the normalised model configuration and the requested quantization.
+tensor, derived from the normalised model configuration, the optional tensors the model has
+(colibrid/models/optional_tensors.py) and the requested quantization.
 
 The converter writes by these rules and the reader checks a manifest against them, so a
 manifest can only describe the tensors the model needs, in the types the converter would
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 from colibrid.models.base import Architecture
 from colibrid.models.config import ModelConfig
+from colibrid.models.optional_tensors import OPTIONAL_TENSORS
 from colibrid.native import TensorType
 
 TENSOR_CLASSES = ("experts", "dense", "embeddings")
 EXPERT_PARTS = ("gate", "up", "down")  # order of the projections inside an expert record
-EXPERT_BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")  # after them, f32, when the model has expert biases
+EXPERT_BIAS_PARTS = OPTIONAL_TENSORS["expert_bias"]  # after them, f32, when the model has expert biases
 ALWAYS_F32 = ("router", "shared_gate", "conv")  # pack-name leaves kept in f32 whatever --quant says
 
 
@@ -41,10 +43,11 @@ def stored_type(wanted: TensorType, shape: tuple[int, ...]) -> TensorType:
     return wanted
 
 
-def dense_tensor_names(config: ModelConfig) -> list[str]:
-    """Every dense tensor a pack of this model has, in the order the converter writes them.
-    Pack names depend on the config's features only, never on the source architecture."""
-    return list(Architecture().dense_tensor_names(config))
+def dense_tensor_names(config: ModelConfig, optional: frozenset[str]) -> list[str]:
+    """Every dense tensor a pack of this model with the ``optional`` tensors has, in the order
+    the converter writes them. Pack names depend on the config's features and the optional
+    tensors only, never on the source architecture."""
+    return list(Architecture().dense_tensor_names(config, optional))
 
 
 def expected_dense_shape(name: str, c: ModelConfig) -> tuple[int, ...]:
@@ -103,16 +106,17 @@ def _mla_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
-def expert_part_names(c: ModelConfig) -> tuple[str, ...]:
+def expert_part_names(optional: frozenset[str]) -> tuple[str, ...]:
     """The parts of every expert record, in record order: the three matrices, then their f32
-    biases when the model has them (docs/format.md, "Expert records")."""
-    return EXPERT_PARTS + (EXPERT_BIAS_PARTS if c.expert_bias else ())
+    biases when the model has them (``optional`` holds expert_bias; docs/format.md, "Expert
+    records")."""
+    return EXPERT_PARTS + (EXPERT_BIAS_PARTS if "expert_bias" in optional else ())
 
 
-def expected_expert_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+def expected_expert_shapes(c: ModelConfig, optional: frozenset[str]) -> dict[str, tuple[int, ...]]:
     D, F = c.hidden_size, c.expert_ffn
     shapes = {"gate": (F, D), "up": (F, D), "down": (D, F), "gate_bias": (F,), "up_bias": (F,), "down_bias": (D,)}
-    return {part: shapes[part] for part in expert_part_names(c)}
+    return {part: shapes[part] for part in expert_part_names(optional)}
 
 
 def expert_part_type(experts_type: TensorType, shape: tuple[int, ...]) -> TensorType:

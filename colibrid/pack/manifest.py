@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from colibrid.models.config import ModelConfig
+from colibrid.models.optional_tensors import OPTIONAL_TENSORS, optional_tensors_in
 from colibrid.native import TensorType
 from colibrid.pack.durable import write_file_atomically
 from colibrid.pack.layout import EXPERT_BIAS_PARTS, EXPERT_PARTS, TENSOR_CLASSES  # noqa: F401 (re-exported)
@@ -187,6 +188,16 @@ class Manifest:
     experts_device: ExpertsDevice | None = None  # None: the records are in experts.bin
     file_sha256: dict[str, str] = field(default_factory=dict)  # pack file name -> SHA-256 (hex); {}: not recorded
     manifest_sha256: str | None = None  # as recorded in the file read (None: not recorded); write() computes it
+    # What an older manifest's model section says of the optional tensors (qkv_bias: true ...),
+    # which newer ones leave to the tables; validate checks the tables hold what it says.
+    # {}: a newer manifest. Never written.
+    legacy_model_flags: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def optional_tensors(self) -> frozenset[str]:
+        """The optional tensors (colibrid/models/optional_tensors.py) the model has: those the
+        tables hold (validate checks that every layer that takes one holds it)."""
+        return optional_tensors_in(self.dense_tensors, self.expert_parts)
 
     @property
     def record_bytes(self) -> int:
@@ -263,7 +274,8 @@ class Manifest:
         index = _require(experts, "index", "experts")
         if not isinstance(index, list):
             raise ValueError("experts.index must be a list of rows")
-        model = _require_object(_require(data, "model", "manifest"), "model")
+        model = dict(_require_object(_require(data, "model", "manifest"), "model"))
+        legacy_flags = _legacy_model_flags(model)
         return cls(
             model=ModelConfig.from_json(model),
             quantization=_quantization(_require(data, "quantization", "manifest")),
@@ -287,7 +299,22 @@ class Manifest:
             file_sha256=_sha256_map(data.get(SHA256_KEY, {})),
             manifest_sha256=None if data.get(MANIFEST_SHA256_KEY) is None else
             _sha256_hex(data[MANIFEST_SHA256_KEY], MANIFEST_SHA256_KEY),
+            legacy_model_flags=legacy_flags,
         )
+
+
+def _legacy_model_flags(model: dict[str, Any]) -> dict[str, bool]:
+    """Takes the optional-tensor flags out of an older manifest's ``model`` section, where
+    manifests kept them until the tables alone said it (docs/format.md, "Optional tensors"):
+    name -> true or false, each as stated."""
+    flags = {}
+    for name in OPTIONAL_TENSORS:
+        if name in model:
+            value = model.pop(name)
+            if type(value) is not bool:
+                raise ValueError(f"model.{name} must be true or false, got {value!r:.40}")
+            flags[name] = value
+    return flags
 
 
 def manifest_content_sha256(data: dict[str, Any]) -> str:

@@ -42,10 +42,8 @@ MAX_EXPERTS = 1 << 16
 POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                        "max_position_embeddings", "num_experts", "num_experts_per_tok", "expert_ffn")
 COUNT_FIELDS = ("dense_ffn", "shared_expert_ffn", "per_layer_input")
-BOOL_FIELDS = ("tie_word_embeddings", "qkv_bias", "o_bias", "norm_topk_prob", "shared_expert_gated",
-               "router_choice_bias", "attention_sinks", "router_bias", "expert_bias", "attention_output_gate",
-               "rope_interleaved", "router_weight_on_input", "values_from_keys", "v_norm", "post_norms",
-               "dense_mlp_with_experts", "router_input_norm", "router_expert_scale", "layer_scalar")
+BOOL_FIELDS = ("tie_word_embeddings", "norm_topk_prob", "rope_interleaved", "router_weight_on_input",
+               "values_from_keys", "v_norm", "dense_mlp_with_experts")
 
 
 def check_manifest(m: Manifest) -> None:
@@ -53,10 +51,25 @@ def check_manifest(m: Manifest) -> None:
     check_model_config(m.model)
     if not MIN_ALIGNMENT <= m.alignment <= MAX_ALIGNMENT or m.alignment & (m.alignment - 1):
         raise ValueError(f"alignment {m.alignment} is not a power of two in [{MIN_ALIGNMENT}, {MAX_ALIGNMENT}]")
-    _check_dense_tensors(m)
-    _check_expert_parts(m)
+    optional = _optional_tensors(m)
+    _check_dense_tensors(m, optional)
+    _check_expert_parts(m, optional)
     _check_expert_index(m)
     _check_experts_device(m)
+
+
+def _optional_tensors(m: Manifest) -> frozenset[str]:
+    """The optional tensors the tables must hold: those they hold, or, where an older manifest's
+    model section states one, as it states it, so that a table disagreeing with its flag shows
+    as a tensor missing or one too many. The model must be able to use each of them."""
+    stated = m.legacy_model_flags
+    optional = {name for name in m.optional_tensors if stated.get(name, True)}
+    optional |= {name for name, present in stated.items() if present}
+    if m.model.mla is not None and "qkv_bias" in optional:
+        raise ValueError("latent attention has no q/k/v biases, q/k norms, clipping or sliding windows")
+    if "shared_expert_gated" in optional and m.model.shared_expert_ffn == 0:
+        raise ValueError("model.shared_expert_ffn is 0 but the model needs it (a shared expert's gate)")
+    return frozenset(optional)
 
 
 # --- the model configuration ---
@@ -86,10 +99,8 @@ def check_model_config(c: ModelConfig) -> None:
         raise ValueError("model.attention_chunk must hold null or a chunk of >= 1 tokens per layer")
     _check_nope_layers(c)
     _check_layer_shapes(c)
-    for name, needed in (("dense_ffn", not all(c.moe_layers) or c.dense_mlp_with_experts),
-                         ("shared_expert_ffn", c.shared_expert_gated)):
-        if needed and getattr(c, name) == 0:
-            raise ValueError(f"model.{name} is 0 but the model needs it")
+    if (not all(c.moe_layers) or c.dense_mlp_with_experts) and c.dense_ffn == 0:
+        raise ValueError("model.dense_ffn is 0 but the model needs it")
     _check_router(c)
     _check_expert_activation(c)
     if type(c.rotary_dim) is not int or not 0 <= c.rotary_dim <= c.head_dim:
@@ -159,7 +170,7 @@ def _check_mla(c: ModelConfig) -> None:
     if c.head_dim != m.qk_nope_head_dim + m.qk_rope_head_dim or c.num_kv_heads != c.num_heads or c.rotary_dim:
         raise ValueError("latent attention needs head_dim = qk_nope_head_dim + qk_rope_head_dim, num_kv_heads = "
                          "num_heads and rotary_dim 0")
-    if c.qkv_bias or c.qk_norm != "none" or c.clip_qkv is not None or any(c.sliding_window) or any(c.attention_chunk):
+    if c.qk_norm != "none" or c.clip_qkv is not None or any(c.sliding_window) or any(c.attention_chunk):
         raise ValueError("latent attention has no q/k/v biases, q/k norms, clipping or sliding windows")
     if c.rope_interleaved or any(c.nope_layers) or c.attn_temperature_floor:
         raise ValueError("latent attention has its own rope layout (mla.rope_interleaved), no NoPE layers and no "
@@ -243,8 +254,8 @@ def _positive_float(value: Any, what: str) -> None:
 # --- dense tensors ---
 
 
-def _check_dense_tensors(m: Manifest) -> None:
-    needed = dense_tensor_names(m.model)
+def _check_dense_tensors(m: Manifest, optional: frozenset[str]) -> None:
+    needed = dense_tensor_names(m.model, optional)
     missing = [name for name in needed if name not in m.dense_tensors]
     if missing:
         raise ValueError(f"tensor {missing[0]!r} of {DENSE_FILE} is missing from the manifest "
@@ -289,13 +300,13 @@ def _check_no_overlap(spans: list[tuple[int, int, str]]) -> None:
 # --- experts ---
 
 
-def _check_expert_parts(m: Manifest) -> None:
+def _check_expert_parts(m: Manifest, optional: frozenset[str]) -> None:
     if not m.expert_parts and not m.model.moe_layer_ids:
         return  # no routed experts at all: nothing to lay out
-    names = expert_part_names(m.model)
+    names = expert_part_names(optional)
     if tuple(m.expert_parts) != names:
         raise ValueError(f"experts.parts must be {list(names)} in that order, got {list(m.expert_parts)[:7]}")
-    shapes = expected_expert_shapes(m.model)
+    shapes = expected_expert_shapes(m.model, optional)
     experts_type = TensorType.from_name(m.quantization["experts"])
     spans = []
     for name, entry in m.expert_parts.items():

@@ -17,10 +17,12 @@ QWEN15_MOE_STYLE = {  # the shape of Qwen1.5-MoE-A2.7B's config.json (smaller nu
 
 
 def test_legacy_qwen2_moe_config():
-    config = architecture_for(QWEN15_MOE_STYLE).model_config(QWEN15_MOE_STYLE)
+    arch = architecture_for(QWEN15_MOE_STYLE)
+    config, optional = arch.model_config(QWEN15_MOE_STYLE), arch.optional_tensors(QWEN15_MOE_STYLE)
     assert config.rope.theta == 1e6 and config.rope.type == "default"
-    assert config.qkv_bias and not config.o_bias  # Qwen2 has q/k/v biases unless told otherwise
-    assert config.shared_expert_ffn == 128 and config.shared_expert_gated
+    # Qwen2 has q/k/v biases unless told otherwise, none on o; a gated shared expert
+    assert optional == {"qkv_bias", "shared_expert_gated"} and config.shared_expert_ffn == 128
+    assert arch.optional_tensors(dict(QWEN15_MOE_STYLE, qkv_bias=False)) == {"shared_expert_gated"}
     assert config.sliding_window == (None,) * 4  # use_sliding_window false wins over sliding_window
     assert config.moe_layers == (True,) * 4 and config.eos_token_ids == (7,)
 

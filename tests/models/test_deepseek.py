@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from colibrid.models import architecture_for
-from tests.tiny_checkpoints import CheckpointSpec, load_reference, reference_greedy, reference_logits
+from tests.tiny_checkpoints import CheckpointSpec, assert_same_model, load_reference, random_prompt
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0,
         "beta_fast": 32, "beta_slow": 1}
@@ -36,26 +36,18 @@ SPECS = [
 ]
 
 PROMPT_TOKENS = 32
-GREEDY_TOKENS = 32
 
 
 def _prompt(vocab_size: int) -> list[int]:
-    return np.random.default_rng(1).integers(0, vocab_size, PROMPT_TOKENS).tolist()
+    return random_prompt(vocab_size, PROMPT_TOKENS)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_logits_and_greedy_match_transformers(spec, packs):
     from colibrid.engine import load
 
-    reference = load_reference(packs.checkpoint(spec))
     engine = load(packs.pack(spec, "f32"))
-    ids = _prompt(engine.config.vocab_size)
-
-    expected = reference_logits(reference, ids)
-    actual = engine.forward(ids)
-    assert actual.shape == expected.shape
-    assert np.abs(actual - expected).max() <= 1e-4 * np.abs(expected).max()
-    assert engine.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)
+    assert_same_model(load_reference(packs.checkpoint(spec)), engine, _prompt(engine.config.vocab_size))
 
 
 def test_specs_exercise_the_features_they_claim(packs):
@@ -151,10 +143,11 @@ def test_published_deepseek_v3_config():
     assert (c.rope.type, c.rope.factor, c.rope.attention_factor) == ("yarn", 40.0, 1.0)
     assert c.moe_layers == (False,) * 3 + (True,) * 58 and c.dense_ffn == 18432
     assert (c.num_experts, c.num_experts_per_tok, c.expert_ffn, c.shared_expert_ffn) == (256, 8, 2048, 2048)
-    assert (c.router_scoring, c.router_choice_bias, c.router_groups, c.router_groups_kept, c.router_group_score) == \
-        ("sigmoid", True, 8, 4, "top2_sum")
+    assert (c.router_scoring, c.router_groups, c.router_groups_kept, c.router_group_score) == ("sigmoid", 8, 4, "top2_sum")
+    assert arch.optional_tensors(DEEPSEEK_V3) == {"router_choice_bias"}
     assert c.norm_topk_prob and c.routed_scaling_factor == 2.5
-    names = arch.dense_tensor_names(c)
+    names = arch.dense_tensor_names(c, arch.optional_tensors(DEEPSEEK_V3))
+    assert names["layers.3.router_choice_bias"] == "model.layers.3.mlp.gate.e_score_correction_bias"
     assert names["layers.3.attn.q_b"] == "model.layers.3.self_attn.q_b_proj.weight"
     assert names["layers.0.attn.kv_a"] == "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
     assert "layers.0.attn.q" not in names and "layers.0.attn.k" not in names
@@ -256,9 +249,5 @@ def test_fp8_checkpoint_as_published_converts_and_matches_transformers(packs, tm
     convert(published, out, parse_quant("f32"), progress=False)
     pack = Pack.open(out)
     np.testing.assert_array_equal(pack.dense("layers.1.attn.kv_b").data, decoded["model.layers.1.self_attn.kv_b_proj.weight"])
-    reference = load_reference(reference_dir)
     engine = load(out)
-    ids = _prompt(engine.config.vocab_size)
-    expected = reference_logits(reference, ids)
-    assert np.abs(engine.forward(ids) - expected).max() <= 1e-4 * np.abs(expected).max()
-    assert engine.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)
+    assert_same_model(load_reference(reference_dir), engine, _prompt(engine.config.vocab_size))

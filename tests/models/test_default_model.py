@@ -102,13 +102,11 @@ def test_bf16_pack_reproduces_transformers_recorded_greedy_continuations(bf16_en
 
 
 def test_trained_model_logits_match_transformers(bf16_engine, reference):
-    from tests.tiny_checkpoints import reference_logits
+    from tests.tiny_checkpoints import assert_same_logits
 
     ids = bf16_engine.prompt_ids(PYTHON_TEXT, raw=True)
     assert len(ids) > 100
-    expected = reference_logits(reference, ids)
-    actual = bf16_engine.forward(ids)
-    assert np.abs(actual - expected).max() <= 1e-4 * np.abs(expected).max()
+    assert_same_logits(reference, bf16_engine, ids)
 
 
 def test_default_quantization_keeps_the_trained_model_s_predictions(default_engine, reference):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from colibrid.models import architecture_for
-from tests.tiny_checkpoints import CheckpointSpec, load_reference, reference_greedy, reference_logits
+from tests.tiny_checkpoints import CheckpointSpec, assert_same_model, load_reference, random_prompt
 
 SPECS = [
     # partial rotary 0.5 (the default: 8 of 16 dims), qk-norm, q/k/v biases, 4 groups of 2 keeping 2, scaling 2.5
@@ -27,23 +27,13 @@ SPECS = [
                                                     "partial_rotary_factor": 0.25}}, dtype="bfloat16"),
 ]
 
-PROMPT_TOKENS = 32
-GREEDY_TOKENS = 32
-
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_logits_and_greedy_match_transformers(spec, packs):
     from colibrid.engine import load
 
-    reference = load_reference(packs.checkpoint(spec))
     engine = load(packs.pack(spec, "f32"))
-    ids = np.random.default_rng(1).integers(0, engine.config.vocab_size, PROMPT_TOKENS).tolist()
-
-    expected = reference_logits(reference, ids)
-    actual = engine.forward(ids)
-    assert actual.shape == expected.shape
-    assert np.abs(actual - expected).max() <= 1e-4 * np.abs(expected).max()
-    assert engine.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)
+    assert_same_model(load_reference(packs.checkpoint(spec)), engine, random_prompt(engine.config.vocab_size))
 
 
 def test_specs_exercise_the_features_they_claim(packs):
@@ -51,12 +41,14 @@ def test_specs_exercise_the_features_they_claim(packs):
 
     packs_ = [Pack.open(packs.pack(spec, "f32")) for spec in SPECS]
     configs = [p.manifest.model for p in packs_]
-    assert all(c.architecture == "glm4_moe" and c.router_scoring == "sigmoid" and c.router_choice_bias for c in configs)
+    optional = [p.manifest.optional_tensors for p in packs_]
+    assert all(c.architecture == "glm4_moe" and c.router_scoring == "sigmoid" for c in configs)
+    assert optional == [{"router_choice_bias", "qkv_bias"}, {"router_choice_bias"}]
     assert {c.rotary_dim for c in configs} == {8, 4} and all(c.head_dim == 16 for c in configs)
-    assert {c.qk_norm for c in configs} == {"head", "none"} and {c.qkv_bias for c in configs} == {True, False}
+    assert {c.qk_norm for c in configs} == {"head", "none"}
     assert any(c.router_groups_kept < c.router_groups for c in configs)
     assert {c.routed_scaling_factor for c in configs} == {2.5, 1.0} and {c.norm_topk_prob for c in configs} == {True, False}
-    assert {c.shared_expert_ffn for c in configs} == {64, 128} and not any(c.shared_expert_gated for c in configs)
+    assert {c.shared_expert_ffn for c in configs} == {64, 128} and not any("shared_expert_gated" in o for o in optional)
     assert all(c.moe_layers[0] is False and all(c.moe_layers[1:]) for c in configs)
     for pack, config in zip(packs_, configs):  # the choice bias was randomised, so it is exercised
         for layer in config.moe_layer_ids:
@@ -76,14 +68,14 @@ GLM_45_AIR_STYLE = {  # the shape of zai-org/GLM-4.5-Air's config.json (smaller 
 
 def test_published_glm_45_air_config():
     arch = architecture_for(GLM_45_AIR_STYLE)
-    c = arch.model_config(GLM_45_AIR_STYLE)
+    c, optional = arch.model_config(GLM_45_AIR_STYLE), arch.optional_tensors(GLM_45_AIR_STYLE)
     assert (c.head_dim, c.rotary_dim, c.rope.theta) == (32, 16, 1e6)  # head_dim apart from hidden / heads
-    assert c.qkv_bias and not c.o_bias and c.qk_norm == "none"
+    assert optional == {"qkv_bias", "router_choice_bias"} and c.qk_norm == "none"  # q/k/v biases, none on o
     assert c.moe_layers == (False, True, True, True) and c.dense_ffn == 160
     assert (c.num_experts, c.num_experts_per_tok, c.expert_ffn, c.shared_expert_ffn) == (16, 4, 32, 32)
     assert (c.router_groups, c.router_groups_kept, c.routed_scaling_factor) == (1, 1, 1.0)
     assert c.eos_token_ids == (7, 8, 9)
-    names = arch.dense_tensor_names(c)
+    names = arch.dense_tensor_names(c, optional)
     assert names["layers.1.router_choice_bias"] == "model.layers.1.mlp.gate.e_score_correction_bias"
     assert names["layers.1.shared.down"] == "model.layers.1.mlp.shared_experts.down_proj.weight"
     assert names["layers.0.mlp.gate"] == "model.layers.0.mlp.gate_proj.weight"

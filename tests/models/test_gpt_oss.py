@@ -15,7 +15,7 @@ import pytest
 
 from colibrid.models import architecture_for
 from tests.pack.conftest import assert_refused_after
-from tests.tiny_checkpoints import CheckpointSpec, load_reference, reference_greedy, reference_logits
+from tests.tiny_checkpoints import CheckpointSpec, assert_same_model, load_reference, random_prompt
 
 SPECS = [
     # the default clamp (7) never bites at these magnitudes; sliding, full, sliding
@@ -26,24 +26,13 @@ SPECS = [
                                "layer_types": ["full_attention", "sliding_attention"]}, dtype="bfloat16"),
 ]
 
-PROMPT_TOKENS = 32
-GREEDY_TOKENS = 32
-
-
-def _check_against_transformers(reference, engine, seed: int = 1) -> None:
-    ids = np.random.default_rng(seed).integers(0, engine.config.vocab_size, PROMPT_TOKENS).tolist()
-    expected = reference_logits(reference, ids)
-    actual = engine.forward(ids)
-    assert actual.shape == expected.shape
-    assert np.abs(actual - expected).max() <= 1e-4 * np.abs(expected).max()
-    assert engine.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)
-
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_logits_and_greedy_match_transformers(spec, packs):
     from colibrid.engine import load
 
-    _check_against_transformers(load_reference(packs.checkpoint(spec)), load(packs.pack(spec, "f32")))
+    engine = load(packs.pack(spec, "f32"))
+    assert_same_model(load_reference(packs.checkpoint(spec)), engine, random_prompt(engine.config.vocab_size))
 
 
 def test_decode_over_the_window_equals_prefill(packs):
@@ -63,11 +52,13 @@ def test_specs_exercise_the_features_they_claim(packs):
 
     packs_ = [Pack.open(packs.pack(spec, "f32")) for spec in SPECS]
     configs = [p.manifest.model for p in packs_]
-    assert all(c.architecture == "gpt_oss" and c.attention_sinks and c.qkv_bias and c.o_bias for c in configs)
+    assert all(p.manifest.optional_tensors == {"attention_sinks", "qkv_bias", "o_bias", "router_bias", "expert_bias"}
+               for p in packs_)
+    assert all(c.architecture == "gpt_oss" for c in configs)
     assert configs[0].sliding_window == (4, None, 4) and configs[1].sliding_window == (None, 6)
     assert all(c.rope.type == "yarn" and c.rope.truncate is False and c.rope.factor == 32.0 for c in configs)
-    assert all(c.router_scoring == "topk_softmax" and c.router_bias and not c.norm_topk_prob for c in configs)
-    assert all(c.expert_bias and c.expert_activation == "clamped_swiglu" and c.swiglu_alpha == 1.702 for c in configs)
+    assert all(c.router_scoring == "topk_softmax" and not c.norm_topk_prob for c in configs)
+    assert all(c.expert_activation == "clamped_swiglu" and c.swiglu_alpha == 1.702 for c in configs)
     assert [c.swiglu_limit for c in configs] == [7.0, 0.15]
     for pack in packs_:
         assert list(pack.manifest.expert_parts) == ["gate", "up", "down", "gate_bias", "up_bias", "down_bias"]
@@ -198,7 +189,8 @@ def test_mxfp4_experts_match_transformers_on_the_portable_level(mxfp4_checkpoint
     before = native.kernels()
     native.set_kernels("portable")  # float activations: the decoded MXFP4 values exactly
     try:
-        _check_against_transformers(reference, load(tmp_path / "pack"), seed=2)
+        engine = load(tmp_path / "pack")
+        assert_same_model(reference, engine, random_prompt(engine.config.vocab_size, seed=2))
     finally:
         native.set_kernels(before)
 
@@ -230,7 +222,9 @@ def test_published_gpt_oss_20b_config():
     assert c.sliding_window == (128, None, 128, None)
     assert (c.num_experts, c.num_experts_per_tok, c.expert_ffn) == (32, 4, 64) and all(c.moe_layers)
     assert (c.swiglu_alpha, c.swiglu_limit) == (1.702, 7.0)  # alpha: transformers' default, absent from the file
-    names = arch.dense_tensor_names(c)
+    optional = arch.optional_tensors(GPT_OSS_20B_STYLE)
+    assert optional == {"qkv_bias", "o_bias", "attention_sinks", "router_bias", "expert_bias"}
+    names = arch.dense_tensor_names(c, optional)
     assert names["layers.1.router"] == "model.layers.1.mlp.router.weight"
     assert names["layers.1.router_bias"] == "model.layers.1.mlp.router.bias"
     assert names["layers.1.attn.sinks"] == "model.layers.1.self_attn.sinks"
@@ -320,4 +314,4 @@ def test_pack_size_tool_counts_the_expert_biases_and_mxfp4(packs, mxfp4_checkpoi
     for pack, quant in converted:
         manifest = Pack.open(pack).manifest
         expected = ((pack / "dense.bin").stat().st_size, (pack / "experts.bin").stat().st_size)
-        assert pack_bytes(manifest.model, parse_quant(quant).to_json()) == expected, quant
+        assert pack_bytes(manifest.model, manifest.optional_tensors, parse_quant(quant).to_json()) == expected, quant

@@ -18,7 +18,8 @@ from colibrid.tools.convert.wrapped import text_model_config
 from colibrid.models import ARCHITECTURES, UnsupportedConfig, architecture_for
 from colibrid.models.config import parameter_counts
 from tests.pack.conftest import assert_refused_after
-from tests.tiny_checkpoints import CheckpointSpec, load_reference, reference_greedy, reference_logits
+from tests.tiny_checkpoints import (GREEDY_TOKENS, CheckpointSpec, assert_same_model, load_reference, random_prompt,
+                                    reference_greedy)
 
 # theta 500000 at head_dim 16: wavelengths 6.3 (kept), 32.6 (blended) and 169 on (divided by the factor)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -33,21 +34,13 @@ SPECS = [
                               "no_rope_layers": [0, 1, 1], "rope_parameters": LLAMA3_ROPE}, dtype="bfloat16"),
 ]
 
-PROMPT_TOKENS = 32
-GREEDY_TOKENS = 32
 
-
-def _prompt(vocab_size: int, seed: int = 1) -> list[int]:
-    return np.random.default_rng(seed).integers(0, vocab_size, PROMPT_TOKENS).tolist()
+def _prompt(vocab_size: int) -> list[int]:
+    return random_prompt(vocab_size)
 
 
 def _check_against(reference, engine) -> None:
-    ids = _prompt(engine.config.vocab_size)
-    expected = reference_logits(reference, ids)
-    actual = engine.forward(ids)
-    assert actual.shape == expected.shape
-    assert np.abs(actual - expected).max() <= 1e-4 * np.abs(expected).max()
-    assert engine.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)
+    assert_same_model(reference, engine, _prompt(engine.config.vocab_size))
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
@@ -245,10 +238,19 @@ def _published(text: dict) -> dict:
             "vision_config": {"model_type": "llama4_vision_model"}, "tie_word_embeddings": False}
 
 
-def _read(published: dict):
+def _text_config(published: dict) -> dict:
     supported = lambda t: any(t in a.hf_model_types for a in ARCHITECTURES.values())  # noqa: E731
-    hf = text_model_config(published, supported).config
+    return text_model_config(published, supported).config
+
+
+def _read(published: dict):
+    hf = _text_config(published)
     return architecture_for(hf).model_config(hf)
+
+
+def _optional_tensors(published: dict) -> frozenset[str]:
+    hf = _text_config(published)
+    return architecture_for(hf).optional_tensors(hf)
 
 
 def test_published_scout_config():
@@ -262,7 +264,9 @@ def test_published_scout_config():
     assert c.rope.type == "llama3" and (c.rope.factor, c.rope.low_freq_factor, c.rope.high_freq_factor) == (16.0, 1.0, 1.0)
     assert c.rope.original_max_position_embeddings == 8192 and c.rope.theta == 500000.0
     assert c.eos_token_ids == (200001, 200007, 200008)
-    total, active = parameter_counts(c)
+    assert _optional_tensors(_published(SCOUT_TEXT)) == frozenset()  # attention_bias false
+    assert _optional_tensors(_published(dict(SCOUT_TEXT, attention_bias=True))) == {"qkv_bias", "o_bias"}
+    total, active = parameter_counts(c, _optional_tensors(_published(SCOUT_TEXT)))
     assert round(total / 1e9, 1) == 107.8 and round(active / 1e9, 1) == 17.2  # 109 B with the vision tower
 
 
@@ -270,7 +274,7 @@ def test_published_maverick_config():
     c = _read(_published(MAVERICK_TEXT))
     assert c.num_experts == 128 and c.moe_layer_ids == list(range(1, 48, 2)) and c.dense_ffn == 16384
     assert c.qk_norm == "none" and c.rope.type == "default"
-    total, active = parameter_counts(c)
+    total, active = parameter_counts(c, _optional_tensors(_published(MAVERICK_TEXT)))
     assert round(total / 1e9, 1) == 400.7 and round(active / 1e9, 1) == 17.2
 
 
@@ -329,4 +333,5 @@ def test_pack_size_tool_counts_llama4(packs):
     for quant in ("f32", "experts=q4_g64,dense=q8_0,embeddings=q8_0"):
         pack = packs.pack(SPECS[0], quant)
         expected = ((pack / "dense.bin").stat().st_size, (pack / "experts.bin").stat().st_size)
-        assert pack_bytes(Pack.open(pack).manifest.model, parse_quant(quant).to_json()) == expected, quant
+        manifest = Pack.open(pack).manifest
+        assert pack_bytes(manifest.model, manifest.optional_tensors, parse_quant(quant).to_json()) == expected, quant

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from colibrid.models import architecture_for
-from tests.tiny_checkpoints import CheckpointSpec, load_reference, reference_greedy, reference_logits
+from tests.tiny_checkpoints import CheckpointSpec, assert_same_model, load_reference, random_prompt
 
 SPECS = [
     # three DeltaNet layers, then a full-attention one; partial rotary 0.25 (4 of 16 dims)
@@ -31,24 +31,17 @@ SPECS = [
 PUBLISHED = CheckpointSpec("qwen3_5_moe_vl")  # the multimodal wrapper Qwen publishes
 
 PROMPT_TOKENS = 80  # longer than one 64-token chunk of the DeltaNet prefill
-GREEDY_TOKENS = 32
 
 
 def _prompt(vocab_size: int) -> list[int]:
-    return np.random.default_rng(1).integers(0, vocab_size, PROMPT_TOKENS).tolist()
+    return random_prompt(vocab_size, PROMPT_TOKENS)
 
 
 def _assert_matches_transformers(checkpoint, pack) -> None:
     from colibrid.engine import load
 
-    reference = load_reference(checkpoint)
     engine = load(pack)
-    ids = _prompt(engine.config.vocab_size)
-    expected = reference_logits(reference, ids)
-    actual = engine.forward(ids)
-    assert actual.shape == expected.shape
-    assert np.abs(actual - expected).max() <= 1e-4 * np.abs(expected).max()
-    assert engine.greedy(ids, GREEDY_TOKENS) == reference_greedy(reference, ids, GREEDY_TOKENS)
+    assert_same_model(load_reference(checkpoint), engine, _prompt(engine.config.vocab_size))
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
@@ -65,7 +58,8 @@ def test_specs_exercise_the_features_they_claim(packs):
     assert [c.layer_mixers for c in configs] == [("deltanet",) * 3 + ("attention",),
                                                  ("deltanet", "attention") * 2, ("deltanet",) * 3 + ("attention",)]
     assert all(c.deltanet.num_value_heads > c.deltanet.num_key_heads and c.deltanet.conv_kernel == 4 for c in configs)
-    assert all(c.attention_output_gate and c.qk_norm == "head" and c.shared_expert_gated for c in configs)
+    assert all(c.qk_norm == "head" for c in configs)
+    assert all(p.manifest.optional_tensors == {"attention_output_gate", "shared_expert_gated"} for p in packs_)
     assert [c.rotary_dim for c in configs] == [4, 8, 4]
     assert [c.norm_topk_prob for c in configs] == [True, True, False]
     assert [c.moe_layers for c in configs] == [(True,) * 4, (True,) * 4, (True, False, True, True)]
@@ -215,8 +209,9 @@ def test_published_qwen36_config():
     assert (c.head_dim, c.rotary_dim, c.rope.theta, c.rope.type) == (256, 64, 1e7, "default")
     assert c.deltanet.conv_channels == 2 * 16 * 128 + 32 * 128 and c.deltanet.num_value_heads == 32
     assert (c.num_experts, c.num_experts_per_tok, c.expert_ffn, c.shared_expert_ffn) == (256, 8, 512, 512)
-    assert c.norm_topk_prob and c.shared_expert_gated and all(c.moe_layers)
-    names = arch.dense_tensor_names(c)
+    optional = arch.optional_tensors(text.config)
+    assert c.norm_topk_prob and optional == {"attention_output_gate", "shared_expert_gated"} and all(c.moe_layers)
+    names = arch.dense_tensor_names(c, optional)
     assert names["layers.0.attn.qkv"] == "model.layers.0.linear_attn.in_proj_qkv.weight"
     assert names["layers.3.attn.gate"].rows[:2] == (256, 257) and len(names["layers.3.attn.gate"].rows) == 16 * 256
     assert "layers.0.attn.q" not in names and "layers.3.attn.qkv" not in names

@@ -114,7 +114,7 @@ class Attention(TokenMixer):
     def __call__(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                  kv: KVCache | RingKVCache, start: int) -> np.ndarray:
         c, w = self.c, self.w
-        if c.attention_sinks:
+        if "sinks" in w:
             raise NotImplementedError(f"layer {self.layer}: attention sinks are computed by the fused attention step only, "
                                       "which needs q, k and v of one type (as the converter writes them)")
         T, H, K, Hd = x.shape[0], c.num_heads, self.kv_heads, self.head_dim

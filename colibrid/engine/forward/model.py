@@ -65,7 +65,7 @@ class Layer:
         self.ffn_normed_inside = c.moe_layers[layer] and c.dense_mlp_with_experts
         self.ffn_post_norm = ffn_weights.get("ffn_post_norm")  # (D) Gemma: the FFN output normed
         self.input = LayerInput(c, ffn_weights) if c.per_layer_input else None
-        self.scalar = ffn_weights["layer_scalar"].data if c.layer_scalar else None  # (1)
+        self.scalar = ffn_weights["layer_scalar"].data if "layer_scalar" in ffn_weights else None  # (1)
         self.lookahead_on_residual = False  # the MoE block prefetches from the residual leaving the layer (Model sets it)
 
     @property

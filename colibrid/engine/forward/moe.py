@@ -40,10 +40,11 @@ class Router:
 
     def __init__(self, config: ModelConfig, weights: dict[str, PackedTensor], top_k: int | None = None) -> None:
         router = weights["router"]  # (E, D)
-        bias = weights["router_choice_bias"] if config.router_choice_bias else None  # (E)
-        logit_bias = weights["router_bias"] if config.router_bias else None  # (E)
-        expert_scale = weights["router_expert_scale"] if config.router_expert_scale else None  # (E)
-        self.input_norm = weights["router_norm"] if config.router_input_norm else None  # (D)
+        # the optional terms, where the layer has them (colibrid/models/optional_tensors.py)
+        bias = weights.get("router_choice_bias")  # (E)
+        logit_bias = weights.get("router_bias")  # (E)
+        expert_scale = weights.get("router_expert_scale")  # (E)
+        self.input_norm = weights.get("router_norm")  # (D)
         self.eps = config.rms_norm_eps
         num_experts, dim = router.shape
         self.input_scale = np.float32(dim ** -0.5)
@@ -219,7 +220,7 @@ class MoeBlock:
         out = self._routed(x, routing, selected)
         if self.c.shared_expert_ffn:
             shared = swiglu_mlp(x, self.w["shared.gate"], self.w["shared.up"], self.w["shared.down"])
-            if self.c.shared_expert_gated:
+            if "shared_gate" in self.w:
                 gate = linear(x, self.w["shared_gate"])  # (T, 1)
                 with np.errstate(over="ignore"):  # sigmoid(gate); exp overflow -> weight 0
                     shared = shared / (np.float32(1.0) + np.exp(-gate))

@@ -122,7 +122,8 @@ class Converter:
             raise ConversionError(f"{src / 'config.json'}: cannot read the model configuration ({exc!r})") from None
         self.checkpoint = self._open_checkpoint()
         self.arch = self.arch.for_checkpoint(self.config, self.checkpoint.has)
-        self.dense_names = self.arch.dense_tensor_names(self.config)
+        self.optional = self.arch.optional_tensors(self.hf_config)  # biases, sinks ... the checkpoint holds
+        self.dense_names = self.arch.dense_tensor_names(self.config, self.optional)
         self.zero_centred = set(self.arch.zero_centred_norms(self.config))  # stored as 1 + w
         self.quant = self._experts_as_published(quant)
         self.report = ConversionReport(out, self.arch.name, quantization=self.quant.to_json())
@@ -170,11 +171,11 @@ class Converter:
         """Fail on the first missing tensor or wrong shape, naming it."""
         for pack_name, hf_name in self.dense_names.items():
             self._check_shape(hf_name, expected_dense_shape(pack_name, self.config))
-        expert_shapes = expected_expert_shapes(self.config)
+        expert_shapes = expected_expert_shapes(self.config, self.optional)
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
                 names = self.arch.expert_tensor_names(layer, expert)
-                for part in expert_part_names(self.config):
+                for part in expert_part_names(self.optional):
                     self._check_shape(getattr(names, part), expert_shapes[part])
         self._check_tokenizer()
         if self.wrapper:
@@ -212,7 +213,7 @@ class Converter:
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
                 expert_names = self.arch.expert_tensor_names(layer, expert)
-                names.extend(getattr(expert_names, part) for part in expert_part_names(self.config))
+                names.extend(getattr(expert_names, part) for part in expert_part_names(self.optional))
         return names
 
     # --- encoding ---
@@ -287,9 +288,9 @@ class Converter:
     def planned_experts_bytes(self) -> int:
         """The experts region's size, known before a tensor is read: every record has the same
         parts, in the types the converter stores them in, padded to the alignment."""
-        shapes = expected_expert_shapes(self.config)
+        shapes = expected_expert_shapes(self.config, self.optional)
         end = 0
-        for part in expert_part_names(self.config):
+        for part in expert_part_names(self.optional):
             nbytes = tensor_nbytes(expert_part_type(self.quant.experts, shapes[part]), shapes[part])
             end = _round_up(end, EXPERT_PART_ALIGN_BYTES) + nbytes
         records = len(self.config.moe_layer_ids) * self.config.num_experts
@@ -324,7 +325,7 @@ class Converter:
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
                 names = self.arch.expert_tensor_names(layer, expert)
-                for part in expert_part_names(self.config):
+                for part in expert_part_names(self.optional):
                     hf_name = getattr(names, part)
                     # published MXFP4 kept as mxfp4: the same codes and exponents, only rearranged
                     copy = self.quant.experts is native.TensorType.MXFP4 and self.checkpoint.is_mxfp4(hf_name)
@@ -346,7 +347,7 @@ class Converter:
         for layer in self.config.moe_layer_ids:
             for expert in range(self.config.num_experts):
                 parts = {}
-                for part in expert_part_names(self.config):
+                for part in expert_part_names(self.optional):
                     loaded = next(tensors)
                     hf_name = loaded.request.ref
                     if loaded.request.as_mxfp4:

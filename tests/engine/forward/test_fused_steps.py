@@ -55,12 +55,13 @@ def test_decode_rows_equal_prefill_rows_bit_for_bit(packs):
 def test_specs_exercise_the_features_they_claim(packs):
     from colibrid.pack.reader import Pack
 
-    configs = [Pack.open(packs.pack(spec, "f32")).manifest.model for spec in SPECS]
+    manifests = [Pack.open(packs.pack(spec, "f32")).manifest for spec in SPECS]
+    configs = [m.model for m in manifests]
     assert configs[0].qk_norm == "full" and configs[0].clip_qkv == 0.5
     assert configs[1].qk_norm == "head" and configs[1].num_heads * configs[1].head_dim != configs[1].hidden_size
-    assert configs[2].qkv_bias and any(configs[2].sliding_window) and not all(configs[2].sliding_window)
+    assert "qkv_bias" in manifests[2].optional_tensors and any(configs[2].sliding_window) and not all(configs[2].sliding_window)
     assert configs[3].num_kv_heads == 1 and all(configs[3].sliding_window)
-    assert configs[4].v_norm and configs[4].post_norms and configs[4].values_from_keys and configs[4].layer_head_dim
+    assert configs[4].v_norm and "post_norms" in manifests[4].optional_tensors and configs[4].values_from_keys and configs[4].layer_head_dim
 
 
 def test_the_fused_step_fills_the_cache_in_parts_and_refuses_past_its_end(packs):

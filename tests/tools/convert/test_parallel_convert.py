@@ -48,7 +48,7 @@ def test_every_tensor_is_the_one_thread_quantizer_of_the_checkpoint_values(packs
     arch = architecture_for(hf_config)
     config = arch.model_config(hf_config)
     checked = 0
-    for pack_name, hf_name in arch.dense_tensor_names(config).items():
+    for pack_name, hf_name in arch.dense_tensor_names(config, arch.optional_tensors(hf_config)).items():
         tensor = pack.dense(pack_name)
         values = ck.read_f32(hf_name)
         want = values if values.ndim == 1 else native.quantize(tensor.type, values)

@@ -15,7 +15,7 @@ from colibrid.tools.convert.converter import ConversionError, convert
 from colibrid.tools.convert.quant_spec import parse_quant
 from colibrid.tools.convert.safetensors import Checkpoint
 from colibrid.models import ARCHITECTURES
-from tests.tiny_checkpoints import ARCH_CLASSES, CheckpointSpec, load_reference, reference_greedy, reference_logits
+from tests.tiny_checkpoints import ARCH_CLASSES, CheckpointSpec, assert_same_model, load_reference, random_prompt
 
 FAMILIES = sorted(set(ARCH_CLASSES) & set(ARCHITECTURES))
 
@@ -176,9 +176,5 @@ def test_tied_and_untied_heads(packs, family, tied):
     assert manifest.model.tie_word_embeddings == tied
     assert ("lm_head" in manifest.dense_tensors) == (not tied)
 
-    reference = load_reference(checkpoint)
     engine = load(pack)
-    ids = np.random.default_rng(1).integers(0, engine.config.vocab_size, 16).tolist()
-    expected = reference_logits(reference, ids)
-    assert np.abs(engine.forward(ids) - expected).max() <= 1e-4 * np.abs(expected).max()
-    assert engine.greedy(ids, 32) == reference_greedy(reference, ids, 32)
+    assert_same_model(load_reference(checkpoint), engine, random_prompt(engine.config.vocab_size, 16))

@@ -7,9 +7,10 @@ so it is not a ModelConfig field: the architecture module says at conversion whi
 checkpoint holds (Architecture.optional_tensors), the pack's tables hold them or not, and the
 engine uses such a tensor where it finds one.
 
-Each is named by the model flag that announced it in the manifests written before these
-left ModelConfig (docs/format.md, "Optional tensors"); such manifests still carry the flags,
-and the reader checks them against the tables.
+Each is named by the model flag that announced it while these were ModelConfig fields. A
+manifest's model section still states each one as that flag, written from the tables, so a
+manifest reads as it always did (docs/format.md, "Optional tensors"); the reader checks the
+flags against the tables.
 """
 
 from __future__ import annotations

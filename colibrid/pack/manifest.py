@@ -188,10 +188,10 @@ class Manifest:
     experts_device: ExpertsDevice | None = None  # None: the records are in experts.bin
     file_sha256: dict[str, str] = field(default_factory=dict)  # pack file name -> SHA-256 (hex); {}: not recorded
     manifest_sha256: str | None = None  # as recorded in the file read (None: not recorded); write() computes it
-    # What an older manifest's model section says of the optional tensors (qkv_bias: true ...),
-    # which newer ones leave to the tables; validate checks the tables hold what it says.
-    # {}: a newer manifest. Never written.
-    legacy_model_flags: dict[str, bool] = field(default_factory=dict)
+    # What the manifest's model section says of the optional tensors (qkv_bias: true ...), as
+    # read; validate checks the tables hold what it says. Written from the tables (to_json), so
+    # that a reader from before ModelConfig lost these fields reads a new pack right.
+    model_flags: dict[str, bool] = field(default_factory=dict)
 
     @property
     def optional_tensors(self) -> frozenset[str]:
@@ -213,7 +213,8 @@ class Manifest:
             "format_version": DEVICE_FORMAT_VERSION if self.experts_device else FORMAT_VERSION,
             "producer": self.producer,
             "source": self.source,
-            "model": self.model.to_json(),
+            "model": {**self.model.to_json(),
+                      **{name: name in self.optional_tensors for name in OPTIONAL_TENSORS}},
             "quantization": self.quantization,
             "alignment": self.alignment,
             "tokenizer_files": self.tokenizer_files,
@@ -275,7 +276,7 @@ class Manifest:
         if not isinstance(index, list):
             raise ValueError("experts.index must be a list of rows")
         model = dict(_require_object(_require(data, "model", "manifest"), "model"))
-        legacy_flags = _legacy_model_flags(model)
+        model_flags = _model_flags(model)
         return cls(
             model=ModelConfig.from_json(model),
             quantization=_quantization(_require(data, "quantization", "manifest")),
@@ -299,14 +300,13 @@ class Manifest:
             file_sha256=_sha256_map(data.get(SHA256_KEY, {})),
             manifest_sha256=None if data.get(MANIFEST_SHA256_KEY) is None else
             _sha256_hex(data[MANIFEST_SHA256_KEY], MANIFEST_SHA256_KEY),
-            legacy_model_flags=legacy_flags,
+            model_flags=model_flags,
         )
 
 
-def _legacy_model_flags(model: dict[str, Any]) -> dict[str, bool]:
-    """Takes the optional-tensor flags out of an older manifest's ``model`` section, where
-    manifests kept them until the tables alone said it (docs/format.md, "Optional tensors"):
-    name -> true or false, each as stated."""
+def _model_flags(model: dict[str, Any]) -> dict[str, bool]:
+    """Takes the optional-tensor flags out of a manifest's ``model`` section (docs/format.md,
+    "Optional tensors"): name -> true or false, each as stated; ModelConfig has no such field."""
     flags = {}
     for name in OPTIONAL_TENSORS:
         if name in model:

@@ -59,10 +59,10 @@ def check_manifest(m: Manifest) -> None:
 
 
 def _optional_tensors(m: Manifest) -> frozenset[str]:
-    """The optional tensors the tables must hold: those they hold, or, where an older manifest's
+    """The optional tensors the tables must hold: those they hold, or, where the manifest's
     model section states one, as it states it, so that a table disagreeing with its flag shows
     as a tensor missing or one too many. The model must be able to use each of them."""
-    stated = m.legacy_model_flags
+    stated = m.model_flags
     optional = {name for name in m.optional_tensors if stated.get(name, True)}
     optional |= {name for name, present in stated.items() if present}
     if m.model.mla is not None and "qkv_bias" in optional:

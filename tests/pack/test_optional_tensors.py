@@ -1,8 +1,9 @@
 """Optional tensors (biases, attention sinks, the output gate, Gemma's post norms, the router's
 extra terms, the shared expert's gate, the layer scalar, expert biases) are what the pack's
-tables hold, not flags of the model section. A manifest written before they left the model
-section, flags and all, loads as the same model and computes the same numbers; its flags must
-agree with its tables. Tables holding an optional tensor on some layers and not on others are
+tables hold, not fields of ModelConfig. The manifest's model section still states each as a
+flag, written from the tables, so a manifest is written exactly as before they left ModelConfig
+(and a reader from before reads a new pack right); a manifest written before loads as the same
+model and computes the same numbers; the flags must agree with the tables. Tables holding an optional tensor on some layers and not on others are
 refused, naming the tensor missing."""
 
 from __future__ import annotations
@@ -62,13 +63,24 @@ def test_a_manifest_written_before_loads_as_the_same_model(family, packs, tmp_pa
 
     old, new = Pack.open(before).manifest, Pack.open(current).manifest
     assert old.model == new.model and old.optional_tensors == new.optional_tensors == optional
-    assert old.legacy_model_flags == {flag: flag in optional for flag in OPTIONAL_TENSORS} and not new.legacy_model_flags
+    assert old.model_flags == new.model_flags == {flag: flag in optional for flag in OPTIONAL_TENSORS}
     assert verify_pack(before).clean  # the digest of its own content, as the converter recorded it
     engines = load(before), load(current)
     ids = random_prompt(engines[0].config.vocab_size, 24)
     np.testing.assert_array_equal(engines[0].forward(ids), engines[1].forward(ids))
     assert engines[0].greedy(ids, 8) == engines[1].greedy(ids, 8)
     assert engines[0].parameters_total == engines[1].parameters_total
+
+
+@pytest.mark.parametrize("family", sorted(SPECS))
+def test_a_manifest_is_written_as_before(family, packs):
+    # The pack format is unchanged: the flags the model section held, true where the model has
+    # the tensors, are still there, and so is the same digest of the content.
+    spec, _ = SPECS[family]
+    written = json.loads((packs.pack(spec, QUANT) / "manifest.json").read_text())
+    before = json.loads(json.dumps(written))
+    as_written_before(before)
+    assert written == before
 
 
 def _flag(name, value):
@@ -82,13 +94,19 @@ def _drop_dense(name):
     return lambda m: m["dense"]["tensors"].pop(name)
 
 
-def _add_dense(name, like):
-    return lambda m: m["dense"]["tensors"].__setitem__(name, dict(m["dense"]["tensors"][like]))
+def _add_dense(name, like, stated=None):
+    """A dense tensor added to the tables; with ``stated``, the model section also says the
+    model has that optional tensor (so the check past the flag is reached)."""
+    def mutate(manifest):
+        manifest["dense"]["tensors"][name] = dict(manifest["dense"]["tensors"][like])
+        if stated is not None:
+            manifest["model"][stated] = True
+    return mutate
 
 
 # (case, spec, mutation of manifest.json, fragments the error must contain)
 CORRUPTIONS = [
-    # an older manifest whose flag disagrees with its tables
+    # a flag that disagrees with the tables
     ("sinks stated absent", "gpt_oss", _flag("attention_sinks", False),
      ["tensor 'layers.0.attn.sinks' in dense.bin is not one this model has"]),
     ("expert biases stated absent", "gpt_oss", _flag("expert_bias", False),
@@ -98,7 +116,7 @@ CORRUPTIONS = [
     ("o biases stated present", "glm4_moe", _flag("o_bias", True), ["tensor 'layers.0.attn.o_bias' of dense.bin is missing"]),
     ("a flag as a string", "qwen3_5_moe", _flag("shared_expert_gated", "true"),
      ["model.shared_expert_gated must be true or false"]),
-    # a newer manifest: the tables alone, which must hold an optional tensor wherever it belongs
+    # the tables, which must hold an optional tensor wherever it belongs
     ("the sinks of one layer dropped", "gpt_oss", _drop_dense("layers.1.attn.sinks"),
      ["tensor 'layers.1.attn.sinks' of dense.bin is missing"]),
     ("one layer's router bias dropped", "gpt_oss", _drop_dense("layers.2.router_bias"),
@@ -108,7 +126,7 @@ CORRUPTIONS = [
     ("a v bias dropped", "glm4_moe", _drop_dense("layers.0.attn.v_bias"), ["tensor 'layers.0.attn.v_bias' of dense.bin is missing"]),
     ("one layer's router norm dropped", "gemma4", _drop_dense("layers.1.router_norm"),
      ["tensor 'layers.1.router_norm' of dense.bin is missing"]),
-    ("an output gate on one layer only", "glm4_moe", _add_dense("layers.1.attn.gate", "layers.1.attn.q"),
+    ("an output gate on one layer only", "glm4_moe", _add_dense("layers.1.attn.gate", "layers.1.attn.q", "attention_output_gate"),
      ["tensor 'layers.0.attn.gate' of dense.bin is missing"]),
 ]
 
@@ -121,11 +139,11 @@ def test_optional_tensors_that_disagree_are_refused(family, mutate, fragments, p
 
 def test_latent_attention_refuses_q_biases(packs, tmp_path):
     pack = shutil.copytree(packs.pack(CheckpointSpec("deepseek_v3"), QUANT), tmp_path / "pack")
-    assert_refused_after(pack, _add_dense("layers.0.attn.q_bias", "layers.0.attn.kv_a_norm"),
+    assert_refused_after(pack, _add_dense("layers.0.attn.q_bias", "layers.0.attn.kv_a_norm", "qkv_bias"),
                          ["latent attention has no q/k/v biases"])
 
 
 def test_a_shared_gate_needs_a_shared_expert(packs, tmp_path):
     pack = shutil.copytree(packs.pack(CheckpointSpec("olmoe"), QUANT), tmp_path / "pack")
-    assert_refused_after(pack, _add_dense("layers.0.shared_gate", "layers.0.attn_norm"),
+    assert_refused_after(pack, _add_dense("layers.0.shared_gate", "layers.0.attn_norm", "shared_expert_gated"),
                          ["model.shared_expert_ffn is 0 but the model needs it"])

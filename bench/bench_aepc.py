@@ -555,7 +555,8 @@ def record_trace(socket_path: str, out: Path, seconds: float | None, steps: int 
     summary the daemon dropped for us (we were slow) is counted in the next one's `dropped`."""
     import threading
 
-    from colibrictl.connection import ClientError, Connection
+    from colibrid.wire.client import Connection
+    from colibrid.wire.errors import ClientError
 
     written, deadline_s = 0, None if seconds is None else time.monotonic() + seconds
     with Connection.open(socket_path, client_name="bench_aepc trace-record") as connection, open(out, "w") as f:
@@ -789,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "trace-record":
         import os
 
-        from colibrictl.connection import DEFAULT_SOCKET_PATH
+        from colibrid.wire.client import DEFAULT_SOCKET_PATH
 
         socket_path = args.socket or os.environ.get("COLIBRI_SOCKET") or DEFAULT_SOCKET_PATH
         try:

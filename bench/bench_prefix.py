@@ -52,7 +52,7 @@ WARMUP_PROMPTS = 8
 
 def ask(socket_path: str, prompt: str, max_tokens: int) -> dict:
     """One greedy raw ask: the client's time to first token, the text, and the done event's usage."""
-    from colibrictl.connection import Connection
+    from colibrid.wire.client import Connection
 
     with Connection.open(socket_path, client_name="bench_prefix") as connection:
         sent_s = time.perf_counter()

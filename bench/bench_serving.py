@@ -164,8 +164,9 @@ Client = Callable[[int, object, Sampling, threading.Barrier], RequestTiming]
 
 
 def colibri_client(socket_path: str) -> Client:
-    """A client of colibrid speaking the protocol through colibrictl's connection library."""
-    from colibrictl.connection import ClientError, Connection
+    """A client of colibrid speaking the protocol through colibrid.wire's client."""
+    from colibrid.wire.client import Connection
+    from colibrid.wire.errors import ClientError
 
     def ask(index: int, prompt: object, sampling: Sampling, start: threading.Barrier) -> RequestTiming:
         with Connection.open(socket_path, client_name="bench_serving") as connection:
@@ -331,14 +332,15 @@ class ColibriDaemon(ServerProcess):
         self._wait_until_serving()
 
     def _wait_until_serving(self) -> None:
-        from colibrictl.connection import ClientError, Connection
+        from colibrid.wire.client import Connection
+        from colibrid.wire.errors import ClientError
 
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"colibrid exited with {self.proc.returncode} during start-up:\n{self.stop()}")
             try:
-                Connection.open(self.socket_path, timeout_s=5.0).close()
+                Connection.open(self.socket_path, "bench_serving", timeout_s=5.0).close()
                 return
             except ClientError:
                 if time.monotonic() > deadline:
@@ -350,7 +352,8 @@ class ColibriDaemon(ServerProcess):
 
     def status(self) -> dict:
         """The daemon's `status` event; {} if it cannot answer (it died during the run)."""
-        from colibrictl.connection import ClientError, Connection
+        from colibrid.wire.client import Connection
+        from colibrid.wire.errors import ClientError
 
         try:
             with Connection.open(self.socket_path, client_name="bench_serving") as connection:

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 from colibrictl import command, conversation
-from colibrictl.connection import ClientError, Connection, DaemonUnreachable, ProtocolViolation, RequestError
+from colibrid.wire.client import Connection
+from colibrid.wire.errors import ClientError, DaemonUnreachable, ProtocolViolation, RequestError
 from colibrictl.conversation import Conversation, ConversationFileError
 
 PROMPT = ">>> "

@@ -35,15 +35,8 @@ from colibrictl.command import (
 )
 from colibrictl import verify as verify_command
 from colibrictl.top import add_top_parser
-from colibrictl.connection import (
-    DEFAULT_CONNECT_TIMEOUT_S,
-    DEFAULT_SOCKET_PATH,
-    ClientError,
-    Connection,
-    DaemonUnreachable,
-    ProtocolViolation,
-    RequestError,
-)
+from colibrid.wire.client import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_SOCKET_PATH, Connection
+from colibrid.wire.errors import ClientError, DaemonUnreachable, ProtocolViolation, RequestError
 
 EPILOG = f"""\
 socket:

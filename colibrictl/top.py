@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from colibrictl import display
-from colibrictl.connection import ClientError, Connection, ProtocolViolation
+from colibrid.wire.client import Connection
+from colibrid.wire.errors import ClientError, ProtocolViolation
 from colibrictl.router_health import LayerHealth, RoutingWindow
 
 DEFAULT_INTERVAL_S = 1.0

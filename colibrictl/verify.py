@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from colibrictl.connection import Connection, RequestError
+from colibrid.wire.client import Connection
+from colibrid.wire.errors import RequestError
 
 EXIT_DAMAGED = 65  # EX_DATAERR: the pack the daemon serves is damaged
 

@@ -37,7 +37,7 @@ from colibrid.daemon.listener import Listener, ListenerError, check_free, open_l
 from colibrid.system.logsetup import configure_logging, set_level
 from colibrid.sizes import format_bytes
 from colibrid.system.memory import HugepageRecord, measure_budget, parse_size, return_orphaned_hugepages
-from colibrid.wire.protocol import LENGTH_PREFIX, PROTOCOL_VERSION, decode_body, encode_frame
+from colibrid.wire.frames import LENGTH_PREFIX, PROTOCOL_VERSION, decode_event_body, encode_frame
 from colibrid.daemon.scheduler import Scheduler
 from colibrid.daemon.server import ClientLimits, Server, ServerSettings, model_name
 from colibrid.system.systemd_notify import Notifier, watchdog_interval_s
@@ -311,7 +311,7 @@ class Daemon:
         try:
             writer.write(encode_frame({"op": "hello", "id": 0, "protocol": PROTOCOL_VERSION, "client": "self-check"}))
             (length,) = LENGTH_PREFIX.unpack(await reader.readexactly(LENGTH_PREFIX.size))
-            return decode_body(await reader.readexactly(length))
+            return decode_event_body(await reader.readexactly(length))
         finally:
             writer.close()
 

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from colibrid.engine.routing_capture import RoutingCapture, StepRouting
-from colibrid.wire.protocol import RequestId, routing_event, routing_layer_summary
+from colibrid.wire.errors import RequestId
+from colibrid.wire.events import routing_event, routing_layer_summary
 
 log = logging.getLogger(__name__)
 

@@ -41,9 +41,10 @@ from colibrid.engine.text.chat_template import ChatTemplateError
 from colibrid.engine.experts.cache import ExpertLoadingPaused
 from colibrid.engine.experts.source import ExpertDamagedError, ExpertLoadError
 from colibrid.engine.generate import GenerationDone
-from colibrid.wire.protocol import (
-    Ask, cancelled_before_start_event, done_event, error_event, shutdown_event, token_event, token_routing,
+from colibrid.wire.events import (
+    cancelled_before_start_event, done_event, error_event, shutdown_event, token_event, token_routing,
 )
+from colibrid.wire.requests import Ask
 from colibrid.daemon.routing_stream import RoutingStream, token_rows
 
 log = logging.getLogger(__name__)

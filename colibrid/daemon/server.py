@@ -43,11 +43,14 @@ import psutil
 from colibrid import __version__
 from colibrid.daemon.access import AccessPolicy, PeerCredentials, may_administer, peer_credentials
 from colibrid.daemon.listener import Listener
-from colibrid.wire.protocol import (
-    LENGTH_PREFIX, Ask, Cancel, Hello, Models, ProtocolError, Request, RequestId, Status, Subscribe, Verify,
-    body_length, decode_body, encode_frame, error_event, hello_event, is_request_id, models_event, ok_event,
-    parse_request, status_event, subscribed_event, unsubscribed_event, verified_event, verify_damage_event,
-    verify_progress_event,
+from colibrid.wire.errors import ProtocolError, RequestId
+from colibrid.wire.events import (
+    error_event, hello_event, models_event, ok_event, status_event, subscribed_event, unsubscribed_event,
+    verified_event, verify_damage_event, verify_progress_event,
+)
+from colibrid.wire.frames import LENGTH_PREFIX, decode_request_body, encode_frame, request_body_length
+from colibrid.wire.requests import (
+    Ask, Cancel, Hello, Models, Request, Status, Subscribe, Verify, is_request_id, parse_request,
 )
 from colibrid.daemon.routing_stream import Subscription, TooManySubscribers
 from colibrid.daemon.verify_request import DEFAULT_BACKGROUND_MB_PER_S, PackVerification, VerifyBusy, VerifyRun
@@ -536,13 +539,13 @@ class Connection:
             prefix = first_byte + await self._read_by(LENGTH_PREFIX.size - 1, deadline_s, waited_for)
         except asyncio.IncompleteReadError:
             raise ProtocolError("bad_frame", "connection closed in the middle of a length prefix") from None
-        length = body_length(prefix, self.server.settings.max_frame_bytes)  # checked before reading: never allocate it
+        length = request_body_length(prefix, self.server.settings.max_frame_bytes)  # checked before reading: never allocate it
         try:
             body = await self._read_by(length, deadline_s, waited_for)
         except asyncio.IncompleteReadError as exc:
             raise ProtocolError("bad_frame", f"connection closed after {len(exc.partial)} of {length} bytes "
                                              "of a frame") from None
-        return decode_body(body)
+        return decode_request_body(body)
 
     async def _read_by(self, count: int, deadline_s: float | None, waited_for: str) -> bytes:
         """readexactly(count), or a `timeout` error if the bytes have not all come by deadline_s."""

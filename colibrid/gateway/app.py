@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
-from colibrictl.connection import ProtocolViolation
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from colibrid.gateway import openai_api
@@ -30,6 +29,7 @@ from colibrid.gateway.daemon_client import DaemonConnection, DaemonError, Daemon
 from colibrid.gateway.metrics import GatewayMetrics
 from colibrid.gateway.model_output import Delta, PlainOutput, needs_special_tokens, new_parser, resolve_format
 from colibrid.gateway.openai_api import GenerationRequest, OpenAIError
+from colibrid.wire.errors import ProtocolViolation
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 One DaemonConnection per HTTP request: the request's `ask` is the only one open on it, so its
 events arrive in order and nothing has to be told apart by id, and closing the connection is
-the daemon's signal that nobody listens any more (on top of the `cancel` we send first). The
-framing is colibrictl's (msgpack, no daemon code): the gateway imports nothing of the engine.
+the daemon's signal that nobody listens any more (on top of the `cancel` we send first). Frames
+and events are colibrid.wire's, as for colibrictl: the gateway imports nothing of the engine.
 """
 
 from __future__ import annotations
@@ -13,17 +13,13 @@ import itertools
 import logging
 from typing import Any, AsyncIterator
 
-from colibrictl.connection import PROTOCOL_VERSION, ProtocolViolation, decode_body, encode_frame
-
 from colibrid import __version__
+from colibrid.wire.errors import ProtocolViolation
+from colibrid.wire.frames import LENGTH_PREFIX, PROTOCOL_VERSION, decode_event_body, encode_frame, event_body_length
 
 log = logging.getLogger(__name__)
 
 CLIENT_NAME = f"colibri-openai {__version__}"
-# A `done` repeats the whole generated text, so replies may be far larger than requests; this
-# still stops a garbage length prefix from allocating gigabytes.
-MAX_INCOMING_FRAME_BYTES = 64 * 1024 * 1024
-_LENGTH_BYTES = 4
 
 
 class DaemonUnavailable(Exception):
@@ -123,11 +119,8 @@ class DaemonConnection:
     async def _read_event(self) -> dict[str, Any]:
         try:
             await self._writer.drain()
-            header = await self._reader.readexactly(_LENGTH_BYTES)
-            length = int.from_bytes(header, "big")
-            if length == 0 or length > MAX_INCOMING_FRAME_BYTES:
-                raise ProtocolViolation(f"colibrid sent a frame length of {length} bytes")
-            event = decode_body(await self._reader.readexactly(length))
+            length = event_body_length(await self._reader.readexactly(LENGTH_PREFIX.size))
+            event = decode_event_body(await self._reader.readexactly(length))
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             raise DaemonUnavailable(f"the connection to colibrid at {self.socket_path} was lost "
                                     f"({type(exc).__name__})") from None

@@ -13,7 +13,7 @@ import pytest
 from colibrid.engine.engine import Engine
 from colibrid.engine.experts.cache import ExpertLoadingPaused
 from colibrid.engine.experts.source import ExpertLoadError
-from colibrid.wire.protocol import parse_request
+from colibrid.wire.requests import parse_request
 from colibrid.daemon.scheduler import STOP_CANCELLED, STOP_DISCONNECTED, Job, QueueFull, Scheduler, SchedulerStopped
 
 BIG_BUDGET = 1 << 34

@@ -1,14 +1,14 @@
-"""One client connection to colibrid: framing, the hello handshake, request ids, and the
-events that belong to each request (docs/protocol.md is the contract).
+"""A blocking client connection to colibrid: the hello handshake, request ids, and the events
+that belong to each request (docs/protocol.md is the contract).
 
-A frame is a 4-byte big-endian length followed by exactly one msgpack map. Requests carry an
-``id`` we choose; the daemon tags every event with the id it answers, so several requests may
-be open at once and their events interleave. ``Connection`` keeps events that arrive for a
-request nobody is currently reading in a per-id queue, so callers can read one request at a
-time without losing the others.
+Requests carry an ``id`` we choose; the daemon tags every event with the id it answers, so
+several requests may be open at once and their events interleave. ``Connection`` keeps events
+that arrive for a request nobody is currently reading in a per-id queue, so callers can read
+one request at a time without losing the others. colibrictl and the bench scripts use it; the
+gateway, on asyncio, has its own (colibrid/gateway/daemon_client.py) over the same frames and events.
 
-This module imports only msgpack and the standard library: the client must install and start
-without anything the daemon needs (numpy, the C library, the model).
+msgpack and the standard library only: a client must install and start without anything the
+daemon needs (numpy, the C library, the model).
 """
 
 from __future__ import annotations
@@ -18,27 +18,20 @@ import itertools
 import os
 import socket
 import stat
-import struct
 import time
 from typing import Any, Iterator
 
-import msgpack
+from colibrid.wire.errors import ClientError, DaemonUnreachable, ProtocolViolation, RequestError
+from colibrid.wire.frames import (
+    LENGTH_PREFIX, MAX_EVENT_FRAME_BYTES, PROTOCOL_VERSION, decode_event_body, encode_frame, event_body_length,
+)
 
-from colibrictl import __version__
-
-PROTOCOL_VERSION = 1
-CLIENT_NAME = f"colibrictl {__version__}"  # sent in hello, for the daemon's logs
 DEFAULT_SOCKET_PATH = "/run/colibri/colibrid.sock"
 # How long connecting and the hello may take. A daemon that is stuck, or has as many clients
 # as it takes and a full backlog, must not leave the client hanging; once greeted, waits are
 # the request's own (an ask may queue behind others for minutes), so they have no limit.
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 
-_LENGTH = struct.Struct(">I")  # the frame header: one unsigned 32-bit big-endian length
-# What we accept from the daemon before its hello tells us its own limit. The daemon's limit
-# bounds what *it* accepts; a done event repeats the whole generated text, so replies may be
-# larger than our requests. 64 MiB still stops a garbage length from allocating gigabytes.
-_MAX_INCOMING_FRAME_BYTES = 64 * 1024 * 1024
 _RECV_CHUNK_BYTES = 64 * 1024
 
 # Events that end a request; everything else (token, subscribed, routing, verify_progress,
@@ -46,67 +39,8 @@ _RECV_CHUNK_BYTES = 64 * 1024
 _FINAL_EVENTS = frozenset({"done", "ok", "hello", "status", "models", "verified", "unsubscribed"})
 
 
-# --------------------------------------------------------------------------------------------
-# Errors
-# --------------------------------------------------------------------------------------------
-
-
-class ClientError(Exception):
-    """Base of everything this module raises on purpose."""
-
-
-class DaemonUnreachable(ClientError):
-    """No daemon answered at ``socket_path``, or it went away mid-conversation."""
-
-    def __init__(self, socket_path: str, reason: str):
-        self.socket_path = socket_path
-        self.reason = reason
-        super().__init__(f"cannot reach colibrid at {socket_path}: {reason}")
-
-
-class RequestError(ClientError):
-    """The daemon answered a request with an ``error`` event (``code`` as in the protocol)."""
-
-    def __init__(self, code: str, message: str, request_id: Any = None):
-        self.code = code
-        self.message = message
-        self.request_id = request_id
-        super().__init__(f"[{code}] {message}")
-
-
-class ProtocolViolation(ClientError):
-    """The daemon sent something the protocol does not allow (a bad frame, a stray event)."""
-
-
 class _ReadTimedOut(Exception):
     """A read outlasted the socket's timeout (only the handshake has one); Connection.open says so."""
-
-
-# --------------------------------------------------------------------------------------------
-# Framing
-# --------------------------------------------------------------------------------------------
-
-
-def encode_frame(message: dict) -> bytes:
-    """The bytes of one frame: length prefix + the msgpack map."""
-    body = msgpack.packb(message, use_bin_type=True)
-    return _LENGTH.pack(len(body)) + body
-
-
-def decode_body(body: bytes) -> dict:
-    """One frame's body → the map it holds; anything else is a ProtocolViolation."""
-    try:
-        # strict_map_key=False: accept what a newer daemon might nest (say, per-layer maps
-        # keyed by int); be liberal in what we read.
-        message = msgpack.unpackb(body, raw=False, strict_map_key=False)
-    except Exception as error:  # malformed input raises several unrelated msgpack types
-        raise ProtocolViolation(
-            f"the daemon sent a frame that is not one msgpack value "
-            f"({type(error).__name__}: {error})"
-        ) from None
-    if not isinstance(message, dict):
-        raise ProtocolViolation(f"the daemon sent a {type(message).__name__}, not a map")
-    return message
 
 
 class FrameReader:
@@ -116,17 +50,11 @@ class FrameReader:
         self._sock = sock
         self._socket_path = socket_path
         self._buffer = bytearray()
-        self.max_frame_bytes = _MAX_INCOMING_FRAME_BYTES
+        self.max_frame_bytes = MAX_EVENT_FRAME_BYTES
 
     def read_frame(self) -> dict:
-        header = self._read_exactly(_LENGTH.size)
-        (length,) = _LENGTH.unpack(header)
-        if length == 0 or length > self.max_frame_bytes:
-            raise ProtocolViolation(
-                f"the daemon sent a frame length of {length} bytes "
-                f"(allowed: 1 to {self.max_frame_bytes})"
-            )
-        return decode_body(self._read_exactly(length))
+        length = event_body_length(self._read_exactly(LENGTH_PREFIX.size), self.max_frame_bytes)
+        return decode_event_body(self._read_exactly(length))
 
     def _read_exactly(self, count: int) -> bytes:
         while len(self._buffer) < count:
@@ -211,7 +139,7 @@ class Connection:
         self.max_request_bytes: int | None = None  # the daemon's limit, from its hello
 
     @classmethod
-    def open(cls, socket_path: str, client_name: str = CLIENT_NAME,
+    def open(cls, socket_path: str, client_name: str,
              timeout_s: float | None = DEFAULT_CONNECT_TIMEOUT_S) -> "Connection":
         """Connect and say hello, within timeout_s (None: no limit); raises DaemonUnreachable,
         RequestError, ProtocolViolation."""
@@ -249,7 +177,7 @@ class Connection:
         """Send one request and return its id; its events are read with ``events(id)``."""
         request_id = next(self._next_id)
         frame = encode_frame({"op": op, "id": request_id, **fields})
-        body_bytes = len(frame) - _LENGTH.size
+        body_bytes = len(frame) - LENGTH_PREFIX.size
         if self.max_request_bytes is not None and body_bytes > self.max_request_bytes:
             # The daemon would answer frame_too_large and close the connection; say it first,
             # in the same words, without losing the connection.

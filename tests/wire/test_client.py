@@ -1,4 +1,4 @@
-"""colibrictl.connection in-process, over a socketpair: the far end is written by hand, byte
+"""colibrid.wire.client in-process, over a socketpair: the far end is written by hand, byte
 by byte where it matters, so framing and event routing are checked without any server."""
 
 from __future__ import annotations
@@ -10,13 +10,9 @@ import threading
 import msgpack
 import pytest
 
-from colibrictl.connection import (
-    Connection,
-    DaemonUnreachable,
-    ProtocolViolation,
-    RequestError,
-    encode_frame,
-)
+from colibrid.wire.client import Connection
+from colibrid.wire.errors import DaemonUnreachable, ProtocolViolation, RequestError
+from colibrid.wire.frames import encode_frame
 
 
 def _frame(message) -> bytes:
@@ -176,7 +172,7 @@ def test_open_says_hello_first_and_keeps_the_daemons_limit(socket_path):
 
         thread = threading.Thread(target=greet, daemon=True)
         thread.start()
-        with Connection.open(path) as connection:
+        with Connection.open(path, "tests") as connection:
             assert connection.hello["model"] == "m"
             assert connection.max_request_bytes == 4096
         thread.join(timeout=5)
@@ -188,7 +184,7 @@ def test_open_on_a_missing_socket_names_it(tmp_path):
     missing = str(tmp_path / "absent.sock")
 
     with pytest.raises(DaemonUnreachable) as raised:
-        Connection.open(missing)
+        Connection.open(missing, "tests")
 
     assert raised.value.socket_path == missing
     assert missing in str(raised.value)

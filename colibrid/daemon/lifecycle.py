@@ -37,7 +37,10 @@ from colibrid.daemon.listener import Listener, ListenerError, check_free, open_l
 from colibrid.system.logsetup import configure_logging, set_level
 from colibrid.sizes import format_bytes
 from colibrid.system.memory import HugepageRecord, measure_budget, parse_size, return_orphaned_hugepages
-from colibrid.wire.frames import LENGTH_PREFIX, PROTOCOL_VERSION, decode_event_body, encode_frame
+from colibrid.wire.errors import ProtocolViolation
+from colibrid.wire.events import Event, HelloEvent, event_from_wire
+from colibrid.wire.frames import LENGTH_PREFIX, PROTOCOL_VERSION, decode_event_body, encode_frame, event_body_length
+from colibrid.wire.requests import Hello
 from colibrid.daemon.scheduler import Scheduler
 from colibrid.daemon.server import ClientLimits, Server, ServerSettings, model_name
 from colibrid.system.systemd_notify import Notifier, watchdog_interval_s
@@ -300,18 +303,18 @@ class Daemon:
             address = "\0" + listener.address[1:] if listener.address.startswith("@") else listener.address
             try:
                 reply = await asyncio.wait_for(self._hello(address), SELF_CHECK_TIMEOUT_S)
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ProtocolViolation) as exc:
                 raise StartupError(f"the socket {listener.address} does not answer: {exc!r}") from None
-            if reply.get("event") != "hello":
-                raise StartupError(f"the socket {listener.address} answered {reply!r} to hello")
+            if not isinstance(reply, HelloEvent):
+                raise StartupError(f"the socket {listener.address} answered {reply.to_wire()!r} to hello")
 
     @staticmethod
-    async def _hello(address: str) -> dict:
+    async def _hello(address: str) -> Event:
         reader, writer = await asyncio.open_unix_connection(address)
         try:
-            writer.write(encode_frame({"op": "hello", "id": 0, "protocol": PROTOCOL_VERSION, "client": "self-check"}))
-            (length,) = LENGTH_PREFIX.unpack(await reader.readexactly(LENGTH_PREFIX.size))
-            return decode_event_body(await reader.readexactly(length))
+            writer.write(encode_frame(Hello(0, PROTOCOL_VERSION, "self-check").to_wire()))
+            length = event_body_length(await reader.readexactly(LENGTH_PREFIX.size))
+            return event_from_wire(decode_event_body(await reader.readexactly(length)))
         finally:
             writer.close()
 

@@ -34,22 +34,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Union
 
 from colibrid.engine.batch import BatchSequence, SequenceFailed, StepFailed
 from colibrid.engine.text.chat_template import ChatTemplateError
 from colibrid.engine.experts.cache import ExpertLoadingPaused
 from colibrid.engine.experts.source import ExpertDamagedError, ExpertLoadError
-from colibrid.engine.generate import GenerationDone
-from colibrid.wire.events import (
-    cancelled_before_start_event, done_event, error_event, shutdown_event, token_event, token_routing,
-)
+from colibrid.engine.generate import GenerationDone, GenerationEvent
+from colibrid.wire.events import DoneEvent, ErrorEvent, TokenEvent, TokenRouting, Usage
 from colibrid.wire.requests import Ask
 from colibrid.daemon.routing_stream import RoutingStream, token_rows
 
 log = logging.getLogger(__name__)
 
-Event = dict[str, Any]
+# What the engine thread hands a job's connection: its tokens, then one done or error.
+AskEvent = Union[TokenEvent, DoneEvent, ErrorEvent]
 
 # An idle engine that gets an ask waits this long (from the ask's arrival) for others before
 # its first step, unless max_batch asks are already there: asks that come together (xargs -P8,
@@ -78,7 +77,7 @@ class Job:
     """One ask on its way through the scheduler."""
 
     ask: Ask
-    emit: Callable[[Event], None]  # thread-safe: hands one event back to the connection
+    emit: Callable[[AskEvent], None]  # thread-safe: hands one event back to the connection
     stop_reason: str | None = None
     submitted_s: float = field(default_factory=time.monotonic)
     origin: str = "a client"  # who asked, for the log: "connection 3 (uid 1000 (alice) gid 1000 pid 42)"
@@ -88,13 +87,23 @@ class Job:
     sequence: BatchSequence | None = None  # while it runs
 
 
-def shutdown_error(job: Job) -> Event:
-    return shutdown_event(job.ask.id)
+def shutdown_error(job: Job) -> ErrorEvent:
+    return ErrorEvent(job.ask.id, "shutdown", "colibrid is stopping; the request was not completed")
 
 
-def cancelled_done(job: Job) -> Event:
-    """The `done` of a job cancelled before it started."""
-    return cancelled_before_start_event(job.ask.id)
+def cancelled_done(job: Job) -> DoneEvent:
+    """The `done` of a job cancelled while it still waited in the queue: nothing was generated."""
+    return DoneEvent(job.ask.id, "cancelled", "", Usage())
+
+
+def done_event(job: Job, done: GenerationDone, sequence: BatchSequence) -> DoneEvent:
+    """The `done` ending a job: the engine's GenerationDone (finish_reason, text and counts) and
+    the expert cache's hits and misses in the steps the job's sequence took part in."""
+    return DoneEvent(job.ask.id, done.finish_reason, done.text, Usage(
+        prompt_tokens=done.prompt_tokens, cached_prompt_tokens=done.cached_prompt_tokens,
+        generated_tokens=done.generated_tokens, time_to_first_token_ms=done.time_to_first_token_s * 1000.0,
+        decode_tokens_per_s=done.decode_tokens_per_s, expert_cache_hits=sequence.expert_hits,
+        expert_cache_misses=sequence.expert_misses))
 
 
 class Scheduler:
@@ -275,7 +284,7 @@ class Scheduler:
                 return True
             return False
 
-    def _prepare(self, job: Job) -> Event | None:
+    def _prepare(self, job: Job) -> ErrorEvent | None:
         """Tokenizes the ask and builds its generation and state (sets job.prepared); the
         error event that ends it instead, if any."""
         ask = job.ask
@@ -287,12 +296,12 @@ class Scheduler:
             self.batch.check_fits_alone(session.state.nbytes)
         except ChatTemplateError as exc:  # the pack's template went over its budget: the model's fault
             log.warning("request %r from %s: %s", ask.id, job.origin, exc)
-            return error_event(ask.id, "engine", str(exc))
+            return ErrorEvent(ask.id, "engine", str(exc))
         except ValueError as exc:  # an empty or too long prompt, a chat without a template, too much KV
-            return error_event(ask.id, "invalid_params", str(exc))
+            return ErrorEvent(ask.id, "invalid_params", str(exc))
         except Exception:  # the worker must survive any one request
             log.exception("request %r from %s could not start", ask.id, job.origin)
-            return error_event(ask.id, "engine", "internal error; see the daemon log")
+            return ErrorEvent(ask.id, "engine", "internal error; see the daemon log")
         job.prepared = (generation, session)
         return None
 
@@ -309,7 +318,7 @@ class Scheduler:
         for index, (sequence, outcomes) in enumerate(results):  # in the step's order: sequence `index` of it
             debug = routing is not None and sequence.key.ask.debug_routing and token_rows(routing, index)
             self._deliver(sequence.key, sequence, outcomes,
-                          token_routing(self.batch.steps, routing.layers, *debug) if debug else None)
+                          TokenRouting(self.batch.steps, routing.layers, *debug) if debug else None)
 
     def _fail(self, sequences: list[BatchSequence], cause: BaseException | None) -> None:
         """A step failed: its sequences had their states partly advanced, so they all end with
@@ -328,20 +337,29 @@ class Scheduler:
             job = sequence.key
             if level is not None:
                 log.log(level, "request %r from %s: %s", job.ask.id, job.origin, message)
-            self._finish(job, error_event(job.ask.id, code, message, damage))
+            self._finish(job, ErrorEvent(job.ask.id, code, message, damage))
 
-    def _deliver(self, job: Job, sequence: BatchSequence, outcomes: list, routing: dict | None = None) -> None:
+    def _deliver(self, job: Job, sequence: BatchSequence, outcomes: list,
+                 routing: TokenRouting | None = None) -> None:
         for outcome in outcomes:
             if isinstance(outcome, SequenceFailed):
                 log.error("request %r from %s: %s", job.ask.id, job.origin, outcome.message)
-                self._finish(job, error_event(job.ask.id, outcome.code, outcome.message, outcome.damage))
+                self._finish(job, ErrorEvent(job.ask.id, outcome.code, outcome.message, outcome.damage))
             elif isinstance(outcome, GenerationDone):
-                self._finish(job, done_event(job.ask.id, outcome, sequence.expert_hits, sequence.expert_misses))
+                self._finish(job, done_event(job, outcome, sequence))
             elif job.stop_reason is None:  # a stopped job gets nothing more; _retire_stopped ends it
                 self.tokens_generated += 1
-                token_text = self.engine.tokenizer.decode if job.ask.params.logprobs is not None else None
-                job.emit(token_event(job.ask.id, outcome, None if token_text is None else
-                                     (lambda token_id: token_text([token_id])), routing))
+                job.emit(self._token_event(job, outcome, routing))
+
+    def _token_event(self, job: Job, token: GenerationEvent, routing: TokenRouting | None) -> TokenEvent:
+        """A sampled token (the engine's GenerationEvent) as its `token` event. With logprobs
+        asked for, its logprob and its alternatives as [id, text, logprob]: the texts are decoded
+        here, on the engine thread, which owns the tokenizer."""
+        if job.ask.params.logprobs is None:
+            return TokenEvent(job.ask.id, [token.token_id], token.text, routing=routing)
+        alternatives = [[token_id, self.engine.tokenizer.decode([token_id]), logprob]
+                        for token_id, logprob in (token.top_logprobs or [])]
+        return TokenEvent(job.ask.id, [token.token_id], token.text, token.logprob, alternatives, routing)
 
     def _retire_stopped(self) -> None:
         """Takes the cancelled, disconnected and shut-down sequences out of the batch."""
@@ -351,36 +369,35 @@ class Scheduler:
             sequence = self.batch.remove(job)
             log.debug("request %r from %s stopped (%s)", job.ask.id, job.origin, job.stop_reason)
             if job.stop_reason == STOP_CANCELLED and sequence is not None:
-                self._finish(job, done_event(job.ask.id, sequence.generation.done("cancelled"),
-                                             sequence.expert_hits, sequence.expert_misses))
+                self._finish(job, done_event(job, sequence.generation.done("cancelled"), sequence))
             elif job.stop_reason == STOP_SHUTDOWN:
                 self._finish(job, shutdown_error(job))
             else:
                 self._finish(job, None)  # disconnected: nobody to tell
 
-    def _finish(self, job: Job, last_event: Event | None) -> None:
+    def _finish(self, job: Job, last_event: DoneEvent | ErrorEvent | None) -> None:
         # The job stops counting as running before its last event leaves, so a client that
         # asks for `status` right after `done` never sees its own request still running.
         with self._cond:
             if job in self._running:
                 self._running = [other for other in self._running if other is not job]
             self._last_progress_s = time.monotonic()
-            if last_event is not None and last_event["event"] == "done":
+            if isinstance(last_event, DoneEvent):
                 self.requests_served += 1
         if last_event is not None:
             job.emit(last_event)
         self._log_finished(job, last_event)
 
     @staticmethod
-    def _log_finished(job: Job, last_event: Event | None) -> None:
+    def _log_finished(job: Job, last_event: DoneEvent | ErrorEvent | None) -> None:
         """One info line per request the engine took: who asked, how much, how fast, how it ended."""
-        if last_event is not None and last_event["event"] == "done":
-            usage = last_event["usage"]
-            ending = last_event["finish_reason"]
-            prompt_tokens, generated_tokens = usage["prompt_tokens"], usage["generated_tokens"]
-            tokens_per_s = usage["decode_tokens_per_s"]
+        if isinstance(last_event, DoneEvent):
+            usage = last_event.usage
+            ending = last_event.finish_reason
+            prompt_tokens, generated_tokens = usage.prompt_tokens, usage.generated_tokens
+            tokens_per_s = usage.decode_tokens_per_s
         else:  # an error, or a client that went away: what it had produced until then
-            ending = f"error {last_event['code']}" if last_event is not None else str(job.stop_reason)
+            ending = f"error {last_event.code}" if last_event is not None else str(job.stop_reason)
             generation = job.sequence.generation if job.sequence is not None else None
             prompt_tokens = generation.prompt_tokens if generation is not None else 0
             generated_tokens = generation.generated_tokens if generation is not None else 0

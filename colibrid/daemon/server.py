@@ -45,22 +45,23 @@ from colibrid.daemon.access import AccessPolicy, PeerCredentials, may_administer
 from colibrid.daemon.listener import Listener
 from colibrid.wire.errors import ProtocolError, RequestId
 from colibrid.wire.events import (
-    error_event, hello_event, models_event, ok_event, status_event, subscribed_event, unsubscribed_event,
-    verified_event, verify_damage_event, verify_progress_event,
+    DoneEvent, ErrorEvent, Event, HelloEvent, ModelsEvent, OkEvent, StatusEvent, SubscribedEvent, UnsubscribedEvent,
+    VerifiedEvent, VerifyDamageEvent, VerifyProgressEvent,
 )
-from colibrid.wire.frames import LENGTH_PREFIX, decode_request_body, encode_frame, request_body_length
+from colibrid.wire.frames import LENGTH_PREFIX, PROTOCOL_VERSION, decode_request_body, encode_frame, request_body_length
 from colibrid.wire.requests import (
     Ask, Cancel, Hello, Models, Request, Status, Subscribe, Verify, is_request_id, parse_request,
 )
 from colibrid.daemon.routing_stream import Subscription, TooManySubscribers
 from colibrid.daemon.verify_request import DEFAULT_BACKGROUND_MB_PER_S, PackVerification, VerifyBusy, VerifyRun
 from colibrid.daemon.scheduler import (
-    STOP_CANCELLED, STOP_DISCONNECTED, Event, Job, QueueFull, Scheduler, SchedulerStopped, cancelled_done,
+    STOP_CANCELLED, STOP_DISCONNECTED, Job, QueueFull, Scheduler, SchedulerStopped, cancelled_done,
     shutdown_error,
 )
 
 log = logging.getLogger(__name__)
 
+SERVER_NAME = f"colibrid {__version__}"  # what `hello` says the server is
 # How long a closing connection may take to hand its last frames to the kernel; a client that
 # stopped reading must not hold the daemon's shutdown (or its own slot) forever.
 FLUSH_TIMEOUT_S = 5.0
@@ -337,8 +338,8 @@ class Server:
         """One `busy` error (id null), then close: the client learns at once instead of hanging."""
         limit = self.settings.limits.max_connections
         self._refused_busy.warn("refused a connection: %d are open (max_connections)", limit)
-        writer.write(encode_frame(error_event(None, "busy", f"colibrid serves at most {limit} connections at once "
-                                                            "(max_connections); try again later")))
+        writer.write(encode_frame(ErrorEvent(None, "busy", f"colibrid serves at most {limit} connections at once "
+                                                            "(max_connections); try again later").to_wire()))
         writer.close()
         try:
             await asyncio.wait_for(writer.wait_closed(), 1.0)
@@ -348,10 +349,10 @@ class Server:
 
     # -- replies that need the whole daemon's view ---------------------------------------
 
-    def status_event(self, request_id: RequestId) -> Event:
+    def status_event(self, request_id: RequestId) -> StatusEvent:
         cache = self.engine.cache_status()
         memory_budget = self.engine.memory_budget()
-        return status_event(request_id, {
+        return StatusEvent(request_id, {
             "model": self.model["name"], "path": self.model["path"], "architecture": self.model["architecture"],
             "parameters_total": self.model["parameters_total"], "parameters_active": self.model["parameters_active"],
             "quantization": self.model["quantization"], "sampling_defaults": self.model["sampling_defaults"],
@@ -394,8 +395,8 @@ class Server:
                 f"{self.scheduler.queue_depth} waiting, {self.scheduler.requests_served} served; "
                 f"{recent_tokens_per_s:.1f} tokens/s recently; {hit_rate}{thermal}")
 
-    def hello_event(self, request_id: RequestId) -> Event:
-        return hello_event(request_id, self.model["name"], self.settings.max_frame_bytes)
+    def hello_event(self, request_id: RequestId) -> HelloEvent:
+        return HelloEvent(request_id, PROTOCOL_VERSION, SERVER_NAME, self.model["name"], self.settings.max_frame_bytes)
 
 
 class _TokenRate:
@@ -517,7 +518,7 @@ class Connection:
                 self._handle(message)
             except ProtocolError as exc:
                 log.debug("%s: %s: %s", self.name, exc.code, exc.message)
-                self.send(error_event(exc.request_id, exc.code, exc.message))
+                self.send(ErrorEvent(exc.request_id, exc.code, exc.message))
                 if exc.closes_connection:
                     return
             # Requests that are already buffered are read without waiting, so a pipeline of
@@ -591,7 +592,7 @@ class Connection:
         elif isinstance(request, Status):
             self.send(self.server.status_event(request.id))
         elif isinstance(request, Models):
-            self.send(models_event(request.id, [self.server.model]))
+            self.send(ModelsEvent(request.id, [self.server.model]))
         elif isinstance(request, Verify):
             self._start_verify(request)
 
@@ -600,14 +601,14 @@ class Connection:
         `verified`; a background one (or a stop) is answered with `ok` at once."""
         if not may_administer(self.peer):
             log.warning("%s: verify refused: only root and colibrid's own user may verify", self.name)
-            self.send(error_event(request.id, "not_permitted", "verify is for root and colibrid's own user (it reads "
+            self.send(ErrorEvent(request.id, "not_permitted", "verify is for root and colibrid's own user (it reads "
                                                                "the whole pack); run colibrictl with sudo"))
             return
         verification = self.server.verification
         if request.stop:
             stopped = verification.stop()
             log.info("%s: verify stop%s", self.name, "ped" if stopped else ": none was running")
-            self.send(ok_event(request.id))
+            self.send(OkEvent(request.id))
             return
         rid, send = request.id, self._send_threadsafe
         cap = request.max_mb_per_s or (DEFAULT_BACKGROUND_MB_PER_S if request.background else None)
@@ -615,17 +616,17 @@ class Connection:
             run = VerifyRun(self.name, True, cap, on_progress=_ignore, on_damage=_ignore, on_done=_ignore)
         else:
             run = VerifyRun(self.name, False, cap,
-                            on_progress=lambda progress: send(verify_progress_event(rid, progress)),
-                            on_damage=lambda damage: send(verify_damage_event(rid, damage.to_json())),
+                            on_progress=lambda progress: send(VerifyProgressEvent(rid, **progress)),
+                            on_damage=lambda damage: send(VerifyDamageEvent(rid, **damage.to_json())),
                             on_done=lambda report: self._call_threadsafe(
-                                self._verify_done, rid, verified_event(rid, report.to_json(MAX_DAMAGE_IN_VERIFIED))))
+                                self._verify_done, rid, VerifiedEvent(rid, **report.to_json(MAX_DAMAGE_IN_VERIFIED))))
         try:
             verification.start(run)
         except VerifyBusy as exc:
-            self.send(error_event(rid, "busy", str(exc)))
+            self.send(ErrorEvent(rid, "busy", str(exc)))
             return
         if request.background:
-            self.send(ok_event(rid))
+            self.send(OkEvent(rid))
         else:
             self._verify = (rid, run)
 
@@ -651,7 +652,7 @@ class Connection:
         try:
             self.server.scheduler.submit(job)
         except QueueFull:
-            self._deliver(job, error_event(ask.id, "busy", f"the queue is full ({self.server.scheduler.max_queue} "
+            self._deliver(job, ErrorEvent(ask.id, "busy", f"the queue is full ({self.server.scheduler.max_queue} "
                                                            "requests waiting); try again later"))
         except SchedulerStopped:
             self._deliver(job, shutdown_error(job))
@@ -664,11 +665,11 @@ class Connection:
             subscription = stream.subscribe(request.id, self.send, lambda: self._outbox_bytes,
                                             self.server.settings.limits.max_outbox_bytes)
         except TooManySubscribers as exc:
-            self.send(error_event(request.id, "busy", f"{exc}; try again later"))
+            self.send(ErrorEvent(request.id, "busy", f"{exc}; try again later"))
             return
         self._subscriptions[request.id] = subscription
         log.debug("%s: subscribed to %s (%d subscribers)", self.name, request.stream, stream.subscribers)
-        self.send(subscribed_event(request.id, request.stream, stream.capture.moe_layers, stream.capture.num_experts,
+        self.send(SubscribedEvent(request.id, request.stream, stream.capture.moe_layers, stream.capture.num_experts,
                                    self.server.engine.config.num_experts_per_tok))
 
     def end_subscriptions(self, reason: str | None) -> None:
@@ -676,25 +677,25 @@ class Connection:
         for request_id, subscription in list(self._subscriptions.items()):
             self.server.scheduler.routing.unsubscribe(subscription)
             if reason is not None:
-                self.send(unsubscribed_event(request_id, reason))
+                self.send(UnsubscribedEvent(request_id, reason))
         self._subscriptions.clear()
 
     def _cancel(self, cancel: Cancel) -> None:
         if self._verify is not None and self._verify[0] == cancel.target:
-            self.send(ok_event(cancel.id))
+            self.send(OkEvent(cancel.id))
             self.server.verification.stop(self._verify[1])  # it ends with `verified`, cancelled
             return
         subscription = self._subscriptions.pop(cancel.target, None)
         if subscription is not None:
             self.server.scheduler.routing.unsubscribe(subscription)
-            self.send(ok_event(cancel.id))
-            self.send(unsubscribed_event(cancel.target, "cancelled"))
+            self.send(OkEvent(cancel.id))
+            self.send(UnsubscribedEvent(cancel.target, "cancelled"))
             return
         job = self._open_asks.get(cancel.target)
         if job is None:
             raise ProtocolError("unknown_request", f"no open ask or subscription with id {cancel.target!r} on this "
                                 "connection", cancel.id)
-        self.send(ok_event(cancel.id))
+        self.send(OkEvent(cancel.id))
         if self.server.scheduler.withdraw(job, STOP_CANCELLED):
             self._deliver(job, cancelled_done(job))  # it never started; otherwise the worker ends it
 
@@ -713,14 +714,14 @@ class Connection:
         return emit
 
     def _deliver(self, job: Job, event: Event) -> None:
-        if event["event"] in ("done", "error") and self._open_asks.get(job.ask.id) is job:
+        if isinstance(event, (DoneEvent, ErrorEvent)) and self._open_asks.get(job.ask.id) is job:
             del self._open_asks[job.ask.id]
         self.send(event)
 
     def send(self, event: Event) -> None:
         if self._closed:
             return
-        frame = encode_frame(event)
+        frame = encode_frame(event.to_wire())
         self._outbox.append(frame)
         self._outbox_bytes += len(frame)
         self._frame_queued.set()
@@ -783,8 +784,8 @@ class Connection:
         self._outbox.clear()
         self._outbox_bytes = 0
         self._closed = True
-        self._writer.write(encode_frame(error_event(
+        self._writer.write(encode_frame(ErrorEvent(
             None, "slow_client", f"more than {limits.max_outbox_bytes} bytes of replies stayed unread for "
-                                 f"{limits.stalled_client_timeout_s:g} s; the connection is closed")))
+                                 f"{limits.stalled_client_timeout_s:g} s; the connection is closed").to_wire()))
         if self._read_task is not None:
             self._read_task.cancel()

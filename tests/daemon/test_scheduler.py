@@ -13,6 +13,7 @@ import pytest
 from colibrid.engine.engine import Engine
 from colibrid.engine.experts.cache import ExpertLoadingPaused
 from colibrid.engine.experts.source import ExpertLoadError
+from colibrid.wire.events import DoneEvent, ErrorEvent, TokenEvent
 from colibrid.wire.requests import parse_request
 from colibrid.daemon.scheduler import STOP_CANCELLED, STOP_DISCONNECTED, Job, QueueFull, Scheduler, SchedulerStopped
 
@@ -64,14 +65,19 @@ def ask(request_id, prompt="abc", **fields):
 
 
 class Recorder:
-    """Collects what jobs emit, from the worker thread, sorted by request."""
+    """Collects what jobs emit, from the worker thread, sorted by request: each event as the map
+    its connection would send (to_wire)."""
 
     def __init__(self) -> None:
         self.events: queue.Queue = queue.Queue()
         self._by_id: dict = {}
 
     def job(self, request) -> Job:
-        return Job(request, emit=self.events.put)
+        return Job(request, emit=self._record)
+
+    def _record(self, event) -> None:
+        assert isinstance(event, (TokenEvent, DoneEvent, ErrorEvent)), event  # typed values, not maps
+        self.events.put(event.to_wire())
 
     def until_end(self, request_id, timeout_s: float = 20.0) -> tuple[list[dict], dict]:
         """The request's token events and its last event, in the order they came."""

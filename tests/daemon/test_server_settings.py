@@ -37,14 +37,14 @@ def test_status_shows_what_the_constructor_and_the_engine_say():
     engine = FakeEngine()
     server = Server(engine, _scheduler(), Path("/packs/demo.pack"), ServerSettings(max_frame_bytes=4096),
                     shown_settings={"log_level": "info"}, machine={"cpus": {"compute": "0", "io": "1"}, "nice": 5})
-    status = server.status_event("s")
+    status = server.status_event("s").to_wire()
     assert status["cache"] == engine.cache and status["memory_budget"] == engine.budget
     assert (status["cpus"], status["nice"], status["settings"]) == ({"compute": "0", "io": "1"}, 5, {"log_level": "info"})
     assert "thermal" not in status
     engine.cache["hits"] = 10  # asked again each time: a rebuilt cache shows at once
-    assert server.status_event("s")["cache"]["hits"] == 10
+    assert server.status_event("s").fields["cache"]["hits"] == 10
     assert "cache 4/8 experts, 91% expert hits" in server.service_status(0.0)
-    assert server.hello_event(1)["max_frame_bytes"] == 4096
+    assert server.hello_event(1).max_frame_bytes == 4096
 
 
 def test_reconfigure_replaces_the_settings_as_a_whole():
@@ -52,8 +52,8 @@ def test_reconfigure_replaces_the_settings_as_a_whole():
                     shown_settings={"log_level": "info"})
     limits = ClientLimits(max_connections=3)
     server.reconfigure(ServerSettings(max_frame_bytes=8192, default_max_tokens=9, limits=limits), {"log_level": "debug"})
-    assert server.hello_event(1)["max_frame_bytes"] == 8192
-    status = server.status_event("s")
+    assert server.hello_event(1).max_frame_bytes == 8192
+    status = server.status_event("s").fields
     assert status["settings"] == {"log_level": "debug"} and status["connections"]["limit"] == 3
 
 
@@ -66,4 +66,4 @@ def test_the_recent_token_rate_is_measured_between_samples(monkeypatch):
     server = Server(FakeEngine(), scheduler, Path("/packs/demo.pack"))
     scheduler.tokens_generated, now_s[0] = 50, 102.0
     assert server.sample_token_rate() == 25.0  # 50 tokens in 2 s
-    assert server.status_event("s")["recent_tokens_per_s"] == 25.0
+    assert server.status_event("s").fields["recent_tokens_per_s"] == 25.0

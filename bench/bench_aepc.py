@@ -557,18 +557,19 @@ def record_trace(socket_path: str, out: Path, seconds: float | None, steps: int 
 
     from colibrid.wire.client import Connection
     from colibrid.wire.errors import ClientError
+    from colibrid.wire.events import RoutingEvent
 
     written, deadline_s = 0, None if seconds is None else time.monotonic() + seconds
     with Connection.open(socket_path, client_name="bench_aepc trace-record") as connection, open(out, "w") as f:
         # An idle daemon sends nothing: at the deadline the connection is closed under the read.
         timer = threading.Timer(seconds, connection.close) if seconds is not None else None
-        request_id = connection.send("subscribe", stream="routing")
+        request_id = connection.subscribe("routing")
         if timer is not None:
             timer.start()
         try:
             for event in connection.events(request_id):
-                f.write(json.dumps(event) + "\n")
-                written += event.get("event") == "routing"
+                f.write(json.dumps(event.to_wire()) + "\n")
+                written += isinstance(event, RoutingEvent)
                 if steps is not None and written >= steps:
                     break
         except ClientError:

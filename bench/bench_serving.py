@@ -167,22 +167,24 @@ def colibri_client(socket_path: str) -> Client:
     """A client of colibrid speaking the protocol through colibrid.wire's client."""
     from colibrid.wire.client import Connection
     from colibrid.wire.errors import ClientError
+    from colibrid.wire.events import DoneEvent, TokenEvent
+    from colibrid.wire.requests import AskFields
 
     def ask(index: int, prompt: object, sampling: Sampling, start: threading.Barrier) -> RequestTiming:
         with Connection.open(socket_path, client_name="bench_serving") as connection:
             start.wait()
             timing = RequestTiming(index, time.perf_counter())
             try:
-                request_id = connection.send("ask", prompt=prompt, raw=True, max_tokens=sampling.max_tokens,
-                                             ignore_eos=True, temperature=sampling.temperature(), top_k=0, top_p=1.0,
-                                             min_p=0.0, seed=SAMPLING_SEED + index)
+                request_id = connection.ask(AskFields(
+                    prompt=prompt, raw=True, max_tokens=sampling.max_tokens, ignore_eos=True,
+                    temperature=sampling.temperature(), top_k=0, top_p=1.0, min_p=0.0, seed=SAMPLING_SEED + index))
                 for event in connection.events(request_id):
                     now = time.perf_counter()
-                    if event["event"] == "token":
-                        timing.token_times_s += [now] * len(event["token_ids"])
-                    elif event["event"] == "done":
-                        timing.finish_reason = event.get("finish_reason")
-                        timing.prompt_tokens = (event.get("usage") or {}).get("prompt_tokens")
+                    if isinstance(event, TokenEvent):
+                        timing.token_times_s += [now] * len(event.token_ids)
+                    elif isinstance(event, DoneEvent):
+                        timing.finish_reason = event.finish_reason
+                        timing.prompt_tokens = event.usage.prompt_tokens
             except ClientError as error:
                 timing.error = str(error)
             return timing
@@ -357,7 +359,7 @@ class ColibriDaemon(ServerProcess):
 
         try:
             with Connection.open(self.socket_path, client_name="bench_serving") as connection:
-                return connection.request("status")
+                return dict(connection.status().to_wire())
         except ClientError as error:
             log(f"colibrid status: {error}")
             return {}

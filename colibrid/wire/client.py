@@ -19,12 +19,14 @@ import os
 import socket
 import stat
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar
 
 from colibrid.wire.errors import ClientError, DaemonUnreachable, ProtocolViolation, RequestError
+from colibrid.wire.events import ErrorEvent, Event, HelloEvent, ModelsEvent, StatusEvent, event_from_wire
 from colibrid.wire.frames import (
     LENGTH_PREFIX, MAX_EVENT_FRAME_BYTES, PROTOCOL_VERSION, decode_event_body, encode_frame, event_body_length,
 )
+from colibrid.wire.requests import AskFields, Cancel, Hello, Models, Status, Subscribe, Verify
 
 DEFAULT_SOCKET_PATH = "/run/colibri/colibrid.sock"
 # How long connecting and the hello may take. A daemon that is stuck, or has as many clients
@@ -34,9 +36,7 @@ DEFAULT_CONNECT_TIMEOUT_S = 10.0
 
 _RECV_CHUNK_BYTES = 64 * 1024
 
-# Events that end a request; everything else (token, subscribed, routing, verify_progress,
-# verify_damage) is a step along the way.
-_FINAL_EVENTS = frozenset({"done", "ok", "hello", "status", "models", "verified", "unsubscribed"})
+_Reply = TypeVar("_Reply", HelloEvent, StatusEvent, ModelsEvent)  # an event that answers a request alone
 
 
 class _ReadTimedOut(Exception):
@@ -125,7 +125,11 @@ def _describe_connect_failure(error: OSError, socket_path: str, timeout_s: float
 
 
 class Connection:
-    """An open, greeted connection to colibrid. Use ``Connection.open(path)``."""
+    """An open, greeted connection to colibrid. Use ``Connection.open(path, client_name)``.
+
+    A request is sent by its method (ask, subscribe, verify; status and models wait for their
+    one reply), which returns the id the connection gave it; ``events(id)`` reads what the
+    daemon answers, as typed events (colibrid/wire/events.py)."""
 
     def __init__(self, sock: socket.socket, socket_path: str):
         self.socket_path = socket_path
@@ -133,16 +137,16 @@ class Connection:
         self._reader = FrameReader(sock, socket_path)
         self._next_id = itertools.count(1)
         # Events read while looking for another request's events, by request id.
-        self._pending: dict[Any, collections.deque] = collections.defaultdict(collections.deque)
+        self._pending: dict[Any, collections.deque[Event]] = collections.defaultdict(collections.deque)
         self._open_ids: set = set()  # requests sent whose final event has not been read
-        self.hello: dict = {}  # the daemon's hello event: server, model, max_frame_bytes
+        self.hello: HelloEvent | None = None  # the daemon's hello: server, model, max_frame_bytes
         self.max_request_bytes: int | None = None  # the daemon's limit, from its hello
 
     @classmethod
     def open(cls, socket_path: str, client_name: str,
              timeout_s: float | None = DEFAULT_CONNECT_TIMEOUT_S) -> "Connection":
-        """Connect and say hello, within timeout_s (None: no limit); raises DaemonUnreachable,
-        RequestError, ProtocolViolation."""
+        """Connect and say hello as ``client_name`` (for the daemon's logs), within timeout_s
+        (None: no limit); raises DaemonUnreachable, RequestError, ProtocolViolation."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
@@ -161,38 +165,34 @@ class Connection:
 
     def _greet(self, client_name: str, timeout_s: float | None = None) -> None:
         try:
-            self.hello = self.request("hello", protocol=PROTOCOL_VERSION, client=client_name)
+            self.hello = self._request(Hello(next(self._next_id), PROTOCOL_VERSION, client_name), HelloEvent)
         except _ReadTimedOut:
             raise DaemonUnreachable(self.socket_path, f"no answer to hello within {timeout_s:g} s "
                                                       "(the daemon is stuck or overloaded)") from None
-        if self.hello.get("protocol") != PROTOCOL_VERSION:
-            raise ProtocolViolation(f"the daemon speaks protocol {self.hello.get('protocol')!r}")
-        limit = self.hello.get("max_frame_bytes")
-        if isinstance(limit, int) and limit > 0:
-            self.max_request_bytes = limit
+        if self.hello.protocol != PROTOCOL_VERSION:
+            raise ProtocolViolation(f"the daemon speaks protocol {self.hello.protocol!r}")
+        if self.hello.max_frame_bytes > 0:
+            self.max_request_bytes = self.hello.max_frame_bytes
 
-    # ---- sending ------------------------------------------------------------------------
+    # ---- requests -----------------------------------------------------------------------
 
-    def send(self, op: str, **fields: Any) -> int:
-        """Send one request and return its id; its events are read with ``events(id)``."""
-        request_id = next(self._next_id)
-        frame = encode_frame({"op": op, "id": request_id, **fields})
-        body_bytes = len(frame) - LENGTH_PREFIX.size
-        if self.max_request_bytes is not None and body_bytes > self.max_request_bytes:
-            # The daemon would answer frame_too_large and close the connection; say it first,
-            # in the same words, without losing the connection.
-            raise RequestError(
-                "frame_too_large",
-                f"the {op} request is {body_bytes} bytes encoded; "
-                f"the daemon accepts at most {self.max_request_bytes}",
-                request_id,
-            )
-        try:
-            self._sock.sendall(frame)
-        except OSError as error:
-            raise DaemonUnreachable(self.socket_path, f"connection lost ({error.strerror or 'timed out'})")
-        self._open_ids.add(request_id)
-        return request_id
+    def ask(self, fields: AskFields) -> int:
+        """Send an ask; its events (tokens, then done) are read with ``events(id)``."""
+        return self._send(fields.to_wire(next(self._next_id)))
+
+    def subscribe(self, stream: str) -> int:
+        """Subscribe to a stream ("routing"): `subscribed`, then its events, until cancelled."""
+        return self._send(Subscribe(next(self._next_id), stream).to_wire())
+
+    def verify(self, background: bool = False, max_mb_per_s: float | None = None, stop: bool = False) -> int:
+        """Have the daemon check its pack (in the foreground: progress and findings until `verified`)."""
+        return self._send(Verify(next(self._next_id), background, max_mb_per_s, stop).to_wire())
+
+    def status(self) -> StatusEvent:
+        return self._request(Status(next(self._next_id)), StatusEvent)
+
+    def models(self) -> ModelsEvent:
+        return self._request(Models(next(self._next_id)), ModelsEvent)
 
     def cancel(self, target: int) -> None:
         """Ask the daemon to stop request ``target``, without waiting for the answer.
@@ -205,13 +205,41 @@ class Connection:
         if target not in self._open_ids:
             return
         try:
-            self.send("cancel", target=target)
+            self._send(Cancel(next(self._next_id), target).to_wire())
         except ClientError:
             pass
 
+    def _request(self, request: Hello | Status | Models, reply: type[_Reply]) -> _Reply:
+        """Send a request whose answer is one event (hello, status, models) and return that event."""
+        event = next(self.events(self._send(request.to_wire())))
+        if not isinstance(event, reply):
+            raise ProtocolViolation(f"expected a {reply.name} event, got {event.name!r}")
+        return event
+
+    def _send(self, message: dict[str, Any]) -> int:
+        """Send one request map; its id."""
+        request_id = message["id"]
+        frame = encode_frame(message)
+        body_bytes = len(frame) - LENGTH_PREFIX.size
+        if self.max_request_bytes is not None and body_bytes > self.max_request_bytes:
+            # The daemon would answer frame_too_large and close the connection; say it first,
+            # in the same words, without losing the connection.
+            raise RequestError(
+                "frame_too_large",
+                f"the {message['op']} request is {body_bytes} bytes encoded; "
+                f"the daemon accepts at most {self.max_request_bytes}",
+                request_id,
+            )
+        try:
+            self._sock.sendall(frame)
+        except OSError as error:
+            raise DaemonUnreachable(self.socket_path, f"connection lost ({error.strerror or 'timed out'})")
+        self._open_ids.add(request_id)
+        return request_id
+
     # ---- receiving ----------------------------------------------------------------------
 
-    def events(self, request_id: Any) -> Iterator[dict]:
+    def events(self, request_id: Any) -> Iterator[Event]:
         """Yield the events of one request, up to and including its final event.
 
         An ``error`` event for this request (or a connection-wide one, id null) raises
@@ -219,43 +247,24 @@ class Connection:
         """
         while True:
             event = self._next_event_for(request_id)
-            if event["event"] == "error" or event["event"] in _FINAL_EVENTS:
+            if event.final:
                 self._open_ids.discard(request_id)
-            if event["event"] == "error":
-                raise RequestError(
-                    str(event.get("code", "unknown")),
-                    str(event.get("message", "")),
-                    event.get("id"),
-                )
+            if isinstance(event, ErrorEvent):
+                raise RequestError(event.code, event.message, event.id)
             yield event
-            if event["event"] in _FINAL_EVENTS:
+            if event.final:
                 return
 
-    def request(self, op: str, **fields: Any) -> dict:
-        """Send a request whose reply is one event named like the op (hello, status, models)
-        and return that event."""
-        request_id = self.send(op, **fields)
-        event = next(self.events(request_id))
-        if event["event"] != op:
-            raise ProtocolViolation(f"expected a {op} event, got {event['event']!r}")
-        return event
-
-    def _next_event_for(self, request_id: Any) -> dict:
+    def _next_event_for(self, request_id: Any) -> Event:
         queued = self._pending.get(request_id)
         if queued:
             return queued.popleft()
         while True:
-            event = self._reader.read_frame()
-            if not isinstance(event.get("event"), str):
-                raise ProtocolViolation(
-                    f"the daemon sent a map without an event name: {event!r:.200}")
-            owner = event.get("id")
-            if not isinstance(owner, (str, int, type(None))):
-                raise ProtocolViolation(f"the daemon sent an event with id {owner!r:.200}")
+            event = event_from_wire(self._reader.read_frame())
             # An error without an id is about the whole connection: it ends every request.
-            if owner == request_id or (owner is None and event["event"] == "error"):
+            if event.id == request_id or (event.id is None and isinstance(event, ErrorEvent)):
                 return event
-            self._pending[owner].append(event)
+            self._pending[event.id].append(event)
 
     def close(self) -> None:
         try:

@@ -54,8 +54,8 @@ from colibrid.wire.requests import (
 )
 from colibrid.daemon.routing_stream import Subscription, TooManySubscribers
 from colibrid.daemon.verify_request import DEFAULT_BACKGROUND_MB_PER_S, PackVerification, VerifyBusy, VerifyRun
-from colibrid.daemon.scheduler import (
-    STOP_CANCELLED, STOP_DISCONNECTED, Job, QueueFull, Scheduler, SchedulerStopped, cancelled_done,
+from colibrid.daemon.engine_loop import (
+    STOP_CANCELLED, STOP_DISCONNECTED, EngineLoop, IntakeClosed, Job, QueueFull, cancelled_done,
     shutdown_error,
 )
 
@@ -184,18 +184,18 @@ class Server:
     reloadable settings) are only shown by status; ``thermal`` is the daemon's ThermalWatch,
     whose status() and status_line() status and STATUS= include."""
 
-    def __init__(self, engine, scheduler: Scheduler, pack_path: Path, settings: ServerSettings | None = None,
+    def __init__(self, engine, engine_loop: EngineLoop, pack_path: Path, settings: ServerSettings | None = None,
                  shown_settings: dict[str, Any] | None = None, machine: dict[str, Any] | None = None,
                  thermal=None) -> None:
         self.engine = engine
-        self.scheduler = scheduler
+        self.engine_loop = engine_loop
         self.model = describe_model(engine, pack_path)
         # Replaced as a whole on reload; a connection reads it when it needs a value.
         self.settings = settings or ServerSettings()
         self._shown_settings = dict(shown_settings or {})
         self._machine = dict(machine or {})
         self._thermal = thermal
-        self._token_rate = _TokenRate(scheduler)
+        self._token_rate = _TokenRate(engine_loop)
         self.started_s = time.monotonic()
         self._connections: set[Connection] = set()
         self._connection_numbers = itertools.count(1)
@@ -206,7 +206,7 @@ class Server:
         self._refused_busy = RepeatedWarning()
         self._accept_failures = RepeatedWarning()
         self.verification = PackVerification(
-            engine.pack, busy=lambda: scheduler.requests_running + scheduler.queue_depth > 0,
+            engine.pack, busy=lambda: engine_loop.requests_running + engine_loop.queue_depth > 0,
             io_queue_depth=lambda: max(1, int(engine.cache_status().get("io_queue_depth", 1))))
 
     def reconfigure(self, settings: ServerSettings, shown_settings: dict[str, Any]) -> None:
@@ -293,12 +293,12 @@ class Server:
     async def drain(self, grace_s: float, cut_short: asyncio.Event) -> None:
         """Let accepted requests finish for up to grace_s (or until cut_short is set); refuse new ones."""
         self.stop_accepting()
-        self.scheduler.close_intake()
-        busy = self.scheduler.requests_running + self.scheduler.queue_depth
+        self.engine_loop.close_intake()
+        busy = self.engine_loop.requests_running + self.engine_loop.queue_depth
         if busy == 0 or grace_s <= 0:
             return
         log.info("draining: %d request(s) may finish within %.0f s", busy, grace_s)
-        worker_done = asyncio.create_task(asyncio.to_thread(self.scheduler.join, grace_s))
+        worker_done = asyncio.create_task(asyncio.to_thread(self.engine_loop.join, grace_s))
         cut = asyncio.create_task(cut_short.wait())
         await asyncio.wait([worker_done, cut], return_when=asyncio.FIRST_COMPLETED)
         cut.cancel()
@@ -310,9 +310,9 @@ class Server:
         """Stop accepting, end every open request with `shutdown`, flush and close every connection."""
         self.stop_accepting()
         await asyncio.to_thread(self.verification.shutdown, WORKER_STOP_TIMEOUT_S)
-        for job in self.scheduler.stop():
+        for job in self.engine_loop.stop():
             job.emit(shutdown_error(job))
-        if not await asyncio.to_thread(self.scheduler.join, WORKER_STOP_TIMEOUT_S):
+        if not await asyncio.to_thread(self.engine_loop.join, WORKER_STOP_TIMEOUT_S):
             log.warning("the engine thread did not stop within %.0f s; exiting without it", WORKER_STOP_TIMEOUT_S)
         await asyncio.sleep(0)  # the worker's last events are queued on the loop; let them reach the outboxes
         for connection in list(self._connections):
@@ -363,15 +363,15 @@ class Server:
             "verify": self.verification.status(),
             "cache": cache,
             "uptime_s": time.monotonic() - self.started_s,
-            "requests_served": self.scheduler.requests_served,
+            "requests_served": self.engine_loop.requests_served,
             "recent_tokens_per_s": self._token_rate.recent_per_s,
-            "requests_running": self.scheduler.requests_running,
-            "running": self.scheduler.running_status(),
-            "batch": self.scheduler.batch_status(),
-            "kv_cache": self.scheduler.kv_status(),
-            "prefix_cache": self.scheduler.prefix_cache_status(),
-            "queue_depth": self.scheduler.queue_depth,
-            "queue_limit": self.scheduler.max_queue,
+            "requests_running": self.engine_loop.requests_running,
+            "running": self.engine_loop.running_status(),
+            "batch": self.engine_loop.batch_status(),
+            "kv_cache": self.engine_loop.kv_status(),
+            "prefix_cache": self.engine_loop.prefix_cache_status(),
+            "queue_depth": self.engine_loop.queue_depth,
+            "queue_limit": self.engine_loop.max_queue,
             "version": __version__,
             "listening": self._listening,
             "connections": {"open": len(self._connections), "limit": self.settings.limits.max_connections,
@@ -391,8 +391,8 @@ class Server:
         if "slots" in cache:
             hit_rate = f"cache {cache['resident_slots']}/{cache['slots']} experts, {hit_rate}"
         thermal = f"; {self._thermal.status_line()}" if self._thermal is not None else ""
-        return (f"serving {self.model['name']}: {self.scheduler.requests_running} running, "
-                f"{self.scheduler.queue_depth} waiting, {self.scheduler.requests_served} served; "
+        return (f"serving {self.model['name']}: {self.engine_loop.requests_running} running, "
+                f"{self.engine_loop.queue_depth} waiting, {self.engine_loop.requests_served} served; "
                 f"{recent_tokens_per_s:.1f} tokens/s recently; {hit_rate}{thermal}")
 
     def hello_event(self, request_id: RequestId) -> HelloEvent:
@@ -400,15 +400,15 @@ class Server:
 
 
 class _TokenRate:
-    """The scheduler's tokens per second between two samples."""
+    """The engine loop's tokens per second between two samples."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
-        self._tokens_before, self._time_before_s = scheduler.tokens_generated, time.monotonic()
+    def __init__(self, engine_loop: EngineLoop) -> None:
+        self._engine_loop = engine_loop
+        self._tokens_before, self._time_before_s = engine_loop.tokens_generated, time.monotonic()
         self.recent_per_s = 0.0
 
     def sample(self) -> float:
-        tokens, now_s = self._scheduler.tokens_generated, time.monotonic()
+        tokens, now_s = self._engine_loop.tokens_generated, time.monotonic()
         elapsed_s = now_s - self._time_before_s
         if elapsed_s > 0:
             self.recent_per_s = (tokens - self._tokens_before) / elapsed_s
@@ -486,7 +486,7 @@ class Connection:
 
     async def _finish(self) -> None:
         for job in self._open_asks.values():
-            self.server.scheduler.withdraw(job, STOP_DISCONNECTED)
+            self.server.engine_loop.withdraw(job, STOP_DISCONNECTED)
         self._open_asks.clear()
         if self._verify is not None:  # nobody is watching it any more
             self.server.verification.stop(self._verify[1])
@@ -650,17 +650,17 @@ class Connection:
         job.emit = self._emitter(job)
         self._open_asks[ask.id] = job
         try:
-            self.server.scheduler.submit(job)
+            self.server.engine_loop.submit(job)
         except QueueFull:
-            self._deliver(job, ErrorEvent(ask.id, "busy", f"the queue is full ({self.server.scheduler.max_queue} "
+            self._deliver(job, ErrorEvent(ask.id, "busy", f"the queue is full ({self.server.engine_loop.max_queue} "
                                                            "requests waiting); try again later"))
-        except SchedulerStopped:
+        except IntakeClosed:
             self._deliver(job, shutdown_error(job))
 
     def _subscribe(self, request: Subscribe) -> None:
         """A routing subscription: `subscribed` (the model's routing shape), then a `routing`
         event per step until the client cancels it or goes away."""
-        stream = self.server.scheduler.routing
+        stream = self.server.engine_loop.routing
         try:
             subscription = stream.subscribe(request.id, self.send, lambda: self._outbox_bytes,
                                             self.server.settings.limits.max_outbox_bytes)
@@ -675,7 +675,7 @@ class Connection:
     def end_subscriptions(self, reason: str | None) -> None:
         """Ends every subscription of this connection, telling the client why (None: it is gone)."""
         for request_id, subscription in list(self._subscriptions.items()):
-            self.server.scheduler.routing.unsubscribe(subscription)
+            self.server.engine_loop.routing.unsubscribe(subscription)
             if reason is not None:
                 self.send(UnsubscribedEvent(request_id, reason))
         self._subscriptions.clear()
@@ -687,7 +687,7 @@ class Connection:
             return
         subscription = self._subscriptions.pop(cancel.target, None)
         if subscription is not None:
-            self.server.scheduler.routing.unsubscribe(subscription)
+            self.server.engine_loop.routing.unsubscribe(subscription)
             self.send(OkEvent(cancel.id))
             self.send(UnsubscribedEvent(cancel.target, "cancelled"))
             return
@@ -696,7 +696,7 @@ class Connection:
             raise ProtocolError("unknown_request", f"no open ask or subscription with id {cancel.target!r} on this "
                                 "connection", cancel.id)
         self.send(OkEvent(cancel.id))
-        if self.server.scheduler.withdraw(job, STOP_CANCELLED):
+        if self.server.engine_loop.withdraw(job, STOP_CANCELLED):
             self._deliver(job, cancelled_done(job))  # it never started; otherwise the worker ends it
 
     # -- writing ---------------------------------------------------------------------------

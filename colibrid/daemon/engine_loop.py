@@ -1,4 +1,8 @@
-"""The scheduler: a bounded queue of asks and ONE engine thread that runs them as a batch.
+"""The engine loop: ONE engine thread that runs the asks as a batch, and the bounded queue that feeds it.
+
+The engine thread takes asks from the head of the queue into the batch, steps the batch, and hands each
+ask's tokens and its end back to its connection as typed events (colibrid/wire/events.py); the
+connection turns them into frames. It decides little: asks join in order of arrival, as room allows.
 
 Every admitted ask is a sequence of the engine's Batch: each step advances all of them
 together (a decode token each, and prompt chunks of those still prefilling), so a routed
@@ -8,14 +12,14 @@ otherwise they wait in the queue, in order, and beyond max_queue a new ask gets 
 a client is better served by an error it can retry than by a wait it cannot see the end of.
 
 The engine is not thread-safe and a step is CPU- and disk-bound, so it runs on its own
-thread, never on the event loop: the loop keeps reading, writing and answering `status` while
-the batch decodes. The loop and the worker share only
+thread, never on the event loop: the event loop keeps reading, writing and answering `status`
+while the batch decodes. The event loop and the worker share only
 
-  - the queue (a deque under a Condition): the loop submits and withdraws, the worker takes;
-  - Job.stop_reason, which the loop sets (cancel, disconnect, shutdown) and the worker reads
+  - the queue (a deque under a Condition): the event loop submits and withdraws, the worker takes;
+  - Job.stop_reason, which the event loop sets (cancel, disconnect, shutdown) and the worker reads
     at each step boundary, where it takes the sequence out of the batch - so a dead client
     frees its slot and its KV within one step;
-  - Job.emit, through which the worker hands each event back; the server makes it
+  - Job.emit, through which the worker hands each event back; the connection makes it
     loop.call_soon_threadsafe, so the worker never waits for a client, however slow.
 
 Stopping has two steps, so that SIGTERM can drain: close_intake() refuses new asks but lets the
@@ -65,16 +69,16 @@ STOP_SHUTDOWN = "shutdown"  # the daemon is stopping: the job ends with a `shutd
 
 
 class QueueFull(Exception):
-    pass
+    """max_queue asks already wait."""
 
 
-class SchedulerStopped(Exception):
-    pass
+class IntakeClosed(Exception):
+    """The loop takes no new asks: the daemon is draining or stopping."""
 
 
 @dataclass(eq=False)
 class Job:
-    """One ask on its way through the scheduler."""
+    """One ask on its way through the engine loop."""
 
     ask: Ask
     emit: Callable[[AskEvent], None]  # thread-safe: hands one event back to the connection
@@ -106,7 +110,10 @@ def done_event(job: Job, done: GenerationDone, sequence: BatchSequence) -> DoneE
         expert_cache_misses=sequence.expert_misses))
 
 
-class Scheduler:
+class EngineLoop:
+    """The engine thread and its queue of asks. The event loop submits, withdraws and reads
+    counters (the "called from the event loop" methods); everything else runs on the thread."""
+
     def __init__(self, engine, max_queue: int, max_batch: int = 8, prefill_chunk: int = 512,
                  kv_budget_bytes: int = 1 << 30, prefix_cache_bytes: int = 0,
                  burst_window_s: float = BURST_WINDOW_S) -> None:
@@ -121,11 +128,11 @@ class Scheduler:
         self.tokens_generated = 0  # tokens streamed since start, for the recent tokens/s in STATUS=
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._running: list[Job] = []  # replaced, never changed in place: the loop may read it any time
+        self._running: list[Job] = []  # replaced, never changed in place: the event loop may read it any time
         self._between_steps: collections.deque[Callable[[], None]] = collections.deque()
         self._intake_closed = False  # no new asks; the worker exits once nothing runs or waits
         self._stopped = False  # the worker exits after its current step
-        self._last_progress_s = time.monotonic()  # written by the worker, read by the loop: one float
+        self._last_progress_s = time.monotonic()  # written by the worker, read by the event loop: one float
         self._thread = threading.Thread(target=self._work, name="colibrid-engine", daemon=True)
 
     # -- called from the event loop -------------------------------------------------------
@@ -166,7 +173,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         with self._cond:
             if self._stopped or self._intake_closed:
-                raise SchedulerStopped()
+                raise IntakeClosed()
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull()
             self._waiting.append(job)
@@ -269,7 +276,7 @@ class Scheduler:
             if not self.batch.has_room(session.state.nbytes):
                 return  # it waits for a sequence to end and free its KV; the order is kept
             if not self._take_from_queue(job):
-                continue  # withdrawn meanwhile: the loop has ended it
+                continue  # withdrawn meanwhile: the event loop has ended it
             job.sequence = self.batch.admit(job, generation, session, job.prefix_scope)
             with self._cond:
                 self._running = self._running + [job]

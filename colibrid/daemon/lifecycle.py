@@ -42,7 +42,8 @@ from colibrid.wire.events import Event, HelloEvent, event_from_wire
 from colibrid.wire.frames import LENGTH_PREFIX, PROTOCOL_VERSION, decode_event_body, encode_frame, event_body_length
 from colibrid.wire.requests import Hello
 from colibrid.daemon.engine_loop import EngineLoop
-from colibrid.daemon.server import ClientLimits, Server, ServerSettings, model_name
+from colibrid.daemon.connection import ClientLimits, ServerSettings
+from colibrid.daemon.server import Server, model_name
 from colibrid.system.systemd_notify import Notifier, watchdog_interval_s
 from colibrid.thermal.watch import ThermalSettings, ThermalWatch
 from colibrid.daemon.watchdog import Watchdog

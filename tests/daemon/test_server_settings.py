@@ -7,7 +7,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from colibrid.pack.damage import DamageMarks
-from colibrid.daemon.server import ClientLimits, Server, ServerSettings
+from colibrid.daemon.connection import ClientLimits, ServerSettings
+from colibrid.daemon.server import Server
 
 
 class FakeEngine:

@@ -24,7 +24,7 @@ from typing import Callable
 from colibrictl import command, conversation
 from colibrid.wire.client import Connection
 from colibrid.wire.errors import ClientError, DaemonUnreachable, ProtocolViolation, RequestError
-from colibrid.wire.events import DoneEvent, TokenEvent, Usage
+from colibrid.wire.events import DoneEvent, ErrorEvent, TokenEvent, Usage
 from colibrictl.conversation import Conversation, ConversationFileError
 
 PROMPT = ">>> "
@@ -324,8 +324,7 @@ class Chat:
                 self.disconnect()  # the daemon closed it, or it can no longer be trusted
             self._end_answer(received)
             if self.json and isinstance(error, RequestError):
-                _write_json({"event": "error", "id": error.request_id, "code": error.code,
-                             "message": error.message})
+                _write_json(ErrorEvent(error.request_id, error.code, error.message).to_wire())
             raise
 
     def _show_token(self, event: TokenEvent) -> None:

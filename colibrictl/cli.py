@@ -37,7 +37,7 @@ from colibrictl import verify as verify_command
 from colibrictl.top import add_top_parser
 from colibrid.wire.client import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_SOCKET_PATH, Connection
 from colibrid.wire.errors import ClientError, DaemonUnreachable, ProtocolViolation, RequestError
-from colibrid.wire.events import DoneEvent, TokenEvent
+from colibrid.wire.events import DoneEvent, ErrorEvent, TokenEvent
 from colibrid.wire.requests import AskFields
 
 EPILOG = f"""\
@@ -278,8 +278,7 @@ def _print_events_as_json(connection: Connection, request_id: int, stream: bool)
                 _emit_json(event.to_wire())
     except RequestError as error:
         # A machine reading stdout learns of the failure in the same format as the rest.
-        _emit_json({"event": "error", "id": error.request_id,
-                    "code": error.code, "message": error.message})
+        _emit_json(ErrorEvent(error.request_id, error.code, error.message).to_wire())
         raise
     except KeyboardInterrupt:
         # Without a last line of its own, an answer cut by Ctrl-C would look like one whose

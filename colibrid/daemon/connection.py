@@ -46,7 +46,7 @@ from colibrid.wire.events import (
 )
 from colibrid.wire.frames import LENGTH_PREFIX, decode_request_body, encode_frame, request_body_length
 from colibrid.wire.requests import (
-    Ask, Cancel, Hello, Models, Request, Status, Subscribe, Verify, is_request_id, parse_request,
+    Ask, Cancel, Hello, Models, Request, Status, Subscribe, Verify, parse_request, usable_id,
 )
 
 log = logging.getLogger(__name__)
@@ -250,15 +250,11 @@ class Connection:
 
     def _handle(self, message: dict[str, Any]) -> None:
         if not self.server.settings.access.allows(self.peer):
-            request_id = message.get("id")
             log.warning("%s refused: not in allow_users or allow_groups", self.name)
             raise ProtocolError("forbidden", "this user may not use colibrid (allow_users / allow_groups in its "
-                                "config)", request_id if is_request_id(request_id) else None)
-        if not self._greeted and message.get("op") != "hello":
-            request_id = message.get("id")
-            raise ProtocolError("bad_request", "the first request on a connection must be hello",
-                                request_id if is_request_id(request_id) else None)
-        request = parse_request(message, self.server.settings.default_max_tokens, self.server.model["sampling_defaults"])
+                                "config)", usable_id(message))
+        request = parse_request(message, self.server.settings.default_max_tokens, self.server.model["sampling_defaults"],
+                                greeted=self._greeted)
         if (request.id in self._open_asks or request.id in self._subscriptions
                 or (self._verify is not None and request.id == self._verify[0])):
             raise ProtocolError("bad_request", f"id {request.id!r} is already open on this connection", request.id)

@@ -270,10 +270,20 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "min_p", "repetition_p
                     "logprobs", "ignore_eos")
 
 
+def usable_id(message: dict[str, Any]) -> RequestId | None:
+    """The `id` of a request map if a reply may carry it, else None: for the error that refuses
+    a request before it is parsed (its sender is not allowed in, say)."""
+    request_id = message.get("id")
+    return request_id if is_request_id(request_id) else None
+
+
 def parse_request(message: dict[str, Any], default_max_tokens: int,
-                  sampling_defaults: dict[str, Any] | None = None) -> Request:
+                  sampling_defaults: dict[str, Any] | None = None, greeted: bool = True) -> Request:
     """A typed request from a decoded frame; ProtocolError (with the id when known) if it is not one.
-    ``sampling_defaults`` (the model's generation_config.json) fill the sampling fields an ask omits."""
+    ``sampling_defaults`` (the model's generation_config.json) fill the sampling fields an ask omits;
+    until a connection is ``greeted``, only a hello is a request."""
+    if not greeted and message.get("op") != "hello":
+        raise ProtocolError("bad_request", "the first request on a connection must be hello", usable_id(message))
     request_id = message.get("id", _MISSING)
     if request_id is _MISSING or not is_request_id(request_id):
         raise ProtocolError("bad_request", f"every request needs an `id`: a string of at most {MAX_ID_BYTES} "

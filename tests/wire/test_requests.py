@@ -10,12 +10,12 @@ import pytest
 
 from colibrid.wire.errors import ProtocolError
 from colibrid.wire.requests import (
-    Ask, AskFields, Cancel, Hello, Models, Status, Subscribe, Verify, parse_request,
+    Ask, AskFields, Cancel, Hello, Models, Status, Subscribe, Verify, parse_request, usable_id,
 )
 
 
-def parse(message, default_max_tokens=256):
-    return parse_request(message, default_max_tokens)
+def parse(message, default_max_tokens=256, greeted=True):
+    return parse_request(message, default_max_tokens, greeted=greeted)
 
 
 def test_each_op_parses_to_its_request():
@@ -120,6 +120,21 @@ def test_refusals_carry_the_code_the_document_gives(message, code):
         parse(message)
     assert caught.value.code == code
     assert caught.value.closes_connection == (code not in ("invalid_params",))
+
+
+def test_until_hello_only_a_hello_is_a_request():
+    assert parse({"op": "hello", "id": 0, "protocol": 1}, greeted=False) == Hello(0, 1, None)
+    for message, request_id in (({"op": "status", "id": "s"}, "s"), ({"id": 7}, 7), ({"op": "ask", "id": 1.5}, None)):
+        with pytest.raises(ProtocolError) as caught:
+            parse_request(message, 256, greeted=False)
+        assert (caught.value.code, caught.value.request_id) == ("bad_request", request_id)
+        assert caught.value.message == "the first request on a connection must be hello"
+
+
+def test_an_id_a_reply_may_carry():
+    assert [usable_id({"id": value}) for value in ("x", 3, "x" * 257, True, 1.0, None)] == ["x", 3, None, None, None,
+                                                                                            None]
+    assert usable_id({}) is None
 
 
 def test_a_string_id_may_be_256_bytes_long():

@@ -555,19 +555,21 @@ def record_trace(socket_path: str, out: Path, seconds: float | None, steps: int 
     summary the daemon dropped for us (we were slow) is counted in the next one's `dropped`."""
     import threading
 
-    from colibrictl.connection import ClientError, Connection
+    from colibrid.wire.client import Connection
+    from colibrid.wire.errors import ClientError
+    from colibrid.wire.events import RoutingEvent
 
     written, deadline_s = 0, None if seconds is None else time.monotonic() + seconds
     with Connection.open(socket_path, client_name="bench_aepc trace-record") as connection, open(out, "w") as f:
         # An idle daemon sends nothing: at the deadline the connection is closed under the read.
         timer = threading.Timer(seconds, connection.close) if seconds is not None else None
-        request_id = connection.send("subscribe", stream="routing")
+        request_id = connection.subscribe("routing")
         if timer is not None:
             timer.start()
         try:
             for event in connection.events(request_id):
-                f.write(json.dumps(event) + "\n")
-                written += event.get("event") == "routing"
+                f.write(json.dumps(event.to_wire()) + "\n")
+                written += isinstance(event, RoutingEvent)
                 if steps is not None and written >= steps:
                     break
         except ClientError:
@@ -789,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "trace-record":
         import os
 
-        from colibrictl.connection import DEFAULT_SOCKET_PATH
+        from colibrid.wire.client import DEFAULT_SOCKET_PATH
 
         socket_path = args.socket or os.environ.get("COLIBRI_SOCKET") or DEFAULT_SOCKET_PATH
         try:

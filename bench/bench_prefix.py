@@ -52,25 +52,25 @@ WARMUP_PROMPTS = 8
 
 def ask(socket_path: str, prompt: str, max_tokens: int) -> dict:
     """One greedy raw ask: the client's time to first token, the text, and the done event's usage."""
-    from colibrictl.connection import Connection
+    from colibrid.wire.client import Connection
+    from colibrid.wire.events import DoneEvent, TokenEvent
+    from colibrid.wire.requests import AskFields
 
     with Connection.open(socket_path, client_name="bench_prefix") as connection:
         sent_s = time.perf_counter()
-        first_token_s, text, usage = None, [], {}
-        request_id = connection.send("ask", prompt=prompt, raw=True, max_tokens=max_tokens, ignore_eos=True,
-                                     temperature=0.0)
-        for event in connection.events(request_id):
-            if event["event"] == "token":
+        first_token_s, text, usage = None, [], None
+        request_id = connection.ask(AskFields(prompt=prompt, raw=True, max_tokens=max_tokens, ignore_eos=True,
+                                              temperature=0.0))
+        for event in connection.events(request_id):  # an error event raises RequestError
+            if isinstance(event, TokenEvent):
                 first_token_s = first_token_s or time.perf_counter()
-                text.append(event["text"])
-            elif event["event"] == "done":
-                usage = event["usage"]
-                text = [event["text"]]
-            elif event["event"] == "error":
-                raise RuntimeError(f"colibrid: {event}")
+                text.append(event.text)
+            elif isinstance(event, DoneEvent):
+                usage = event.usage
+                text = [event.text]
     return {"ttft_ms": (first_token_s - sent_s) * 1000.0, "text": "".join(text),
-            "daemon_ttft_ms": usage.get("time_to_first_token_ms"), "prompt_tokens": usage.get("prompt_tokens"),
-            "cached_prompt_tokens": usage.get("cached_prompt_tokens")}
+            "daemon_ttft_ms": usage.time_to_first_token_ms, "prompt_tokens": usage.prompt_tokens,
+            "cached_prompt_tokens": usage.cached_prompt_tokens}
 
 
 def conversation(socket_path: str, history: str, questions: tuple[str, str], answer_tokens: int) -> dict:

@@ -164,24 +164,27 @@ Client = Callable[[int, object, Sampling, threading.Barrier], RequestTiming]
 
 
 def colibri_client(socket_path: str) -> Client:
-    """A client of colibrid speaking the protocol through colibrictl's connection library."""
-    from colibrictl.connection import ClientError, Connection
+    """A client of colibrid speaking the protocol through colibrid.wire's client."""
+    from colibrid.wire.client import Connection
+    from colibrid.wire.errors import ClientError
+    from colibrid.wire.events import DoneEvent, TokenEvent
+    from colibrid.wire.requests import AskFields
 
     def ask(index: int, prompt: object, sampling: Sampling, start: threading.Barrier) -> RequestTiming:
         with Connection.open(socket_path, client_name="bench_serving") as connection:
             start.wait()
             timing = RequestTiming(index, time.perf_counter())
             try:
-                request_id = connection.send("ask", prompt=prompt, raw=True, max_tokens=sampling.max_tokens,
-                                             ignore_eos=True, temperature=sampling.temperature(), top_k=0, top_p=1.0,
-                                             min_p=0.0, seed=SAMPLING_SEED + index)
+                request_id = connection.ask(AskFields(
+                    prompt=prompt, raw=True, max_tokens=sampling.max_tokens, ignore_eos=True,
+                    temperature=sampling.temperature(), top_k=0, top_p=1.0, min_p=0.0, seed=SAMPLING_SEED + index))
                 for event in connection.events(request_id):
                     now = time.perf_counter()
-                    if event["event"] == "token":
-                        timing.token_times_s += [now] * len(event["token_ids"])
-                    elif event["event"] == "done":
-                        timing.finish_reason = event.get("finish_reason")
-                        timing.prompt_tokens = (event.get("usage") or {}).get("prompt_tokens")
+                    if isinstance(event, TokenEvent):
+                        timing.token_times_s += [now] * len(event.token_ids)
+                    elif isinstance(event, DoneEvent):
+                        timing.finish_reason = event.finish_reason
+                        timing.prompt_tokens = event.usage.prompt_tokens
             except ClientError as error:
                 timing.error = str(error)
             return timing
@@ -331,14 +334,15 @@ class ColibriDaemon(ServerProcess):
         self._wait_until_serving()
 
     def _wait_until_serving(self) -> None:
-        from colibrictl.connection import ClientError, Connection
+        from colibrid.wire.client import Connection
+        from colibrid.wire.errors import ClientError
 
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"colibrid exited with {self.proc.returncode} during start-up:\n{self.stop()}")
             try:
-                Connection.open(self.socket_path, timeout_s=5.0).close()
+                Connection.open(self.socket_path, "bench_serving", timeout_s=5.0).close()
                 return
             except ClientError:
                 if time.monotonic() > deadline:
@@ -350,11 +354,12 @@ class ColibriDaemon(ServerProcess):
 
     def status(self) -> dict:
         """The daemon's `status` event; {} if it cannot answer (it died during the run)."""
-        from colibrictl.connection import ClientError, Connection
+        from colibrid.wire.client import Connection
+        from colibrid.wire.errors import ClientError
 
         try:
             with Connection.open(self.socket_path, client_name="bench_serving") as connection:
-                return connection.request("status")
+                return dict(connection.status().to_wire())
         except ClientError as error:
             log(f"colibrid status: {error}")
             return {}

@@ -17,12 +17,14 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from colibrictl import command, conversation
-from colibrictl.connection import ClientError, Connection, DaemonUnreachable, ProtocolViolation, RequestError
+from colibrid.wire.client import Connection
+from colibrid.wire.errors import ClientError, DaemonUnreachable, ProtocolViolation, RequestError
+from colibrid.wire.events import DoneEvent, ErrorEvent, TokenEvent, Usage
 from colibrictl.conversation import Conversation, ConversationFileError
 
 PROMPT = ">>> "
@@ -106,7 +108,7 @@ class Answer:
 
     text: str  # the assistant's turn: the done event's text, or what arrived before Ctrl-C
     finish_reason: str  # the daemon's, or "interrupted" (Ctrl-C)
-    usage: dict = field(default_factory=dict)  # the done event's; empty when interrupted
+    usage: Usage = field(default_factory=Usage)  # the done event's; zeros when interrupted
     token_count: int = 0  # tokens received in token events
     decode_s: float = 0.0  # from the first token received to the last (the client's clock)
 
@@ -124,16 +126,17 @@ class _Received:
     def text(self) -> str:
         return "".join(self.parts)
 
-    def add(self, event: dict) -> None:
+    def add(self, event: TokenEvent) -> None:
         now = time.monotonic()
         self.first_token_at_s = self.first_token_at_s or now
         self.last_token_at_s = now
-        self.token_count += len(event.get("token_ids") or ())
-        self.parts.append(str(event.get("text") or ""))
+        self.token_count += len(event.token_ids)
+        self.parts.append(event.text)
 
-    def answer(self, finish_reason: str, text: str | None = None, usage: dict | None = None) -> Answer:
+    def answer(self, finish_reason: str, text: str | None = None, usage: Usage | None = None) -> Answer:
         decode_s = (self.last_token_at_s - self.first_token_at_s) if self.first_token_at_s else 0.0
-        return Answer(self.text if text is None else text, finish_reason, usage or {}, self.token_count, decode_s)
+        return Answer(self.text if text is None else text, finish_reason, usage or Usage(), self.token_count,
+                      decode_s)
 
 
 # Why an answer ended, when the status line should say it (eos and stop strings are the
@@ -153,16 +156,11 @@ def status_line(answer: Answer) -> str:
             line += f", {(answer.token_count - 1) / answer.decode_s:.1f} tok/s"
         return line
     usage = answer.usage
-    parts = [f"{usage.get('generated_tokens', answer.token_count)} tokens"]
-    if isinstance(usage.get("decode_tokens_per_s"), (int, float)):
-        parts.append(f"{usage['decode_tokens_per_s']:.1f} tok/s")
-    if isinstance(usage.get("prompt_tokens"), int):
-        prompt = f"prompt {usage['prompt_tokens']} tokens"
-        if usage.get("cached_prompt_tokens"):  # a daemon with prefix caching says what it reused
-            prompt += f" ({usage['cached_prompt_tokens']} cached)"
-        parts.append(prompt)
-    if isinstance(usage.get("time_to_first_token_ms"), (int, float)):
-        parts.append(f"first token {usage['time_to_first_token_ms']:.0f} ms")
+    prompt = f"prompt {usage.prompt_tokens} tokens"
+    if usage.cached_prompt_tokens:  # a daemon with prefix caching says what it reused
+        prompt += f" ({usage.cached_prompt_tokens} cached)"
+    parts = [f"{usage.generated_tokens} tokens", f"{usage.decode_tokens_per_s:.1f} tok/s", prompt,
+             f"first token {usage.time_to_first_token_ms:.0f} ms"]
     if answer.finish_reason in _FINISH_NOTES:
         parts.append(_FINISH_NOTES[answer.finish_reason])
     return ", ".join(parts)
@@ -229,7 +227,7 @@ class Chat:
         self.interactive = interactive
         self.json = command.wants_json(args)
         self.conversation = Conversation(system=args.system)
-        self.sampling = command.sampling_fields(args)
+        self.sampling = command.sampling_fields(args)  # the generation options given, for every ask
         self._connection: Connection | None = None
 
     # ---- the connection -----------------------------------------------------------------
@@ -290,16 +288,16 @@ class Chat:
 
     def ask(self, question: str) -> Answer:
         connection = self.connection()
-        fields = {**self.conversation.ask_fields(question), **self.sampling}
+        fields = replace(self.conversation.ask_fields(question), **self.sampling)
         received = _Received()
         request_id = None
         try:
-            request_id = connection.send("ask", **fields)
+            request_id = connection.ask(fields)
             for event in connection.events(request_id):
-                if event["event"] == "token":
+                if isinstance(event, TokenEvent):
                     received.add(event)
                     self._show_token(event)
-                elif event["event"] == "done":
+                elif isinstance(event, DoneEvent):
                     return self._show_done(event, received)
             raise ProtocolViolation("the daemon ended an ask without a done event")
         except KeyboardInterrupt:
@@ -326,26 +324,24 @@ class Chat:
                 self.disconnect()  # the daemon closed it, or it can no longer be trusted
             self._end_answer(received)
             if self.json and isinstance(error, RequestError):
-                _write_json({"event": "error", "id": error.request_id, "code": error.code,
-                             "message": error.message})
+                _write_json(ErrorEvent(error.request_id, error.code, error.message).to_wire())
             raise
 
-    def _show_token(self, event: dict) -> None:
+    def _show_token(self, event: TokenEvent) -> None:
         if self.json:
-            _write_json(event)
-        elif event.get("text"):
-            _write(str(event["text"]))
+            _write_json(event.to_wire())
+        elif event.text:
+            _write(event.text)
 
-    def _show_done(self, done: dict, received: _Received) -> Answer:
-        text = done.get("text") if isinstance(done.get("text"), str) else received.text
+    def _show_done(self, done: DoneEvent, received: _Received) -> Answer:
+        text = done.text
         if self.json:
-            _write_json(done)
+            _write_json(done.to_wire())
         else:
             if text.startswith(received.text) and text != received.text:
                 _write(text[len(received.text):])  # a tail no token event carried
             _write("" if text.endswith("\n") else "\n")  # empty answer: an empty line
-        usage = done.get("usage") if isinstance(done.get("usage"), dict) else {}
-        return received.answer(str(done.get("finish_reason")), text, usage)
+        return received.answer(done.finish_reason, text, done.usage)
 
     def _end_answer(self, received: _Received) -> None:
         """End the line of an answer cut short, so what follows starts on its own line."""
@@ -374,7 +370,7 @@ class Chat:
     def run_interactive(self) -> int:
         save_history = start_line_editing()
         hello = self.connection().hello
-        _note(f"colibrictl chat with {hello.get('model', '?')} ({hello.get('server', 'colibrid')}): "
+        _note(f"colibrictl chat with {hello.model} ({hello.server}): "
               "/help lists the commands, Ctrl-D leaves.", dim=True)
         try:
             while True:

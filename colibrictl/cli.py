@@ -35,15 +35,10 @@ from colibrictl.command import (
 )
 from colibrictl import verify as verify_command
 from colibrictl.top import add_top_parser
-from colibrictl.connection import (
-    DEFAULT_CONNECT_TIMEOUT_S,
-    DEFAULT_SOCKET_PATH,
-    ClientError,
-    Connection,
-    DaemonUnreachable,
-    ProtocolViolation,
-    RequestError,
-)
+from colibrid.wire.client import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_SOCKET_PATH, Connection
+from colibrid.wire.errors import ClientError, DaemonUnreachable, ProtocolViolation, RequestError
+from colibrid.wire.events import DoneEvent, ErrorEvent, TokenEvent
+from colibrid.wire.requests import AskFields
 
 EPILOG = f"""\
 socket:
@@ -210,17 +205,10 @@ def read_prompt(args: argparse.Namespace) -> str:
     return prompt
 
 
-def ask_fields(args: argparse.Namespace, prompt: str) -> dict:
-    """The ask request's fields: the prompt, and the options given."""
-    fields: dict = {"prompt": prompt, **sampling_fields(args)}
-    for option in ("system", "logprobs"):
-        if getattr(args, option) is not None:
-            fields[option] = getattr(args, option)
-    if args.raw:
-        fields["raw"] = True
-    if getattr(args, "debug_routing", False):
-        fields["debug_routing"] = True
-    return fields
+def ask_fields(args: argparse.Namespace, prompt: str) -> AskFields:
+    """The ask: the prompt, and the options given (the daemon's defaults fill the rest)."""
+    return AskFields(prompt=prompt, system=args.system, raw=args.raw, logprobs=args.logprobs,
+                     debug_routing=getattr(args, "debug_routing", False), **sampling_fields(args))
 
 
 def run_ask(args: argparse.Namespace) -> int:
@@ -233,7 +221,7 @@ def run_ask(args: argparse.Namespace) -> int:
     with connect(args) as connection:
         request_id = None
         try:
-            request_id = connection.send("ask", **fields)
+            request_id = connection.ask(fields)
             if wants_json(args):
                 _print_events_as_json(connection, request_id, args.stream)
             else:
@@ -251,14 +239,13 @@ def _print_answer(connection: Connection, request_id: int, stream: bool) -> None
     shown = ""  # what stdout has received so far
     try:
         for event in connection.events(request_id):
-            if event["event"] == "token" and stream:
-                text = event.get("text") or ""
-                if text:
-                    _emit(text)
-                    shown += text
-            elif event["event"] == "done":
-                final = event.get("text")
-                if isinstance(final, str) and final.startswith(shown) and final != shown:
+            if isinstance(event, TokenEvent) and stream:
+                if event.text:
+                    _emit(event.text)
+                    shown += event.text
+            elif isinstance(event, DoneEvent):
+                final = event.text
+                if final.startswith(shown) and final != shown:
                     # --no-stream prints it all here; streaming prints a tail it was not sent.
                     _emit(final[len(shown):])
                     shown = final
@@ -284,15 +271,14 @@ def _print_events_as_json(connection: Connection, request_id: int, stream: bool)
     received_tokens = 0
     try:
         for event in connection.events(request_id):
-            if event["event"] == "token":
-                received.append(str(event.get("text") or ""))
-                received_tokens += len(event.get("token_ids") or ())
-            if stream or event["event"] != "token":
-                _emit_json(event)
+            if isinstance(event, TokenEvent):
+                received.append(event.text)
+                received_tokens += len(event.token_ids)
+            if stream or not isinstance(event, TokenEvent):
+                _emit_json(event.to_wire())
     except RequestError as error:
         # A machine reading stdout learns of the failure in the same format as the rest.
-        _emit_json({"event": "error", "id": error.request_id,
-                    "code": error.code, "message": error.message})
+        _emit_json(ErrorEvent(error.request_id, error.code, error.message).to_wire())
         raise
     except KeyboardInterrupt:
         # Without a last line of its own, an answer cut by Ctrl-C would look like one whose
@@ -312,35 +298,32 @@ def _print_events_as_json(connection: Connection, request_id: int, stream: bool)
 
 def run_status(args: argparse.Namespace) -> int:
     with connect(args) as connection:
-        status = connection.request("status")
+        status = connection.status()
     if wants_json(args):
-        _emit_json(status)
+        _emit_json(status.to_wire())
     else:
-        _emit(display.format_status(status) + "\n")
+        _emit(display.format_status(status.fields) + "\n")
     return EXIT_OK
 
 
 def run_models(args: argparse.Namespace) -> int:
     with connect(args) as connection:
-        reply = connection.request("models")
+        reply = connection.models()
     if wants_json(args):
-        _emit_json(reply)
+        _emit_json(reply.to_wire())
         return EXIT_OK
-    models = reply.get("models")
-    if not isinstance(models, list):
-        raise ProtocolViolation("the models event has no list of models")
-    _emit(display.format_models([m for m in models if isinstance(m, dict)]) + "\n")
+    _emit(display.format_models(reply.models) + "\n")
     return EXIT_OK
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    fields = verify_command.request_fields(args)
+    max_mb_per_s = verify_command.max_mb_per_s(args)
     with connect(args) as connection:
-        request_id = connection.send("verify", **fields)
+        request_id = connection.verify(args.background, max_mb_per_s, args.stop)
         if args.background or args.stop:
             event = next(connection.events(request_id))
             if wants_json(args):
-                _emit_json(event)
+                _emit_json(event.to_wire())
             elif args.stop:
                 print_error("the running verify is stopping (if one ran)")
             else:

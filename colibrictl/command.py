@@ -8,9 +8,12 @@ import argparse
 import os
 import sys
 
-from colibrictl.connection import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_SOCKET_PATH, Connection, DaemonUnreachable
+from colibrictl import __version__
+from colibrid.wire.client import DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_SOCKET_PATH, Connection
+from colibrid.wire.errors import DaemonUnreachable
 
 SOCKET_ENV = "COLIBRI_SOCKET"
+CLIENT_NAME = f"colibrictl {__version__}"  # sent in hello, for the daemon's logs
 
 # Exit codes (sysexits.h where one fits), documented in EPILOG.
 EXIT_OK = 0
@@ -48,7 +51,7 @@ def socket_path(args: argparse.Namespace) -> str:
 
 def connect(args: argparse.Namespace) -> Connection:
     timeout_s = getattr(args, "connect_timeout", DEFAULT_CONNECT_TIMEOUT_S)
-    return Connection.open(socket_path(args), timeout_s=timeout_s if timeout_s > 0 else None)
+    return Connection.open(socket_path(args), CLIENT_NAME, timeout_s=timeout_s if timeout_s > 0 else None)
 
 
 def wants_json(args: argparse.Namespace) -> bool:

@@ -14,6 +14,8 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 
+from colibrid.wire.requests import AskFields
+
 # A conversation file larger than this is refused before it is parsed. The daemon takes far
 # less in one request (max_frame_bytes, 1 MiB by default); this only stops a wrong file (a
 # disk image, /dev/zero) from filling the client's memory.
@@ -36,12 +38,9 @@ class Conversation:
     def add_turn(self, question: str, answer: str) -> None:
         self.turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
 
-    def ask_fields(self, question: str) -> dict:
-        """The ask fields that send the whole conversation and the new question."""
-        fields: dict = {"messages": [*self.turns, {"role": "user", "content": question}]}
-        if self.system is not None:
-            fields["system"] = self.system
-        return fields
+    def ask_fields(self, question: str) -> AskFields:
+        """The ask that sends the whole conversation and the new question."""
+        return AskFields(messages=[*self.turns, {"role": "user", "content": question}], system=self.system)
 
     def as_messages(self) -> list[dict[str, str]]:
         """Everything, the system prompt as the first message: what a file holds."""

@@ -19,7 +19,8 @@ expert's top share is above the collapse share: by default halfway between its f
 and top-4, 62.5 %. A share of routed *slots* would not do: a token takes top_k slots in
 top_k different experts, so no expert can hold more than 1/top_k of them.
 
-Standard library only: the client runs where the daemon's dependencies are not installed.
+Standard library (and the protocol's events) only: the client runs where the daemon's
+dependencies are not installed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import collections
 import math
 from dataclasses import dataclass
 from typing import Any, Iterable
+
+from colibrid.wire.events import RoutingEvent, SubscribedEvent
 
 MIN_COLLAPSE_TOKENS = 32  # fewer tokens than this say too little about a router
 
@@ -86,18 +89,16 @@ class RoutingWindow:
         self.top_k = top_k
         self.window_tokens = window_tokens
         self.collapse_share = default_collapse_share(num_experts, top_k) if collapse_share is None else collapse_share
-        self._steps: collections.deque[dict] = collections.deque()  # summaries, oldest first
+        self._steps: collections.deque[RoutingEvent] = collections.deque()  # summaries, oldest first
         self._tokens = 0
         self.dropped = 0  # summaries the daemon dropped for us since we subscribed
         self.steps_seen = 0
 
     @classmethod
-    def from_subscribed(cls, event: dict, window_tokens: int = 256,
+    def from_subscribed(cls, event: SubscribedEvent, window_tokens: int = 256,
                         collapse_share: float | None = None) -> "RoutingWindow":
         """From a `subscribed` event's routing shape."""
-        layers = [int(layer) for layer in event.get("moe_layers") or []]
-        return cls(layers, int(event.get("num_experts") or 0), int(event.get("experts_per_token") or 0),
-                   window_tokens, collapse_share)
+        return cls(event.moe_layers, event.num_experts, event.experts_per_token, window_tokens, collapse_share)
 
     @property
     def tokens(self) -> int:
@@ -107,15 +108,14 @@ class RoutingWindow:
     def steps(self) -> int:
         return len(self._steps)
 
-    def add(self, event: dict) -> None:
+    def add(self, event: RoutingEvent) -> None:
         """One `routing` event; steps older than the window leave it."""
-        rows = int(event.get("rows") or 0)
-        self.dropped += int(event.get("dropped") or 0)
+        self.dropped += event.dropped
         self.steps_seen += 1
         self._steps.append(event)
-        self._tokens += rows
-        while len(self._steps) > 1 and self._tokens - int(self._steps[0].get("rows") or 0) >= self.window_tokens:
-            self._tokens -= int(self._steps.popleft().get("rows") or 0)
+        self._tokens += event.rows
+        while len(self._steps) > 1 and self._tokens - self._steps[0].rows >= self.window_tokens:
+            self._tokens -= self._steps.popleft().rows
 
     def layers(self) -> list[LayerHealth]:
         E = self.num_experts
@@ -123,17 +123,16 @@ class RoutingWindow:
         hits: dict[int, int | None] = {layer: 0 for layer in self.moe_layers}
         misses: dict[int, int | None] = {layer: 0 for layer in self.moe_layers}
         for step in self._steps:
-            for entry in step.get("layers") or []:
-                layer = entry.get("layer")
+            for entry in step.layers:
+                layer = entry.layer
                 if layer not in counts:
                     continue
                 row = counts[layer]
-                for expert, count in zip(entry.get("experts") or [], entry.get("counts") or []):
-                    if isinstance(expert, int) and 0 <= expert < E:
-                        row[expert] += int(count)
-                for name, total in (("hits", hits), ("misses", misses)):
-                    value = entry.get(name)
-                    total[layer] = None if value is None or total[layer] is None else total[layer] + int(value)
+                for expert, count in zip(entry.experts, entry.counts):
+                    if 0 <= expert < E:  # a daemon's expert ids are not trusted to fit
+                        row[expert] += count
+                for value, total in ((entry.hits, hits), (entry.misses, misses)):
+                    total[layer] = None if value is None or total[layer] is None else total[layer] + value
         return [self._health(layer, counts[layer], hits[layer], misses[layer]) for layer in self.moe_layers]
 
     def _health(self, layer: int, counts: list[int], hits: int | None, misses: int | None) -> LayerHealth:

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from colibrictl import display
-from colibrictl.connection import ClientError, Connection, ProtocolViolation
+from colibrid.wire.client import Connection
+from colibrid.wire.errors import ClientError, ProtocolViolation
+from colibrid.wire.events import RoutingEvent, SubscribedEvent
 from colibrictl.router_health import LayerHealth, RoutingWindow
 
 DEFAULT_INTERVAL_S = 1.0
@@ -48,15 +50,15 @@ class RoutingFeed:
 
     def __init__(self, connection: Connection, window_tokens: int, collapse_share: float | None) -> None:
         self.connection = connection
-        self.request_id = connection.send("subscribe", stream="routing")
+        self.request_id = connection.subscribe("routing")
         events = connection.events(self.request_id)
         first = next(events)
-        if first.get("event") != "subscribed":
-            raise ProtocolViolation(f"expected a subscribed event, got {first.get('event')!r}")
+        if not isinstance(first, SubscribedEvent):
+            raise ProtocolViolation(f"expected a subscribed event, got {first.name!r}")
         self.window = RoutingWindow.from_subscribed(first, window_tokens, collapse_share)
         self._events = events
         self._lock = threading.Lock()
-        self._queued: list[dict] = []
+        self._queued: list[RoutingEvent] = []
         self._overflow = 0
         self.error: ClientError | None = None
         self._thread = threading.Thread(target=self._read, name="colibrictl-routing", daemon=True)
@@ -65,7 +67,7 @@ class RoutingFeed:
     def _read(self) -> None:
         try:
             for event in self._events:
-                if event.get("event") != "routing":
+                if not isinstance(event, RoutingEvent):
                     break  # unsubscribed: the daemon is stopping
                 with self._lock:
                     if len(self._queued) >= MAX_QUEUED_EVENTS:
@@ -266,7 +268,7 @@ class Top:
     def snapshot(self) -> Snapshot:
         if self.feed.error is not None:
             raise self.feed.error
-        status = self.status_connection.request("status")
+        status = self.status_connection.status().fields
         now_s = time.monotonic()
         self.feed.update()
         snapshot = Snapshot.take(status, self._previous, self.feed.window, now_s)

@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from colibrictl.connection import Connection, RequestError
+from colibrid.wire.client import Connection
+from colibrid.wire.errors import RequestError
+from colibrid.wire.events import VerifiedEvent, VerifyDamageEvent, VerifyProgressEvent
 
 EXIT_DAMAGED = 65  # EX_DATAERR: the pack the daemon serves is damaged
 
@@ -53,17 +55,11 @@ def add_parser(commands, common: argparse.ArgumentParser, run) -> None:
     verify.set_defaults(run=run, parser=verify)
 
 
-def request_fields(args: argparse.Namespace) -> dict:
-    fields: dict = {}
-    if args.background:
-        fields["background"] = True
-    if args.stop:
-        fields["stop"] = True
-    if args.max_mb_per_s is not None:
-        if not args.max_mb_per_s > 0:
-            args.parser.error("--max-mb-per-s must be > 0")
-        fields["max_mb_per_s"] = args.max_mb_per_s
-    return fields
+def max_mb_per_s(args: argparse.Namespace) -> float | None:
+    """--max-mb-per-s, checked (a usage error needs no daemon); None when not given."""
+    if args.max_mb_per_s is not None and not args.max_mb_per_s > 0:
+        args.parser.error("--max-mb-per-s must be > 0")
+    return args.max_mb_per_s
 
 
 class ProgressLine:
@@ -73,16 +69,16 @@ class ProgressLine:
         self.enabled = sys.stderr.isatty()
         self.drawn = False
 
-    def draw(self, event: dict) -> None:
+    def draw(self, event: VerifyProgressEvent) -> None:
         if not self.enabled:
             return
-        done, total = event.get("bytes_done") or 0, event.get("bytes_total") or 0
+        done, total = event.bytes_done, event.bytes_total
         fraction = done / total if total else 0.0
-        eta = event.get("eta_s")
-        state = "paused while requests run" if event.get("paused") else \
-            f"{event.get('mb_per_s', 0):.1f} MB/s, ETA {'?' if eta is None else f'{eta:.0f} s'}"
+        eta = event.eta_s
+        state = "paused while requests run" if event.paused else \
+            f"{event.mb_per_s:.1f} MB/s, ETA {'?' if eta is None else f'{eta:.0f} s'}"
         sys.stderr.write(f"\rverifying: {fraction * 100:5.1f}% of {total / 2**30:.2f} GiB, {state}, "
-                         f"{str(event.get('file', ''))[:24]:<24}")
+                         f"{event.file[:24]:<24}")
         sys.stderr.flush()
         self.drawn = True
 
@@ -98,32 +94,31 @@ def follow(connection: Connection, request_id: int, as_json, emit, emit_json) ->
     line = ProgressLine()
     try:
         for event in connection.events(request_id):
-            kind = event.get("event")
             if as_json:
-                emit_json(event)
-            elif kind == "verify_progress":
+                emit_json(event.to_wire())
+            elif isinstance(event, VerifyProgressEvent):
                 line.draw(event)
-            elif kind == "verify_damage":
+            elif isinstance(event, VerifyDamageEvent):
                 line.end()
-                emit(f"DAMAGED {event.get('message', '')}\n")
-            elif kind == "verified":
+                emit(f"DAMAGED {event.message}\n")
+            elif isinstance(event, VerifiedEvent):
                 line.end()
-                for note in event.get("notes") or []:
+                for note in event.notes:
                     emit(f"note: {note}\n")
                 emit(_verdict(event) + "\n")
-            if kind == "verified":
-                return 0 if event.get("clean") else EXIT_DAMAGED
+            if isinstance(event, VerifiedEvent):
+                return 0 if event.clean else EXIT_DAMAGED
     except (RequestError, KeyboardInterrupt):
         line.end()
         raise
     return 0
 
 
-def _verdict(event: dict) -> str:
-    size = f"{(event.get('bytes_read') or 0) / 2**20:.1f} MiB read in {event.get('seconds') or 0:.1f} s"
-    if event.get("cancelled"):
+def _verdict(event: VerifiedEvent) -> str:
+    size = f"{event.bytes_read / 2**20:.1f} MiB read in {event.seconds:.1f} s"
+    if event.cancelled:
         return f"verify stopped before the end ({size})"
-    if event.get("clean"):
-        return f"{event.get('pack')}: intact ({size})"
-    return (f"{event.get('pack')}: DAMAGED: {event.get('damage_found', len(event.get('damage') or []))} finding(s) "
+    if event.clean:
+        return f"{event.pack}: intact ({size})"
+    return (f"{event.pack}: DAMAGED: {event.damage_found} finding(s) "
             f"({size}); requests that need a damaged expert fail with pack_damaged; re-convert or restore the pack")

@@ -38,8 +38,6 @@ RANKS = {
 # import does. An entry whose import is gone fails test_the_allowlist_is_not_stale.
 NOT_YET_LAYERED = {
     "colibrid.engine.experts.cache -> colibrid.system.memory",  # the cache's hugepage backing, to be handed in
-    "colibrid.gateway.app -> colibrictl.connection",  # the gateway's framing, to come from wire
-    "colibrid.gateway.daemon_client -> colibrictl.connection",
 }
 # What each of these may import at all, beyond the standard library (and themselves).
 ALLOWED_IMPORTS = {

@@ -1,1 +1,1 @@
-"""colibrid, the daemon: lifecycle, config, listener, server, connections, scheduler."""
+"""colibrid, the daemon: lifecycle, config, listener, server, connections, the engine loop."""

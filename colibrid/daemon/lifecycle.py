@@ -37,9 +37,13 @@ from colibrid.daemon.listener import Listener, ListenerError, check_free, open_l
 from colibrid.system.logsetup import configure_logging, set_level
 from colibrid.sizes import format_bytes
 from colibrid.system.memory import HugepageRecord, measure_budget, parse_size, return_orphaned_hugepages
-from colibrid.wire.protocol import LENGTH_PREFIX, PROTOCOL_VERSION, decode_body, encode_frame
-from colibrid.daemon.scheduler import Scheduler
-from colibrid.daemon.server import ClientLimits, Server, ServerSettings, model_name
+from colibrid.wire.errors import ProtocolViolation
+from colibrid.wire.events import Event, HelloEvent, event_from_wire
+from colibrid.wire.frames import LENGTH_PREFIX, PROTOCOL_VERSION, decode_event_body, encode_frame, event_body_length
+from colibrid.wire.requests import Hello
+from colibrid.daemon.engine_loop import EngineLoop
+from colibrid.daemon.connection import ClientLimits, ServerSettings
+from colibrid.daemon.server import Server, model_name
 from colibrid.system.systemd_notify import Notifier, watchdog_interval_s
 from colibrid.thermal.watch import ThermalSettings, ThermalWatch
 from colibrid.daemon.watchdog import Watchdog
@@ -80,7 +84,7 @@ class Daemon:
         self._stop_now = asyncio.Event()  # a second stop signal: end the drain at once
         self._reload_requested = asyncio.Event()
         self._listeners: list[Listener] = []
-        self._scheduler: Scheduler | None = None
+        self._engine_loop: EngineLoop | None = None
         self._server: Server | None = None
         self._engine = None  # once loaded; it frees its expert cache on every way out
         self._thermal: ThermalWatch | None = None
@@ -149,18 +153,18 @@ class Daemon:
             self._listeners = open_listeners(self.config.socket, self.config.socket_group)
         except ListenerError as exc:
             raise StartupError(str(exc)) from None
-        self._scheduler = Scheduler(engine, self.config.max_queue, self.config.max_batch, self.config.prefill_chunk,
-                                    kv_budget_bytes, prefix_cache_bytes)
-        self._scheduler.start()
+        self._engine_loop = EngineLoop(engine, self.config.max_queue, self.config.max_batch, self.config.prefill_chunk,
+                                       kv_budget_bytes, prefix_cache_bytes)
+        self._engine_loop.start()
         affinity.pin_current_thread(cpus.io)  # the event loop and the threads it starts later
         await self._start_thermal_watch(engine)
-        self._server = Server(engine, self._scheduler, self.config.model, ServerSettings.from_config(self.config),
+        self._server = Server(engine, self._engine_loop, self.config.model, ServerSettings.from_config(self.config),
                               shown_settings=self._shown_settings(), machine={"cpus": cpus.describe(), "nice": nice},
                               thermal=self._thermal)
         await self._server.start(self._listeners)
         await self._check_socket_answers()
         if self._watchdog is not None:
-            self._watchdog.scheduler = self._scheduler
+            self._watchdog.engine_loop = self._engine_loop
         self._background.append(asyncio.create_task(self._report_status()))
         where = ", ".join(listener.address + (" (from systemd)" if listener.inherited else "")
                           for listener in self._listeners)
@@ -214,7 +218,7 @@ class Daemon:
                 self._log_cache(engine, "rebuilt on the experts file, reopened after its drive came back")
 
         self._thermal = ThermalWatch(engine.pack.experts_path, engine.limit_loading, self._thermal_settings(),
-                                     on_drive_back=lambda: self._scheduler.run_between_steps(reopen))
+                                     on_drive_back=lambda: self._engine_loop.run_between_steps(reopen))
         await asyncio.to_thread(self._thermal.start)
         self._background.append(asyncio.create_task(self._thermal.run()))
 
@@ -287,9 +291,9 @@ class Daemon:
         engine, self._engine = self._engine, None
         if engine is None:
             return
-        if self._scheduler is not None:
-            self._scheduler.stop()
-            if not self._scheduler.join(5.0):
+        if self._engine_loop is not None:
+            self._engine_loop.stop()
+            if not self._engine_loop.join(5.0):
                 engine.return_hugepages()  # the slab stays mapped for the engine thread
                 return
         engine.close()
@@ -300,18 +304,18 @@ class Daemon:
             address = "\0" + listener.address[1:] if listener.address.startswith("@") else listener.address
             try:
                 reply = await asyncio.wait_for(self._hello(address), SELF_CHECK_TIMEOUT_S)
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ProtocolViolation) as exc:
                 raise StartupError(f"the socket {listener.address} does not answer: {exc!r}") from None
-            if reply.get("event") != "hello":
-                raise StartupError(f"the socket {listener.address} answered {reply!r} to hello")
+            if not isinstance(reply, HelloEvent):
+                raise StartupError(f"the socket {listener.address} answered {reply.to_wire()!r} to hello")
 
     @staticmethod
-    async def _hello(address: str) -> dict:
+    async def _hello(address: str) -> Event:
         reader, writer = await asyncio.open_unix_connection(address)
         try:
-            writer.write(encode_frame({"op": "hello", "id": 0, "protocol": PROTOCOL_VERSION, "client": "self-check"}))
-            (length,) = LENGTH_PREFIX.unpack(await reader.readexactly(LENGTH_PREFIX.size))
-            return decode_body(await reader.readexactly(length))
+            writer.write(encode_frame(Hello(0, PROTOCOL_VERSION, "self-check").to_wire()))
+            length = event_body_length(await reader.readexactly(LENGTH_PREFIX.size))
+            return event_from_wire(decode_event_body(await reader.readexactly(length)))
         finally:
             writer.close()
 
@@ -356,8 +360,8 @@ class Daemon:
                 log.warning("%s changed to %s; it takes effect at the next restart", key.name, new_value)
         self.config = dataclasses.replace(self.config, **changes)
         set_level(self.config.log_level)
-        assert self._server is not None and self._scheduler is not None and self._engine is not None
-        self._scheduler.max_queue = self.config.max_queue
+        assert self._server is not None and self._engine_loop is not None and self._engine is not None
+        self._engine_loop.max_queue = self.config.max_queue
         engine = self._engine
         if "cache_size" in changes:
             # The new pool is built with every new cache setting, on the engine thread between
@@ -368,7 +372,7 @@ class Daemon:
                 if engine.rebuild_cache(cache):
                     self._log_cache(engine, "resized")
 
-            self._scheduler.run_between_steps(resize)
+            self._engine_loop.run_between_steps(resize)
         else:
             engine.set_cache_policy(self.config.cache_policy)
         if self._thermal is not None:
@@ -409,8 +413,8 @@ class Daemon:
     def _close_expert_cache(self) -> None:
         """Free the cache and give back the hugetlb pages we added to vm.nr_hugepages — but
         only once the engine thread is gone: it may still be reading from the slots."""
-        assert self._engine is not None and self._scheduler is not None
-        if self._scheduler.finished:
+        assert self._engine is not None and self._engine_loop is not None
+        if self._engine_loop.finished:
             self._engine.close()
         else:
             log.warning("the engine thread is still running; leaving the expert cache to the kernel")

@@ -24,13 +24,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from colibrid.engine.routing_capture import RoutingCapture, StepRouting
-from colibrid.wire.protocol import RequestId, routing_event, routing_layer_summary
+from colibrid.wire.errors import RequestId
+from colibrid.wire.events import RoutingEvent, RoutingLayer
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Subscription:
     """One client's subscription: where its summaries go and how many it missed."""
 
     request_id: RequestId
-    send: Callable[[dict[str, Any]], None]  # queues one event on the connection (loop thread)
+    send: Callable[[RoutingEvent], None]  # queues one event on the connection (loop thread)
     backlog_bytes: Callable[[], int]  # the connection's unread replies now
     max_backlog_bytes: int
     dropped: int = 0  # summaries missed since the last one it was sent
@@ -70,7 +70,8 @@ class RoutingStream:
         self._subscribers: tuple[Subscription, ...] = ()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()  # guards the hand-over below
-        self._pending: collections.deque[dict[str, Any]] = collections.deque()
+        # Summaries as events of no request yet: each subscriber gets a copy with its id and dropped count.
+        self._pending: collections.deque[RoutingEvent] = collections.deque()
         self._max_pending = max_pending
         self._overflowed = 0  # summaries dropped from the hand-over since the loop last took it
         self._delivery_scheduled = False
@@ -85,7 +86,7 @@ class RoutingStream:
     def subscribers(self) -> int:
         return len(self._subscribers)
 
-    def subscribe(self, request_id: RequestId, send: Callable[[dict[str, Any]], None],
+    def subscribe(self, request_id: RequestId, send: Callable[[RoutingEvent], None],
                   backlog_bytes: Callable[[], int], max_outbox_bytes: int) -> Subscription:
         """A new subscription (on the loop thread); TooManySubscribers past max_subscribers."""
         if len(self._subscribers) >= self.max_subscribers:
@@ -112,7 +113,7 @@ class RoutingStream:
                 if subscription.backlog_bytes() > subscription.max_backlog_bytes:
                     subscription.dropped += 1  # it has not read what it has: never queue more
                     continue
-                subscription.send(routing_event(subscription.request_id, dropped=subscription.dropped, **summary))
+                subscription.send(replace(summary, id=subscription.request_id, dropped=subscription.dropped))
                 subscription.dropped = 0
                 subscription.sent += 1
 
@@ -137,7 +138,7 @@ class RoutingStream:
         self._publish(self._summary(routing, step, step_ms))
         return routing
 
-    def _summary(self, routing: StepRouting, step: int, step_ms: float) -> dict[str, Any]:
+    def _summary(self, routing: StepRouting, step: int, step_ms: float) -> RoutingEvent:
         counts = routing.counts()  # (L, E)
         before, after = self._counters_before, self._layer_counters() if self._counters_before is not None else None
         layers = []
@@ -147,11 +148,10 @@ class RoutingStream:
             if before is not None and after is not None and layer in after:
                 hits = after[layer][0] - before.get(layer, (0, 0))[0]
                 misses = after[layer][1] - before.get(layer, (0, 0))[1]
-            layers.append(routing_layer_summary(layer, chosen.tolist(), counts[index, chosen].tolist(), hits, misses))
-        return {"step": step, "step_ms": step_ms, "rows": routing.rows,
-                "sequences": int(routing.bounds.shape[0] - 1), "layers": layers}
+            layers.append(RoutingLayer(layer, chosen.tolist(), counts[index, chosen].tolist(), hits, misses))
+        return RoutingEvent(None, step, step_ms, routing.rows, int(routing.bounds.shape[0] - 1), layers)
 
-    def _publish(self, summary: dict[str, Any]) -> None:
+    def _publish(self, summary: RoutingEvent) -> None:
         with self._lock:
             if len(self._pending) >= self._max_pending:
                 self._pending.popleft()

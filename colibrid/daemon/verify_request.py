@@ -1,7 +1,7 @@
 """The daemon's `verify` request: the whole pack checked (colibrid/pack/verify.py) while the
 daemon serves, one verify at a time, on a thread of its own at idle I/O priority.
 
-Why a thread of its own rather than tasks between engine steps (Scheduler.run_between_steps):
+Why a thread of its own rather than tasks between engine steps (EngineLoop.run_between_steps):
 a task runs on the engine thread, so the time to read and hash each chunk would be added to
 the step after it - to the next token of every running request. This thread adds nothing to a
 step:

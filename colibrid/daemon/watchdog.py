@@ -2,7 +2,7 @@
 
 Pinging from a timer alone would only prove that the event loop runs; the failure worth a
 restart is an engine that stopped producing tokens (a wedged disk read, a deadlock in native
-code) while clients wait. So each tick asks the scheduler how long the running request has gone
+code) while clients wait. So each tick asks the engine loop how long the running request has gone
 without progress, and skips the ping while that exceeds stall_timeout_s. systemd then restarts
 the service WatchdogSec= after the last ping (Restart=on-failure). An idle daemon is healthy.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from colibrid.daemon.scheduler import Scheduler
+from colibrid.daemon.engine_loop import EngineLoop
 from colibrid.system.systemd_notify import Notifier
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ class Watchdog:
         self.notifier = notifier
         self.interval_s = interval_s
         self.stall_timeout_s = stall_timeout_s  # replaced on reload
-        self.scheduler: Scheduler | None = None  # None while starting: loading the model is not a stall
+        self.engine_loop: EngineLoop | None = None  # None while starting: loading the model is not a stall
         self._healthy = True
 
     async def run(self) -> None:
@@ -32,7 +32,7 @@ class Watchdog:
             await asyncio.sleep(self.interval_s)
 
     def tick(self) -> None:
-        stalled_s = 0.0 if self.scheduler is None else self.scheduler.seconds_without_progress()
+        stalled_s = 0.0 if self.engine_loop is None else self.engine_loop.seconds_without_progress()
         healthy = stalled_s <= self.stall_timeout_s
         if healthy:
             self.notifier.watchdog()

@@ -18,10 +18,11 @@ import json
 import logging
 import time
 from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
-from colibrictl.connection import ProtocolViolation
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from colibrid.gateway import openai_api
@@ -30,6 +31,8 @@ from colibrid.gateway.daemon_client import DaemonConnection, DaemonError, Daemon
 from colibrid.gateway.metrics import GatewayMetrics
 from colibrid.gateway.model_output import Delta, PlainOutput, needs_special_tokens, new_parser, resolve_format
 from colibrid.gateway.openai_api import GenerationRequest, OpenAIError
+from colibrid.wire.errors import ProtocolViolation
+from colibrid.wire.events import DoneEvent, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +83,8 @@ class _Answer:
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.tool_calls: list[dict[str, Any]] = []
-        self.logprobs: list[dict[str, Any]] = []
-        self.done: dict[str, Any] = {}
+        self.logprobs: list[Any] = []  # chat: logprobs.content entries; completions: the token events
+        self.done: DoneEvent | None = None
 
     def add(self, deltas: list[Delta]) -> None:
         for delta in deltas:
@@ -143,9 +146,9 @@ class Gateway:
 
     # ---- health, metrics, models -----------------------------------------------------------
 
-    async def _status(self) -> dict[str, Any] | None:
+    async def _status(self) -> Mapping[str, Any] | None:
         try:
-            return await one_request(self.config.socket, "status", self.config.daemon_timeout_s)
+            return (await one_request(self.config.socket, "status", self.config.daemon_timeout_s)).fields
         except Exception as exc:  # a scrape or a health check must never fail on the daemon's account
             log.debug("status from colibrid failed: %s", exc)
             return None
@@ -170,7 +173,7 @@ class Gateway:
         except DaemonUnavailable as exc:
             raise unavailable(exc, self.config.retry_after_s) from None
         return [{"id": model.get("name"), "object": "model", "created": 0, "owned_by": "colibri",
-                 "architecture": model.get("architecture")} for model in event.get("models") or ()]
+                 "architecture": model.get("architecture")} for model in event.models]
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": await self._model_list()})
@@ -198,10 +201,10 @@ class Gateway:
 
     async def _architecture(self, connection: DaemonConnection) -> str:
         """The served model's architecture (which output format to parse), asked once per model."""
-        name = str(connection.hello.get("model"))
+        name = connection.hello.model
         if name not in self._architectures:
-            event = await connection.request("models")
-            for model in event.get("models") or ():
+            event = await connection.models()
+            for model in event.models:
                 self._architectures[str(model.get("name"))] = str(model.get("architecture"))
         return self._architectures.get(name, "")
 
@@ -215,11 +218,11 @@ class Gateway:
             try:
                 output_format = resolve_format(self.config.tool_call_format, await self._architecture(connection))
                 if endpoint == "chat" and needs_special_tokens(output_format, generation.tools_given):
-                    generation.ask["special_tokens"] = True
+                    generation.ask = replace(generation.ask, special_tokens=True)
                 parser = new_parser(output_format, generation.tools_given) if endpoint == "chat" else PlainOutput()
                 timed = self._timed(connection.ask(generation.ask), started_s)
                 first = await anext(timed)  # an error here is still an HTTP status
-                reply = _Reply(endpoint, str(connection.hello.get("model")), generation, parser)
+                reply = _Reply(endpoint, connection.hello.model, generation, parser)
                 if generation.stream:
                     outcome = await self._stream(request, reply, first, timed)
                     return reply.response
@@ -249,33 +252,34 @@ class Gateway:
             self.metrics.requests.labels(endpoint, outcome).inc()
             self.metrics.request_duration.observe(time.monotonic() - started_s)
 
-    async def _timed(self, events: AsyncIterator[dict[str, Any]], started_s: float) -> AsyncIterator[dict[str, Any]]:
+    async def _timed(self, events: AsyncIterator[TokenEvent | DoneEvent],
+                     started_s: float) -> AsyncIterator[TokenEvent | DoneEvent]:
         """The ask's events, with time to first token, inter-token latency and token counts measured."""
         last_token_s = None
         async for event in events:
             now = time.monotonic()
-            if event.get("event") == "token":
+            if isinstance(event, TokenEvent):
                 if last_token_s is None:
                     self.metrics.time_to_first_token.observe(now - started_s)
                 else:
                     self.metrics.inter_token_latency.observe(now - last_token_s)
                 last_token_s = now
-            elif event.get("event") == "done":
-                counts = event.get("usage") or {}
-                self.metrics.prompt_tokens.inc(max(0, int(counts.get("prompt_tokens", 0))))
-                self.metrics.generation_tokens.inc(max(0, int(counts.get("generated_tokens", 0))))
+            else:
+                self.metrics.prompt_tokens.inc(max(0, int(event.usage.prompt_tokens)))
+                self.metrics.generation_tokens.inc(max(0, int(event.usage.generated_tokens)))
             yield event
 
-    async def _gather(self, reply: "_Reply", first: dict[str, Any], events: AsyncIterator[dict[str, Any]]) -> str:
+    async def _gather(self, reply: "_Reply", first: TokenEvent | DoneEvent,
+                      events: AsyncIterator[TokenEvent | DoneEvent]) -> str:
         event = first
         while True:
             reply.take(event)
-            if event.get("event") == "done":
+            if isinstance(event, DoneEvent):
                 return reply.finish_reason()
             event = await anext(events)
 
-    async def _stream(self, request: web.Request, reply: "_Reply", first: dict[str, Any],
-                      events: AsyncIterator[dict[str, Any]]) -> str:
+    async def _stream(self, request: web.Request, reply: "_Reply", first: TokenEvent | DoneEvent,
+                      events: AsyncIterator[TokenEvent | DoneEvent]) -> str:
         response = reply.response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await response.prepare(request)
@@ -286,7 +290,7 @@ class Gateway:
             while True:
                 for chunk in reply.take(event):
                     await _send(response, chunk)
-                if event.get("event") == "done":
+                if isinstance(event, DoneEvent):
                     break
                 event = await anext(events)
         except (DaemonError, DaemonUnavailable) as exc:  # the status line is gone: say it in the stream
@@ -326,34 +330,33 @@ class _Reply:
 
     # ---- events in ---------------------------------------------------------------------------
 
-    def take(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+    def take(self, event: TokenEvent | DoneEvent) -> list[dict[str, Any]]:
         """Account for one daemon event; the stream chunks it gives."""
-        if event.get("event") == "token":
-            deltas = self.parser.feed(event.get("text", ""))
+        if isinstance(event, TokenEvent):
+            deltas = self.parser.feed(event.text)
             self.answer.add(deltas)
             logprobs = None
             if self.generation.logprobs:
                 logprobs = self._token_logprobs(event)
             return self._chunks(deltas, logprobs)
-        if event.get("event") == "done":
-            self.answer.done = event
-            deltas = self.parser.finish()
-            self.answer.add(deltas)
-            return self._chunks(deltas, None)
-        return []
+        self.answer.done = event
+        deltas = self.parser.finish()
+        self.answer.add(deltas)
+        return self._chunks(deltas, None)
 
-    def _token_logprobs(self, event: dict[str, Any]) -> dict[str, Any]:
+    def _token_logprobs(self, event: TokenEvent) -> dict[str, Any]:
         if self.endpoint == "chat":
             entry = openai_api.chat_logprob(event)
             self.answer.logprobs.append(entry)
             return {"content": [entry]}
         self.answer.logprobs.append(event)
         chunk = openai_api.completion_logprobs([event], self._text_offset)
-        self._text_offset += len(event.get("text", ""))
+        self._text_offset += len(event.text)
         return chunk
 
     def finish_reason(self) -> str:
-        return openai_api.finish_reason(str(self.answer.done.get("finish_reason", "")), bool(self.answer.tool_calls))
+        done = self.answer.done
+        return openai_api.finish_reason(done.finish_reason if done is not None else "", bool(self.answer.tool_calls))
 
     # ---- non-streamed ------------------------------------------------------------------------
 

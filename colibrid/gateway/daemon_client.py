@@ -2,8 +2,8 @@
 
 One DaemonConnection per HTTP request: the request's `ask` is the only one open on it, so its
 events arrive in order and nothing has to be told apart by id, and closing the connection is
-the daemon's signal that nobody listens any more (on top of the `cancel` we send first). The
-framing is colibrictl's (msgpack, no daemon code): the gateway imports nothing of the engine.
+the daemon's signal that nobody listens any more (on top of the `cancel` we send first). Frames
+and events are colibrid.wire's, as for colibrictl: the gateway imports nothing of the engine.
 """
 
 from __future__ import annotations
@@ -11,19 +11,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any, AsyncIterator
-
-from colibrictl.connection import PROTOCOL_VERSION, ProtocolViolation, decode_body, encode_frame
+from typing import Any, AsyncIterator, TypeVar
 
 from colibrid import __version__
+from colibrid.wire.errors import ProtocolViolation
+from colibrid.wire.events import (
+    DoneEvent, ErrorEvent, Event, HelloEvent, ModelsEvent, StatusEvent, TokenEvent, event_from_wire,
+)
+from colibrid.wire.frames import LENGTH_PREFIX, PROTOCOL_VERSION, decode_event_body, encode_frame, event_body_length
+from colibrid.wire.requests import AskFields, Cancel, Hello, Models, Status
 
 log = logging.getLogger(__name__)
 
 CLIENT_NAME = f"colibri-openai {__version__}"
-# A `done` repeats the whole generated text, so replies may be far larger than requests; this
-# still stops a garbage length prefix from allocating gigabytes.
-MAX_INCOMING_FRAME_BYTES = 64 * 1024 * 1024
-_LENGTH_BYTES = 4
+
+_Reply = TypeVar("_Reply", HelloEvent, StatusEvent, ModelsEvent)  # an event that answers a request alone
 
 
 class DaemonUnavailable(Exception):
@@ -47,7 +49,7 @@ class DaemonConnection:
         self._writer = writer
         self.socket_path = socket_path
         self._ids = itertools.count(1)
-        self.hello: dict[str, Any] = {}
+        self.hello: HelloEvent | None = None
         self.open_ask: int | None = None  # the id of the ask whose `done` has not arrived
 
     @classmethod
@@ -61,7 +63,7 @@ class DaemonConnection:
         connection = cls(reader, writer, socket_path)
         try:
             connection.hello = await asyncio.wait_for(
-                connection.request("hello", protocol=PROTOCOL_VERSION, client=CLIENT_NAME), timeout_s)
+                connection._request(Hello(next(connection._ids), PROTOCOL_VERSION, CLIENT_NAME), HelloEvent), timeout_s)
         except asyncio.TimeoutError:
             connection.close()
             raise DaemonUnavailable(f"colibrid at {socket_path} did not answer hello within {timeout_s:g} s") from None
@@ -72,78 +74,78 @@ class DaemonConnection:
 
     # ---- requests ---------------------------------------------------------------------------
 
-    def send(self, op: str, **fields: Any) -> int:
-        """Send one request; returns its id."""
-        request_id = next(self._ids)
-        self._writer.write(encode_frame({"op": op, "id": request_id, **fields}))
-        return request_id
+    async def status(self) -> StatusEvent:
+        return await self._request(Status(next(self._ids)), StatusEvent)
 
-    async def request(self, op: str, **fields: Any) -> dict[str, Any]:
-        """A request answered by one event (hello, status, models); that event."""
-        request_id = self.send(op, **fields)
-        event = await self.next_event(request_id)
-        if event.get("event") != op:
-            raise ProtocolViolation(f"expected a {op} event from colibrid, got {event.get('event')!r}")
-        return event
+    async def models(self) -> ModelsEvent:
+        return await self._request(Models(next(self._ids)), ModelsEvent)
 
-    async def ask(self, fields: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def ask(self, fields: AskFields) -> AsyncIterator[TokenEvent | DoneEvent]:
         """Send an ask and yield its `token` events, then its `done`; DaemonError for an `error`."""
-        request_id = self.send("ask", **fields)
+        request_id = self._send(fields.to_wire(next(self._ids)))
         self.open_ask = request_id
         while True:
             event = await self.next_event(request_id)
-            if event.get("event") == "done":
+            if isinstance(event, DoneEvent):
                 self.open_ask = None
-            yield event
-            if event.get("event") == "done":
+                yield event
                 return
+            if isinstance(event, TokenEvent):
+                yield event
+            # else: an event an ask does not have (a newer daemon's): nothing here reads it
 
     def cancel_open_ask(self) -> None:
         """Best effort, without waiting: the HTTP client went away. Closing follows; either stops it."""
         if self.open_ask is not None:
             try:
-                self.send("cancel", target=self.open_ask)
+                self._send(Cancel(next(self._ids), self.open_ask).to_wire())
             except (OSError, RuntimeError):
                 pass
             self.open_ask = None
 
-    async def next_event(self, request_id: int) -> dict[str, Any]:
+    async def _request(self, request: Hello | Status | Models, reply: type[_Reply]) -> _Reply:
+        """A request answered by one event (hello, status, models); that event."""
+        event = await self.next_event(self._send(request.to_wire()))
+        if not isinstance(event, reply):
+            raise ProtocolViolation(f"expected a {reply.name} event from colibrid, got {event.name!r}")
+        return event
+
+    def _send(self, message: dict[str, Any]) -> int:
+        """Send one request map; its id."""
+        self._writer.write(encode_frame(message))
+        return message["id"]
+
+    async def next_event(self, request_id: int) -> Event:
         """The next event of `request_id`; an `error` for it (or for the connection) raises DaemonError."""
         while True:
             event = await self._read_event()
-            owner = event.get("id")
-            if event.get("event") == "error" and owner in (request_id, None):
-                if owner == self.open_ask:
+            if isinstance(event, ErrorEvent) and event.id in (request_id, None):
+                if event.id == self.open_ask:
                     self.open_ask = None
-                raise DaemonError(str(event.get("code", "unknown")), str(event.get("message", "")))
-            if owner == request_id:
+                raise DaemonError(event.code, event.message)
+            if event.id == request_id:
                 return event
             # The `ok` of a cancel, or a stray event: nothing of ours waits for it.
 
-    async def _read_event(self) -> dict[str, Any]:
+    async def _read_event(self) -> Event:
         try:
             await self._writer.drain()
-            header = await self._reader.readexactly(_LENGTH_BYTES)
-            length = int.from_bytes(header, "big")
-            if length == 0 or length > MAX_INCOMING_FRAME_BYTES:
-                raise ProtocolViolation(f"colibrid sent a frame length of {length} bytes")
-            event = decode_body(await self._reader.readexactly(length))
+            length = event_body_length(await self._reader.readexactly(LENGTH_PREFIX.size))
+            message = decode_event_body(await self._reader.readexactly(length))
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             raise DaemonUnavailable(f"the connection to colibrid at {self.socket_path} was lost "
                                     f"({type(exc).__name__})") from None
-        if not isinstance(event.get("event"), str):
-            raise ProtocolViolation(f"colibrid sent a map without an event name: {event!r:.200}")
-        return event
+        return event_from_wire(message)
 
     def close(self) -> None:
         self._writer.close()
 
 
-async def one_request(socket_path: str, op: str, timeout_s: float) -> dict[str, Any]:
+async def one_request(socket_path: str, op: str, timeout_s: float) -> StatusEvent | ModelsEvent:
     """Connect, send one `status` or `models`, return its event, close; all within timeout_s."""
     connection = await DaemonConnection.open(socket_path, timeout_s)
     try:
-        return await asyncio.wait_for(connection.request(op), timeout_s)
+        return await asyncio.wait_for(connection.status() if op == "status" else connection.models(), timeout_s)
     except asyncio.TimeoutError:
         raise DaemonUnavailable(f"colibrid at {socket_path} did not answer {op} within {timeout_s:g} s") from None
     finally:

@@ -1,4 +1,4 @@
-"""The OpenAI API's request bodies checked and turned into colibrid `ask` fields, and its
+"""The OpenAI API's request bodies checked and turned into colibrid asks (AskFields), and its
 response objects built. Pure: no HTTP, no sockets, so tests hold it against the API as
 documented.
 
@@ -17,6 +17,9 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from colibrid.wire.events import DoneEvent, TokenEvent
+from colibrid.wire.requests import AskFields
 
 # OpenAI caps top_logprobs at 20 and stop at 4 sequences; colibrid takes the same 20.
 MAX_TOP_LOGPROBS = 20
@@ -49,7 +52,7 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 class GenerationRequest:
     """One OpenAI request, checked: the ask to send and how to answer."""
 
-    ask: dict[str, Any]  # colibrid `ask` fields (op and id aside)
+    ask: AskFields  # what is asked of colibrid
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
@@ -75,6 +78,7 @@ def _optional(body: dict[str, Any], name: str, check, expected: str) -> Any:
 
 
 def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
+    """The generation options the body gives, as AskFields keywords."""
     ask: dict[str, Any] = {}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None:
@@ -211,7 +215,7 @@ def chat_request(body: Any) -> GenerationRequest:
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list", "messages")
     ask: dict[str, Any] = {"messages": [_chat_message(message, index) for index, message in enumerate(messages)]}
-    ask |= _sampling_fields(body)
+    ask |= _sampling_fields(body)  # AskFields keywords, gathered as the body is checked
     logprobs = bool(_optional(body, "logprobs", lambda v: isinstance(v, bool), "a boolean"))
     top_logprobs = _optional(body, "top_logprobs", lambda v: isinstance(v, int) and not isinstance(v, bool)
                              and 0 <= v <= MAX_TOP_LOGPROBS, f"an integer from 0 to {MAX_TOP_LOGPROBS}")
@@ -223,7 +227,7 @@ def chat_request(body: Any) -> GenerationRequest:
     if tools:
         ask["tools"] = tools
     stream, include_usage = _stream_fields(body)
-    return GenerationRequest(ask, stream, include_usage, logprobs, bool(tools), _model(body))
+    return GenerationRequest(AskFields(**ask), stream, include_usage, logprobs, bool(tools), _model(body))
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,7 +254,7 @@ def completion_request(body: Any) -> GenerationRequest:
     if logprobs is not None:
         ask["logprobs"] = logprobs
     stream, include_usage = _stream_fields(body)
-    return GenerationRequest(ask, stream, include_usage, logprobs is not None, False, _model(body))
+    return GenerationRequest(AskFields(**ask), stream, include_usage, logprobs is not None, False, _model(body))
 
 
 def _model(body: dict[str, Any]) -> str | None:
@@ -282,12 +286,12 @@ def finish_reason(daemon_reason: str, tool_calls: bool) -> str:
     return "tool_calls" if tool_calls else FINISH_REASONS.get(daemon_reason, "stop")
 
 
-def usage(done: dict[str, Any]) -> dict[str, Any]:
+def usage(done: DoneEvent) -> dict[str, Any]:
     """OpenAI's usage from a `done` event's: the prompt tokens colibrid resumed from a kept
     prefix instead of prefilling are OpenAI's cached tokens."""
-    counts = done.get("usage") or {}
-    prompt_tokens, completion_tokens = int(counts.get("prompt_tokens", 0)), int(counts.get("generated_tokens", 0))
-    cached_tokens = int(counts.get("cached_prompt_tokens", 0))
+    counts = done.usage
+    prompt_tokens, completion_tokens = int(counts.prompt_tokens), int(counts.generated_tokens)
+    cached_tokens = int(counts.cached_prompt_tokens)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
@@ -297,22 +301,26 @@ def _token_bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", "surrogatepass"))
 
 
-def chat_logprob(event: dict[str, Any]) -> dict[str, Any]:
+def _logprob(event: TokenEvent) -> float:
+    return 0.0 if event.logprob is None else event.logprob
+
+
+def chat_logprob(event: TokenEvent) -> dict[str, Any]:
     """One entry of a chat choice's logprobs.content, from a `token` event."""
-    text = event.get("text", "")
-    return {"token": text, "logprob": event.get("logprob", 0.0), "bytes": _token_bytes(text),
+    text = event.text
+    return {"token": text, "logprob": _logprob(event), "bytes": _token_bytes(text),
             "top_logprobs": [{"token": alt_text, "logprob": logprob, "bytes": _token_bytes(alt_text)}
-                             for _, alt_text, logprob in event.get("top_logprobs") or ()]}
+                             for _, alt_text, logprob in event.top_logprobs or ()]}
 
 
-def completion_logprobs(events: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(events: list[TokenEvent], offset: int = 0) -> dict[str, Any]:
     """A completions choice's logprobs (the legacy shape: parallel lists)."""
     tokens, logprobs, tops, offsets = [], [], [], []
     for event in events:
         offsets.append(offset)
-        text = event.get("text", "")
+        text = event.text
         offset += len(text)
         tokens.append(text)
-        logprobs.append(event.get("logprob", 0.0))
-        tops.append({alt_text: logprob for _, alt_text, logprob in event.get("top_logprobs") or ()})
+        logprobs.append(_logprob(event))
+        tops.append({alt_text: logprob for _, alt_text, logprob in event.top_logprobs or ()})
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -1,7 +1,7 @@
 """SamplingParams: how a request picks tokens and when it stops - a value, valid by construction.
 
 It lives outside the engine because two sides share it: the wire protocol builds one from an
-ask (colibrid/wire/protocol.py, which imports nothing from the engine) and the engine's sampler
+ask (colibrid/wire/requests.py, which imports nothing from the engine) and the engine's sampler
 and generation loop read it. Building one checks every field (ValueError naming the first bad
 one), and it is frozen, so a SamplingParams that exists is valid: nothing downstream checks it
 again. Values from clients are checked once, where they enter - the protocol's parse.

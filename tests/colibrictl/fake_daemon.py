@@ -21,8 +21,9 @@ import msgpack
 
 _LENGTH = struct.Struct(">I")
 
-USAGE = {
+USAGE = {  # every counter docs/protocol.md gives a done event
     "prompt_tokens": 5,
+    "cached_prompt_tokens": 0,
     "generated_tokens": 3,
     "time_to_first_token_ms": 12.5,
     "decode_tokens_per_s": 41.0,

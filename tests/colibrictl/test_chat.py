@@ -10,12 +10,14 @@ import signal
 import subprocess
 import threading
 import time
+from dataclasses import replace
 
 import pexpect
 import pytest
 
 from colibrictl import chat
 from colibrictl.conversation import Conversation, ConversationFileError, load, save
+from colibrid.wire.events import Usage
 from tests.colibrictl.conftest import REPO_ROOT, cli_command, cli_env, run_cli
 from tests.colibrictl.fake_daemon import Reply, fail
 
@@ -154,13 +156,13 @@ def test_an_answer_is_shown_token_by_token(fake_daemon, spawn_chat):
 
 
 def test_status_line_words():
-    usage = {"prompt_tokens": 311, "generated_tokens": 42, "decode_tokens_per_s": 38.12,
-             "time_to_first_token_ms": 95.4, "cached_prompt_tokens": 280}
+    usage = Usage(prompt_tokens=311, generated_tokens=42, decode_tokens_per_s=38.12, time_to_first_token_ms=95.4,
+                  cached_prompt_tokens=280)
     assert chat.status_line(chat.Answer("x", "eos", usage, 42)) == \
         "42 tokens, 38.1 tok/s, prompt 311 tokens (280 cached), first token 95 ms"
-    assert chat.status_line(chat.Answer("x", "length", dict(usage, cached_prompt_tokens=0), 42)) == \
+    assert chat.status_line(chat.Answer("x", "length", replace(usage, cached_prompt_tokens=0), 42)) == \
         "42 tokens, 38.1 tok/s, prompt 311 tokens, first token 95 ms, cut at --max-tokens"
-    assert chat.status_line(chat.Answer("x", "interrupted", {}, 5, decode_s=0.5)) == \
+    assert chat.status_line(chat.Answer("x", "interrupted", Usage(), 5, decode_s=0.5)) == \
         "stopped by Ctrl-C after 5 tokens, 8.0 tok/s"
 
 

@@ -11,6 +11,7 @@ from colibrictl.router_health import (
     MIN_COLLAPSE_TOKENS, RoutingWindow, default_collapse_share, entropy, imbalance,
 )
 from colibrictl.top import ASCII_LEVELS, UNICODE_LEVELS, Snapshot, heat_strip, render_lines
+from colibrid.wire.events import RoutingEvent, RoutingLayer
 
 
 def test_entropy_on_known_distributions():
@@ -35,10 +36,10 @@ def test_the_collapse_share_is_halfway_from_fair_to_every_token():
     assert default_collapse_share(8, 8) == pytest.approx(1.0)  # every expert every time: never collapsed
 
 
-def _event(step: int, rows: int, layers: dict[int, dict[int, int]], hits=0, misses=0, dropped=0) -> dict:
-    return {"event": "routing", "step": step, "rows": rows, "sequences": 1, "dropped": dropped,
-            "layers": [{"layer": layer, "experts": sorted(counts), "counts": [counts[e] for e in sorted(counts)],
-                        "hits": hits, "misses": misses} for layer, counts in layers.items()]}
+def _event(step: int, rows: int, layers: dict[int, dict[int, int]], hits=0, misses=0, dropped=0) -> RoutingEvent:
+    return RoutingEvent("r", step, 1.0, rows, 1, [
+        RoutingLayer(layer, sorted(counts), [counts[e] for e in sorted(counts)], hits, misses)
+        for layer, counts in layers.items()], dropped)
 
 
 def test_the_window_keeps_at_least_its_tokens_in_whole_steps():

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from colibrictl.connection import Connection, DaemonUnreachable
+from colibrid.wire.client import Connection
+from colibrid.wire.errors import DaemonUnreachable
 from tests.colibrictl.conftest import run_cli
 
 
@@ -47,19 +48,19 @@ def full_backlog(socket_path):
 def test_no_answer_to_hello_within_the_timeout(silent_daemon, socket_path):
     started_s = time.monotonic()
     with pytest.raises(DaemonUnreachable, match=r"no answer to hello within 0.3 s"):
-        Connection.open(socket_path, timeout_s=0.3)
+        Connection.open(socket_path, "tests", timeout_s=0.3)
     assert time.monotonic() - started_s < 2
 
 
 def test_not_accepted_within_the_timeout(full_backlog, socket_path):
     started_s = time.monotonic()
     with pytest.raises(DaemonUnreachable, match=r"not accepted within 0.3 s"):
-        Connection.open(socket_path, timeout_s=0.3)
+        Connection.open(socket_path, "tests", timeout_s=0.3)
     assert time.monotonic() - started_s < 2
 
 
 def test_once_greeted_a_request_has_no_timeout(fake_daemon, socket_path):
-    with Connection.open(socket_path, timeout_s=0.3) as connection:
+    with Connection.open(socket_path, "tests", timeout_s=0.3) as connection:
         assert connection._sock.gettimeout() is None
 
 

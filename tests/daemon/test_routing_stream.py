@@ -10,6 +10,7 @@ import pytest
 
 from colibrid.engine.routing_capture import RoutingCapture
 from colibrid.daemon.routing_stream import RoutingStream
+from colibrid.wire.events import RoutingEvent
 from tests.daemon.wire import WireClient
 
 PROMPT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)"
@@ -124,8 +125,8 @@ def test_the_stream_bounds_what_waits_for_a_subscriber_and_counts_what_it_drops(
     outbox: list[dict] = []
     unread = {"bytes": 0}
 
-    def send(event: dict) -> None:
-        outbox.append(event)
+    def send(event: RoutingEvent) -> None:
+        outbox.append(event.to_wire())  # what the connection would send
         unread["bytes"] += 1000
 
     async def run() -> None:

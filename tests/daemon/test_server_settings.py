@@ -7,7 +7,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from colibrid.pack.damage import DamageMarks
-from colibrid.daemon.server import ClientLimits, Server, ServerSettings
+from colibrid.daemon.connection import ClientLimits, ServerSettings
+from colibrid.daemon.server import Server
 
 
 class FakeEngine:
@@ -27,7 +28,7 @@ class FakeEngine:
         return dict(self.budget)
 
 
-def _scheduler():
+def _engine_loop():
     return SimpleNamespace(tokens_generated=0, requests_served=0, requests_running=0, queue_depth=0, max_queue=16,
                            running_status=lambda: [], batch_status=lambda: {}, kv_status=lambda: {},
                            prefix_cache_status=lambda: {})
@@ -35,25 +36,25 @@ def _scheduler():
 
 def test_status_shows_what_the_constructor_and_the_engine_say():
     engine = FakeEngine()
-    server = Server(engine, _scheduler(), Path("/packs/demo.pack"), ServerSettings(max_frame_bytes=4096),
+    server = Server(engine, _engine_loop(), Path("/packs/demo.pack"), ServerSettings(max_frame_bytes=4096),
                     shown_settings={"log_level": "info"}, machine={"cpus": {"compute": "0", "io": "1"}, "nice": 5})
-    status = server.status_event("s")
+    status = server.status_event("s").to_wire()
     assert status["cache"] == engine.cache and status["memory_budget"] == engine.budget
     assert (status["cpus"], status["nice"], status["settings"]) == ({"compute": "0", "io": "1"}, 5, {"log_level": "info"})
     assert "thermal" not in status
     engine.cache["hits"] = 10  # asked again each time: a rebuilt cache shows at once
-    assert server.status_event("s")["cache"]["hits"] == 10
+    assert server.status_event("s").fields["cache"]["hits"] == 10
     assert "cache 4/8 experts, 91% expert hits" in server.service_status(0.0)
-    assert server.hello_event(1)["max_frame_bytes"] == 4096
+    assert server.hello_event(1).max_frame_bytes == 4096
 
 
 def test_reconfigure_replaces_the_settings_as_a_whole():
-    server = Server(FakeEngine(), _scheduler(), Path("/packs/demo.pack"), ServerSettings(max_frame_bytes=4096),
+    server = Server(FakeEngine(), _engine_loop(), Path("/packs/demo.pack"), ServerSettings(max_frame_bytes=4096),
                     shown_settings={"log_level": "info"})
     limits = ClientLimits(max_connections=3)
     server.reconfigure(ServerSettings(max_frame_bytes=8192, default_max_tokens=9, limits=limits), {"log_level": "debug"})
-    assert server.hello_event(1)["max_frame_bytes"] == 8192
-    status = server.status_event("s")
+    assert server.hello_event(1).max_frame_bytes == 8192
+    status = server.status_event("s").fields
     assert status["settings"] == {"log_level": "debug"} and status["connections"]["limit"] == 3
 
 
@@ -62,8 +63,8 @@ def test_the_recent_token_rate_is_measured_between_samples(monkeypatch):
 
     now_s = [100.0]
     monkeypatch.setattr(server_module.time, "monotonic", lambda: now_s[0])
-    scheduler = _scheduler()
-    server = Server(FakeEngine(), scheduler, Path("/packs/demo.pack"))
-    scheduler.tokens_generated, now_s[0] = 50, 102.0
+    engine_loop = _engine_loop()
+    server = Server(FakeEngine(), engine_loop, Path("/packs/demo.pack"))
+    engine_loop.tokens_generated, now_s[0] = 50, 102.0
     assert server.sample_token_rate() == 25.0  # 50 tokens in 2 s
-    assert server.status_event("s")["recent_tokens_per_s"] == 25.0
+    assert server.status_event("s").fields["recent_tokens_per_s"] == 25.0

@@ -190,7 +190,8 @@ def test_a_disconnect_stops_a_foreground_verify_and_a_shutdown_a_background_one(
     ({"max_mb_per_s": 1e7}, "invalid_params"),
 ])
 def test_a_verify_request_is_checked(fields, code):
-    from colibrid.wire.protocol import ProtocolError, Verify, parse_request
+    from colibrid.wire.errors import ProtocolError
+    from colibrid.wire.requests import Verify, parse_request
 
     with pytest.raises(ProtocolError) as info:
         parse_request({"op": "verify", "id": 1, **fields}, 16)

@@ -44,7 +44,7 @@ def test_under_the_journal_each_line_starts_with_its_priority(demo_pack, work_di
     assert lines, "nothing logged"
     assert all(line[:3] in ("<3>", "<4>", "<6>", "<7>") for line in lines), lines
     assert any(line.startswith("<6>serving demo (") for line in lines)
-    assert any(line.startswith("<7>colibrid.daemon.server: connection 1 (uid ") for line in lines)
+    assert any(line.startswith("<7>colibrid.daemon.connection: connection 1 (uid ") for line in lines)
     assert lines[-1] == "<6>stopped"
 
 

@@ -52,7 +52,7 @@ def test_sighup_applies_the_new_settings_without_reloading_the_model(start_servi
     assert "max_context changed to 64; it takes effect at the next restart" in stderr
     assert "max_queue: 4 -> 7" in stderr
     assert "reload failed, keeping the running configuration: max_queue = -1" in stderr
-    assert "debug: colibrid.daemon.server: connection" in stderr, "log_level debug applied at once"
+    assert "debug: colibrid.daemon.connection: connection" in stderr, "log_level debug applied at once"
 
 
 def test_sighup_resizes_the_expert_cache_between_requests(start_service, notify_socket, work_dir):

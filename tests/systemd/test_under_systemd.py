@@ -269,5 +269,5 @@ def test_socket_activated_reloaded_and_stopped_by_systemd(booted_systemd):
     assert ("6", "stopped") in ours
     assert any(p == "6" and m.startswith("serving demo (") and "(from systemd)" in m for p, m in ours), ours
     assert ("4", "max_context changed to 64; it takes effect at the next restart") in ours
-    assert any(p == "7" and m.startswith("colibrid.daemon.server: connection ") for p, m in ours), ours
+    assert any(p == "7" and m.startswith("colibrid.daemon.connection: connection ") for p, m in ours), ours
     assert not any(m.startswith("<") for _, m in ours), "a priority prefix reached the journal as text"

@@ -1,47 +1,21 @@
-"""colibrid.wire.protocol on its own: framing and request checks, code by code as docs/protocol.md lists them."""
+"""colibrid.wire.requests on its own: the daemon's checks of a request, code by code as docs/protocol.md
+lists them, and the requests a client builds."""
 
 from __future__ import annotations
 
-import struct
 import subprocess
 import sys
 
-import msgpack
 import pytest
 
-from colibrid.wire.protocol import (
-    Ask, Cancel, Hello, Models, ProtocolError, Status, body_length, decode_body, encode_frame, parse_request,
+from colibrid.wire.errors import ProtocolError
+from colibrid.wire.requests import (
+    Ask, AskFields, Cancel, Hello, Models, Status, Subscribe, Verify, parse_request, usable_id,
 )
 
 
-def test_a_frame_is_a_big_endian_length_and_one_msgpack_map():
-    frame = encode_frame({"event": "ok", "id": 1})
-    (length,) = struct.unpack(">I", frame[:4])
-    assert length == len(frame) - 4
-    assert decode_body(frame[4:]) == {"event": "ok", "id": 1}
-
-
-@pytest.mark.parametrize("length, code", [(0, "bad_frame"), (1025, "frame_too_large"), ((1 << 32) - 1, "frame_too_large")])
-def test_length_prefix_limits(length, code):
-    with pytest.raises(ProtocolError) as caught:
-        body_length(struct.pack(">I", length), max_frame_bytes=1024)
-    assert caught.value.code == code and caught.value.closes_connection
-
-
-def test_the_largest_allowed_frame_passes():
-    assert body_length(struct.pack(">I", 1024), max_frame_bytes=1024) == 1024
-
-
-@pytest.mark.parametrize("body", [b"\xc1", msgpack.packb("a string"), msgpack.packb({b"k": 1}),
-                                  msgpack.packb({}) + msgpack.packb({}), b"\xa5ab"])
-def test_bodies_that_are_not_one_map_with_string_keys(body):
-    with pytest.raises(ProtocolError) as caught:
-        decode_body(body)
-    assert caught.value.code == "bad_frame"
-
-
-def parse(message, default_max_tokens=256):
-    return parse_request(message, default_max_tokens)
+def parse(message, default_max_tokens=256, greeted=True):
+    return parse_request(message, default_max_tokens, greeted=greeted)
 
 
 def test_each_op_parses_to_its_request():
@@ -148,6 +122,21 @@ def test_refusals_carry_the_code_the_document_gives(message, code):
     assert caught.value.closes_connection == (code not in ("invalid_params",))
 
 
+def test_until_hello_only_a_hello_is_a_request():
+    assert parse({"op": "hello", "id": 0, "protocol": 1}, greeted=False) == Hello(0, 1, None)
+    for message, request_id in (({"op": "status", "id": "s"}, "s"), ({"id": 7}, 7), ({"op": "ask", "id": 1.5}, None)):
+        with pytest.raises(ProtocolError) as caught:
+            parse_request(message, 256, greeted=False)
+        assert (caught.value.code, caught.value.request_id) == ("bad_request", request_id)
+        assert caught.value.message == "the first request on a connection must be hello"
+
+
+def test_an_id_a_reply_may_carry():
+    assert [usable_id({"id": value}) for value in ("x", 3, "x" * 257, True, 1.0, None)] == ["x", 3, None, None, None,
+                                                                                            None]
+    assert usable_id({}) is None
+
+
 def test_a_string_id_may_be_256_bytes_long():
     assert parse({"op": "status", "id": "x" * 256}) == Status("x" * 256)
     assert parse({"op": "status", "id": "é" * 128}) == Status("é" * 128)  # 256 bytes in UTF-8
@@ -172,7 +161,41 @@ def test_a_cancel_target_longer_than_256_bytes_is_a_bad_request():
 def test_the_protocol_imports_nothing_from_the_engine():
     """The wire format stands alone (a client, a gateway, a test can use it without numpy or
     libcolibri); what it shares with the engine, SamplingParams, is a plain value type."""
-    script = "import sys, colibrid.wire.protocol; print(sorted(m for m in sys.modules if m.startswith('colibrid.engine')))"
+    script = ("import sys, colibrid.wire.requests, colibrid.wire.events, colibrid.wire.client; "
+              "print(sorted(m for m in sys.modules if m.startswith('colibrid.engine')))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
+
+# ---- the requests a client builds ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("request_value, message", [
+    (Hello(1, 1, "colibrictl 0.1.0"), {"op": "hello", "id": 1, "protocol": 1, "client": "colibrictl 0.1.0"}),
+    (Cancel(2, 1), {"op": "cancel", "id": 2, "target": 1}),
+    (Subscribe("s", "routing"), {"op": "subscribe", "id": "s", "stream": "routing"}),
+    (Status(3), {"op": "status", "id": 3}),
+    (Models(4), {"op": "models", "id": 4}),
+    (Verify(5), {"op": "verify", "id": 5}),
+    (Verify(6, background=True, max_mb_per_s=20.0), {"op": "verify", "id": 6, "background": True, "max_mb_per_s": 20.0}),
+    (Verify(7, stop=True), {"op": "verify", "id": 7, "stop": True}),
+])
+def test_a_request_a_client_builds_is_the_map_the_daemon_parses_back(request_value, message):
+    assert request_value.to_wire() == message
+    assert parse(message) == request_value
+
+
+def test_an_ask_sends_only_the_fields_a_client_set():
+    assert AskFields(prompt="hi").to_wire(1) == {"op": "ask", "id": 1, "prompt": "hi"}
+    fields = AskFields(messages=[{"role": "user", "content": "hi"}], system="brief", raw=False, special_tokens=True,
+                       temperature=0, top_k=0, seed=0, stop=["\n"], logprobs=0, ignore_eos=True, debug_routing=True)
+    message = fields.to_wire("a")
+    # Zeros are values; false flags are left out (the daemon's default), true ones sent.
+    assert message == {"op": "ask", "id": "a", "messages": [{"role": "user", "content": "hi"}], "system": "brief",
+                       "special_tokens": True, "temperature": 0, "top_k": 0, "seed": 0, "stop": ["\n"], "logprobs": 0,
+                       "ignore_eos": True, "debug_routing": True}
+    ask = parse(message)
+    assert (ask.id, ask.messages, ask.system, ask.raw, ask.debug_routing) == \
+        ("a", [{"role": "user", "content": "hi"}], "brief", False, True)
+    assert (ask.params.temperature, ask.params.top_k, ask.params.seed, ask.params.stop, ask.params.logprobs,
+            ask.params.ignore_eos, ask.params.skip_special_tokens) == (0, 0, 0, ("\n",), 0, True, False)

@@ -1,4 +1,4 @@
-"""colibrictl.connection in-process, over a socketpair: the far end is written by hand, byte
+"""colibrid.wire.client in-process, over a socketpair: the far end is written by hand, byte
 by byte where it matters, so framing and event routing are checked without any server."""
 
 from __future__ import annotations
@@ -10,13 +10,11 @@ import threading
 import msgpack
 import pytest
 
-from colibrictl.connection import (
-    Connection,
-    DaemonUnreachable,
-    ProtocolViolation,
-    RequestError,
-    encode_frame,
-)
+from colibrid.wire.client import Connection
+from colibrid.wire.errors import DaemonUnreachable, ProtocolViolation, RequestError
+from colibrid.wire.events import DoneEvent, StatusEvent, TokenEvent, UnknownEvent
+from colibrid.wire.frames import encode_frame
+from colibrid.wire.requests import AskFields
 
 
 def _frame(message) -> bytes:
@@ -60,7 +58,7 @@ def test_a_frame_is_a_big_endian_length_and_one_msgpack_map():
 def test_requests_get_distinct_ids(pair):
     connection, far = pair
 
-    ids = [connection.send("status"), connection.send("models")]
+    ids = [connection.ask(AskFields(prompt="a")), connection.subscribe("routing")]
 
     assert len(set(ids)) == 2
     assert [request["id"] for request in _received(far)] == ids
@@ -68,26 +66,28 @@ def test_requests_get_distinct_ids(pair):
 
 def test_frames_split_across_reads_are_reassembled(pair):
     connection, far = pair
-    request_id = connection.send("status")
-    data = _frame({"event": "status", "id": request_id, "model": "m"})
+    data = _frame({"event": "status", "id": 1, "model": "m"})  # the answer to the first request
     for byte in data:  # one byte per send: the worst a stream socket may do
         far.send(bytes([byte]))
 
-    assert next(connection.events(request_id))["model"] == "m"
+    assert connection.status().fields["model"] == "m"
 
 
 def test_interleaved_events_reach_their_own_request(pair):
     connection, far = pair
-    first, second = connection.send("ask", prompt="a"), connection.send("ask", prompt="b")
+    first, second = connection.ask(AskFields(prompt="a")), connection.ask(AskFields(prompt="b"))
     far.sendall(
         _frame({"event": "token", "id": second, "token_ids": [2], "text": "B"})
         + _frame({"event": "token", "id": first, "token_ids": [1], "text": "A"})
-        + _frame({"event": "done", "id": second, "finish_reason": "stop", "text": "B"})
-        + _frame({"event": "done", "id": first, "finish_reason": "stop", "text": "A"})
+        + _frame({"event": "done", "id": second, "finish_reason": "stop", "text": "B", "usage": {}})
+        + _frame({"event": "done", "id": first, "finish_reason": "stop", "text": "A", "usage": {}})
     )
 
-    first_texts = [event["text"] for event in connection.events(first)]
-    second_texts = [event["text"] for event in connection.events(second)]
+    first_events, second_events = list(connection.events(first)), list(connection.events(second))
+    first_texts = [event.text for event in first_events]
+    second_texts = [event.text for event in second_events]
+
+    assert [type(event) for event in first_events] == [TokenEvent, DoneEvent]
 
     assert first_texts == ["A", "A"]  # token, done
     assert second_texts == ["B", "B"]  # read earlier, kept, then delivered in order
@@ -95,7 +95,7 @@ def test_interleaved_events_reach_their_own_request(pair):
 
 def test_an_error_event_raises_request_error(pair):
     connection, far = pair
-    request_id = connection.send("ask", prompt="x")
+    request_id = connection.ask(AskFields(prompt="x"))
     far.sendall(_frame({"event": "error", "id": request_id, "code": "engine",
                         "message": "expert checksum mismatch"}))
 
@@ -107,7 +107,7 @@ def test_an_error_event_raises_request_error(pair):
 
 def test_a_connection_wide_error_ends_any_request(pair):
     connection, far = pair
-    request_id = connection.send("status")
+    request_id = connection.subscribe("routing")
     far.sendall(_frame({"event": "error", "id": None, "code": "bad_frame", "message": "no"}))
 
     with pytest.raises(RequestError, match="bad_frame"):
@@ -121,11 +121,13 @@ def test_a_connection_wide_error_ends_any_request(pair):
         struct.pack(">I", 3) + b"abc",  # three msgpack values, not one
         _frame([1, 2, 3]),  # msgpack, but not a map
         _frame({"id": 1}),  # a map without an event name
+        _frame({"event": "done", "id": 1, "text": "x"}),  # a done without its finish_reason and usage
+        _frame({"event": "token", "id": 1, "token_ids": [1], "text": None}),  # a token without its text
     ],
 )
 def test_bad_frames_from_the_daemon_are_protocol_violations(pair, garbage):
     connection, far = pair
-    request_id = connection.send("status")
+    request_id = connection.ask(AskFields(prompt="x"))
     far.sendall(garbage)
 
     with pytest.raises(ProtocolViolation):
@@ -134,8 +136,8 @@ def test_bad_frames_from_the_daemon_are_protocol_violations(pair, garbage):
 
 def test_the_daemon_closing_mid_frame_is_unreachable(pair):
     connection, far = pair
-    request_id = connection.send("status")
-    far.sendall(_frame({"event": "status", "id": request_id})[:-2])
+    request_id = connection.subscribe("routing")
+    far.sendall(_frame({"event": "routing", "id": request_id})[:-2])
     far.close()
 
     with pytest.raises(DaemonUnreachable) as raised:
@@ -149,9 +151,10 @@ def test_a_request_over_the_daemons_limit_is_refused_before_sending(pair):
     connection.max_request_bytes = 100
 
     with pytest.raises(RequestError) as raised:
-        connection.send("ask", prompt="x" * 200)
+        connection.ask(AskFields(prompt="x" * 200))
 
     assert raised.value.code == "frame_too_large"
+    assert raised.value.message.startswith("the ask request is ")
     assert _received(far) == []  # the connection stays usable
 
 
@@ -176,8 +179,8 @@ def test_open_says_hello_first_and_keeps_the_daemons_limit(socket_path):
 
         thread = threading.Thread(target=greet, daemon=True)
         thread.start()
-        with Connection.open(path) as connection:
-            assert connection.hello["model"] == "m"
+        with Connection.open(path, "tests") as connection:
+            assert connection.hello.model == "m"
             assert connection.max_request_bytes == 4096
         thread.join(timeout=5)
 
@@ -188,7 +191,7 @@ def test_open_on_a_missing_socket_names_it(tmp_path):
     missing = str(tmp_path / "absent.sock")
 
     with pytest.raises(DaemonUnreachable) as raised:
-        Connection.open(missing)
+        Connection.open(missing, "tests")
 
     assert raised.value.socket_path == missing
     assert missing in str(raised.value)
@@ -199,13 +202,13 @@ def test_a_reply_of_the_wrong_kind_is_a_protocol_violation(pair):
     far.sendall(_frame({"event": "models", "id": 1, "models": []}))
 
     with pytest.raises(ProtocolViolation, match="expected a status event"):
-        connection.request("status")
+        connection.status()
 
 
 def test_cancel_is_sent_only_for_a_request_still_open(pair):
     connection, far = pair
-    finished, running = connection.send("ask", prompt="a"), connection.send("ask", prompt="b")
-    far.sendall(_frame({"event": "done", "id": finished, "finish_reason": "stop", "text": ""}))
+    finished, running = connection.ask(AskFields(prompt="a")), connection.ask(AskFields(prompt="b"))
+    far.sendall(_frame({"event": "done", "id": finished, "finish_reason": "stop", "text": "", "usage": {}}))
     list(connection.events(finished))
     _received(far)  # drain the two asks
 
@@ -213,3 +216,24 @@ def test_cancel_is_sent_only_for_a_request_still_open(pair):
     connection.cancel(running)
 
     assert [(r["op"], r["target"]) for r in _received(far)] == [("cancel", running)]
+
+
+def test_an_event_a_newer_daemon_invented_is_a_step_of_its_request(pair):
+    connection, far = pair
+    request_id = connection.subscribe("routing")
+    far.sendall(_frame({"event": "routing_hint", "id": request_id, "what": "x"})
+                + _frame({"event": "unsubscribed", "id": request_id, "reason": "cancelled"}))
+
+    hint, end = list(connection.events(request_id))
+
+    assert hint == UnknownEvent(request_id, "routing_hint", {"what": "x"}) and end.reason == "cancelled"
+
+
+def test_status_is_read_as_an_open_map(pair):
+    connection, far = pair
+    far.sendall(_frame({"event": "status", "id": 1, "model": "m", "cache": {"hits": 1}}))
+
+    status = connection.status()
+
+    assert status == StatusEvent(1, {"model": "m", "cache": {"hits": 1}})
+    assert _received(far) == [{"op": "status", "id": 1}]

@@ -1,33 +1,24 @@
-"""The wire protocol (docs/protocol.md): frames, typed requests, and the events the server sends.
+"""Requests (docs/protocol.md, Requests and events): what a client sends, as typed values.
 
-A frame is a 4-byte big-endian length N and N bytes of one msgpack map with string keys.
-This module is pure: no sockets, no engine. It turns bytes into typed requests - or a
-ProtocolError whose code is one of the codes in docs/protocol.md - and events into bytes.
-Keeping the checks here, apart from the server, lets tests hold them against the document.
+Two ends use them. The daemon turns a decoded frame into a typed request with parse_request -
+or a ProtocolError whose code is one of the codes in docs/protocol.md; every check of a
+client's fields is here, apart from the server, so tests can hold them against the document.
+A client builds a request value and sends its to_wire() map: hello, cancel, subscribe,
+status, models and verify are the same values on both ends; an ask is written as AskFields
+(only what the client sets: the daemon's defaults fill the rest) and read as an Ask, whose
+sampling parameters the daemon has resolved.
+
+Pure: no sockets, no engine.
 """
 
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass
-from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any, Union
 
-import msgpack
-
-from colibrid import __version__
+from colibrid.wire.errors import ProtocolError, RequestId
+from colibrid.wire.frames import PROTOCOL_VERSION
 from colibrid.wire.sampling_params import SamplingParams  # a plain value type: the protocol imports no engine
-
-PROTOCOL_VERSION = 1
-SERVER_NAME = f"colibrid {__version__}"
-LENGTH_PREFIX = struct.Struct(">I")  # N, the body length in bytes
-
-# Errors after which the server cannot trust the byte stream or the client, so it closes the
-# connection; every other error ends only the request it names.
-CONNECTION_CLOSING_CODES = frozenset({"bad_frame", "frame_too_large", "bad_request", "unknown_op",
-                                      "unsupported_protocol", "forbidden", "timeout"})
-
-RequestId = Union[str, int]
 
 # The longest string id a request may carry, in UTF-8 bytes. Every event of a request repeats
 # its id, so without a bound one 900 kB id in an ask becomes hundreds of MB of token events.
@@ -41,51 +32,6 @@ MAX_TOOL_CALLS_PER_MESSAGE = 64
 MAX_JSON_DEPTH = 16
 
 
-class ProtocolError(Exception):
-    """A request or frame the server refuses; `code` is a protocol error code."""
-
-    def __init__(self, code: str, message: str, request_id: RequestId | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.request_id = request_id
-
-    @property
-    def closes_connection(self) -> bool:
-        return self.code in CONNECTION_CLOSING_CODES
-
-
-# --------------------------------------------------------------------------------------------
-# Framing
-# --------------------------------------------------------------------------------------------
-
-
-def encode_frame(message: dict[str, Any]) -> bytes:
-    body = msgpack.packb(message, use_bin_type=True)
-    return LENGTH_PREFIX.pack(len(body)) + body
-
-
-def body_length(prefix: bytes, max_frame_bytes: int) -> int:
-    """The body length announced by a 4-byte prefix; checked before a byte of the body is read."""
-    (length,) = LENGTH_PREFIX.unpack(prefix)
-    if length == 0:
-        raise ProtocolError("bad_frame", "zero-length frame: a frame holds one msgpack map")
-    if length > max_frame_bytes:
-        raise ProtocolError("frame_too_large", f"frame of {length} bytes is above max_frame_bytes ({max_frame_bytes})")
-    return length
-
-
-def decode_body(body: bytes) -> dict[str, Any]:
-    """The one msgpack map with string keys that `body` must hold."""
-    try:
-        message = msgpack.unpackb(body, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types for malformed input
-        raise ProtocolError("bad_frame", f"frame body is not one msgpack object ({type(exc).__name__})") from None
-    if not isinstance(message, dict) or not all(isinstance(key, str) for key in message):
-        raise ProtocolError("bad_frame", "frame body must be a msgpack map with string keys")
-    return message
-
-
 # --------------------------------------------------------------------------------------------
 # Requests
 # --------------------------------------------------------------------------------------------
@@ -97,9 +43,18 @@ class Hello:
     protocol: int
     client: str | None
 
+    def to_wire(self) -> dict[str, Any]:
+        message = {"op": "hello", "id": self.id, "protocol": self.protocol}
+        if self.client is not None:
+            message["client"] = self.client
+        return message
+
 
 @dataclass(frozen=True)
 class Ask:
+    """An ask as the daemon accepted it: its sampling parameters resolved against the daemon's
+    defaults (a client writes AskFields)."""
+
     id: RequestId
     prompt: str | None
     messages: list[dict[str, str]] | None
@@ -115,21 +70,33 @@ class Cancel:
     id: RequestId
     target: RequestId
 
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "cancel", "id": self.id, "target": self.target}
+
 
 @dataclass(frozen=True)
 class Subscribe:
     id: RequestId
     stream: str
 
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "subscribe", "id": self.id, "stream": self.stream}
+
 
 @dataclass(frozen=True)
 class Status:
     id: RequestId
 
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "status", "id": self.id}
+
 
 @dataclass(frozen=True)
 class Models:
     id: RequestId
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"op": "models", "id": self.id}
 
 
 @dataclass(frozen=True)
@@ -142,8 +109,53 @@ class Verify:
     max_mb_per_s: float | None = None  # a bandwidth cap; None: the default (background) or none
     stop: bool = False
 
+    def to_wire(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"op": "verify", "id": self.id}
+        if self.background:
+            message["background"] = True
+        if self.stop:
+            message["stop"] = True
+        if self.max_mb_per_s is not None:
+            message["max_mb_per_s"] = self.max_mb_per_s
+        return message
+
 
 Request = Union[Hello, Ask, Cancel, Subscribe, Status, Models, Verify]
+
+
+@dataclass(frozen=True)
+class AskFields:
+    """An ask as a client writes it: only the fields it sets are sent (a flag only when true), so
+    the daemon's defaults - documented in one place, the daemon's config - fill the rest. Not
+    checked here: the daemon's parse_request is the one check of a client's fields."""
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    system: str | None = None
+    raw: bool = False
+    tools: list[dict[str, Any]] | None = None
+    special_tokens: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    debug_routing: bool = False
+
+    def to_wire(self, request_id: RequestId) -> dict[str, Any]:
+        """The ask request with id ``request_id``."""
+        message: dict[str, Any] = {"op": "ask", "id": request_id}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is not None and value is not False:
+                message[field.name] = value
+        return message
+
 
 MAX_VERIFY_MB_PER_S = 1e6  # a cap above any disk is no cap: refused as a likely mistake
 
@@ -258,10 +270,20 @@ _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "min_p", "repetition_p
                     "logprobs", "ignore_eos")
 
 
+def usable_id(message: dict[str, Any]) -> RequestId | None:
+    """The `id` of a request map if a reply may carry it, else None: for the error that refuses
+    a request before it is parsed (its sender is not allowed in, say)."""
+    request_id = message.get("id")
+    return request_id if is_request_id(request_id) else None
+
+
 def parse_request(message: dict[str, Any], default_max_tokens: int,
-                  sampling_defaults: dict[str, Any] | None = None) -> Request:
+                  sampling_defaults: dict[str, Any] | None = None, greeted: bool = True) -> Request:
     """A typed request from a decoded frame; ProtocolError (with the id when known) if it is not one.
-    ``sampling_defaults`` (the model's generation_config.json) fill the sampling fields an ask omits."""
+    ``sampling_defaults`` (the model's generation_config.json) fill the sampling fields an ask omits;
+    until a connection is ``greeted``, only a hello is a request."""
+    if not greeted and message.get("op") != "hello":
+        raise ProtocolError("bad_request", "the first request on a connection must be hello", usable_id(message))
     request_id = message.get("id", _MISSING)
     if request_id is _MISSING or not is_request_id(request_id):
         raise ProtocolError("bad_request", f"every request needs an `id`: a string of at most {MAX_ID_BYTES} "
@@ -356,126 +378,3 @@ _PARSERS = {"hello": _parse_hello, "ask": _parse_ask, "cancel": _parse_cancel, "
             "status": _parse_status, "models": _parse_models, "verify": _parse_verify}
 
 
-# --------------------------------------------------------------------------------------------
-# Events
-# --------------------------------------------------------------------------------------------
-
-
-def error_event(request_id: RequestId | None, code: str, message: str,
-                damage: dict[str, Any] | None = None) -> dict[str, Any]:
-    """An `error`; ``damage`` (code `pack_damaged`): the damaged expert record the request needed."""
-    event = {"event": "error", "id": request_id, "code": code, "message": message}
-    if damage is not None:
-        event["damage"] = damage
-    return event
-
-
-
-def hello_event(request_id: RequestId, model_name: str, max_frame_bytes: int) -> dict[str, Any]:
-    return {"event": "hello", "id": request_id, "protocol": PROTOCOL_VERSION, "server": SERVER_NAME,
-            "model": model_name, "max_frame_bytes": max_frame_bytes}
-
-
-def ok_event(request_id: RequestId) -> dict[str, Any]:
-    """The reply to a `cancel`: the target ends with its own `done`."""
-    return {"event": "ok", "id": request_id}
-
-
-def models_event(request_id: RequestId, models: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"event": "models", "id": request_id, "models": models}
-
-
-def status_event(request_id: RequestId, daemon_status: dict[str, Any]) -> dict[str, Any]:
-    """The `status` event: the daemon's view of itself (docs/protocol.md lists the fields)."""
-    return {"event": "status", "id": request_id, **daemon_status}
-
-
-def token_event(request_id: RequestId, token: Any, token_text: Callable[[int], str] | None = None,
-                routing: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A `token` event for one sampled token: the engine's GenerationEvent (token_id, text,
-    logprob, top_logprobs). With ``token_text`` (the request asked for logprobs), the event
-    carries the token's logprob and its alternatives as [id, text, logprob]; with ``routing``
-    (debug_routing, see token_routing) the experts that produced it."""
-    event: dict[str, Any] = {"event": "token", "id": request_id, "token_ids": [token.token_id], "text": token.text}
-    if token_text is not None:
-        event["logprob"] = token.logprob
-        event["top_logprobs"] = [[token_id, token_text(token_id), logprob]
-                                 for token_id, logprob in (token.top_logprobs or [])]
-    if routing is not None:
-        event["routing"] = routing
-    return event
-
-
-def token_routing(step: int, layers: list[int], experts: list[list[int]], weights: list[list[float]]) -> dict[str, Any]:
-    """A token event's `routing`: in step ``step``, the experts (best first) and their mixing
-    weights that each MoE layer chose for the position whose logits the token was sampled from."""
-    return {"step": step, "layers": layers, "experts": experts, "weights": weights}
-
-
-def subscribed_event(request_id: RequestId, stream: str, moe_layers: list[int], num_experts: int,
-                     experts_per_token: int) -> dict[str, Any]:
-    """The first event of a subscription: the model's routing shape, for drawing what follows."""
-    return {"event": "subscribed", "id": request_id, "stream": stream, "moe_layers": moe_layers,
-            "num_experts": num_experts, "experts_per_token": experts_per_token}
-
-
-def routing_layer_summary(layer: int, experts: list[int], counts: list[int], hits: int | None,
-                          misses: int | None) -> dict[str, Any]:
-    """One MoE layer in a `routing` event: the experts the step's rows chose (increasing), how
-    many rows chose each, and the expert cache's hits and misses in the step (nil: no cache)."""
-    return {"layer": layer, "experts": experts, "counts": counts, "hits": hits, "misses": misses}
-
-
-def routing_event(request_id: RequestId, step: int, step_ms: float, rows: int, sequences: int,
-                  layers: list[dict[str, Any]], dropped: int) -> dict[str, Any]:
-    """One step's routing summary for a subscriber; ``dropped``: summaries it missed before this one."""
-    return {"event": "routing", "id": request_id, "step": step, "step_ms": step_ms, "rows": rows,
-            "sequences": sequences, "layers": layers, "dropped": dropped}
-
-
-def unsubscribed_event(request_id: RequestId, reason: str) -> dict[str, Any]:
-    """The last event of a subscription: "cancelled" or "shutdown"."""
-    return {"event": "unsubscribed", "id": request_id, "reason": reason}
-
-
-def done_event(request_id: RequestId, done: Any, expert_hits: int = 0, expert_misses: int = 0) -> dict[str, Any]:
-    """The `done` event ending a request: the engine's GenerationDone (finish_reason, text and
-    counts) and the expert cache's hits and misses in the steps the request took part in."""
-    return {
-        "event": "done", "id": request_id, "finish_reason": done.finish_reason, "text": done.text,
-        "usage": {
-            "prompt_tokens": done.prompt_tokens, "cached_prompt_tokens": done.cached_prompt_tokens,
-            "generated_tokens": done.generated_tokens,
-            "time_to_first_token_ms": done.time_to_first_token_s * 1000.0,
-            "decode_tokens_per_s": done.decode_tokens_per_s,
-            "expert_cache_hits": expert_hits, "expert_cache_misses": expert_misses,
-        },
-    }
-
-
-def cancelled_before_start_event(request_id: RequestId) -> dict[str, Any]:
-    """The `done` of an ask cancelled while it still waited in the queue: nothing was generated."""
-    return {
-        "event": "done", "id": request_id, "finish_reason": "cancelled", "text": "",
-        "usage": {"prompt_tokens": 0, "cached_prompt_tokens": 0, "generated_tokens": 0, "time_to_first_token_ms": 0.0,
-                  "decode_tokens_per_s": 0.0, "expert_cache_hits": 0, "expert_cache_misses": 0},
-    }
-
-
-def verify_progress_event(request_id: RequestId, progress: dict[str, Any]) -> dict[str, Any]:
-    """How far a verify is: bytes_done, bytes_total, elapsed_s, mb_per_s, eta_s, file, paused."""
-    return {"event": "verify_progress", "id": request_id, **progress}
-
-
-def verify_damage_event(request_id: RequestId, damage: dict[str, Any]) -> dict[str, Any]:
-    """One finding of a verify: file, message, and where (offset, length, layer, expert, tensor)."""
-    return {"event": "verify_damage", "id": request_id, **damage}
-
-
-def verified_event(request_id: RequestId, report: dict[str, Any]) -> dict[str, Any]:
-    """The end of a foreground verify: the whole report (clean, cancelled, damage, notes, files, ...)."""
-    return {"event": "verified", "id": request_id, **report}
-
-
-def shutdown_event(request_id: RequestId) -> dict[str, Any]:
-    return error_event(request_id, "shutdown", "colibrid is stopping; the request was not completed")

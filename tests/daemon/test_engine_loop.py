@@ -1,4 +1,4 @@
-"""The scheduler on a real engine (the demo pack): asks run together in one batch, join and
+"""The engine loop on a real engine (the demo pack): asks run together in one batch, join and
 leave between steps, stop at a step boundary, wait for KV memory, and fail alone."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 from colibrid.engine.engine import Engine
 from colibrid.engine.experts.cache import ExpertLoadingPaused
 from colibrid.engine.experts.source import ExpertLoadError
-from colibrid.wire.protocol import parse_request
-from colibrid.daemon.scheduler import STOP_CANCELLED, STOP_DISCONNECTED, Job, QueueFull, Scheduler, SchedulerStopped
+from colibrid.wire.events import DoneEvent, ErrorEvent, TokenEvent
+from colibrid.wire.requests import parse_request
+from colibrid.daemon.engine_loop import STOP_CANCELLED, STOP_DISCONNECTED, EngineLoop, IntakeClosed, Job, QueueFull
 
 BIG_BUDGET = 1 << 34
 
@@ -64,14 +65,19 @@ def ask(request_id, prompt="abc", **fields):
 
 
 class Recorder:
-    """Collects what jobs emit, from the worker thread, sorted by request."""
+    """Collects what jobs emit, from the worker thread, sorted by request: each event as the map
+    its connection would send (to_wire)."""
 
     def __init__(self) -> None:
         self.events: queue.Queue = queue.Queue()
         self._by_id: dict = {}
 
     def job(self, request) -> Job:
-        return Job(request, emit=self.events.put)
+        return Job(request, emit=self._record)
+
+    def _record(self, event) -> None:
+        assert isinstance(event, (TokenEvent, DoneEvent, ErrorEvent)), event  # typed values, not maps
+        self.events.put(event.to_wire())
 
     def until_end(self, request_id, timeout_s: float = 20.0) -> tuple[list[dict], dict]:
         """The request's token events and its last event, in the order they came."""
@@ -94,34 +100,34 @@ def engine(pack):
     return FaultyEngine(pack)
 
 
-def started(engine, max_queue=8, **kwargs) -> Scheduler:
-    scheduler = Scheduler(engine, max_queue=max_queue, **{"kv_budget_bytes": BIG_BUDGET, **kwargs})
-    scheduler.start()
-    return scheduler
+def started(engine, max_queue=8, **kwargs) -> EngineLoop:
+    engine_loop = EngineLoop(engine, max_queue=max_queue, **{"kv_budget_bytes": BIG_BUDGET, **kwargs})
+    engine_loop.start()
+    return engine_loop
 
 
 @contextlib.contextmanager
-def running(engine, **kwargs) -> Iterator[Scheduler]:
-    """A started scheduler, stopped and joined when the block ends."""
-    scheduler = started(engine, **kwargs)
+def running(engine, **kwargs) -> Iterator[EngineLoop]:
+    """A started engine loop, stopped and joined when the block ends."""
+    engine_loop = started(engine, **kwargs)
     try:
-        yield scheduler
+        yield engine_loop
     finally:
-        scheduler.stop()
-        assert scheduler.join(10)
+        engine_loop.stop()
+        assert engine_loop.join(10)
 
 
 @pytest.fixture
-def scheduler(engine):
-    with running(engine) as scheduler:
-        yield scheduler
+def engine_loop(engine):
+    with running(engine) as engine_loop:
+        yield engine_loop
 
 
-def test_asks_run_together_and_each_gets_what_it_would_alone(scheduler, engine, pack):
+def test_asks_run_together_and_each_gets_what_it_would_alone(engine_loop, engine, pack):
     recorder = Recorder()
     prompts = [f"prompt number {n}" * (n + 1) for n in range(6)]
     for n, prompt in enumerate(prompts):
-        scheduler.submit(recorder.job(ask(n, prompt=prompt, max_tokens=4 + n)))
+        engine_loop.submit(recorder.job(ask(n, prompt=prompt, max_tokens=4 + n)))
     ends = {n: recorder.until_end(n) for n in range(6)}
     assert max(engine.step_sizes) > 1  # they shared steps
     alone = FaultyEngine(pack)
@@ -130,60 +136,60 @@ def test_asks_run_together_and_each_gets_what_it_would_alone(scheduler, engine, 
         params = ask(n, prompt=prompt, max_tokens=4 + n).params
         expected = [e.token_id for e in list(alone.generate(alone.prompt_ids(prompt=prompt), params))[:-1]]
         assert [t["token_ids"][0] for t in tokens] == expected and done["finish_reason"] == "length"
-    assert scheduler.requests_served == 6
+    assert engine_loop.requests_served == 6
 
 
 @pytest.mark.parametrize("window_s", [0.0, 1.0])
 def test_an_idle_engine_gives_asks_arriving_together_one_first_step(engine, window_s):
     """Asks 0.2 s apart: inside the burst window they share their first (prompt) step; with no
     window the first one's prompt runs alone and the rest wait through it."""
-    with running(engine, burst_window_s=window_s) as scheduler:
+    with running(engine, burst_window_s=window_s) as engine_loop:
         recorder = Recorder()
-        scheduler.submit(recorder.job(ask(0, prompt="first")))
+        engine_loop.submit(recorder.job(ask(0, prompt="first")))
         time.sleep(0.2)
         for n in range(1, 4):
-            scheduler.submit(recorder.job(ask(n, prompt=f"then {n}")))
+            engine_loop.submit(recorder.job(ask(n, prompt=f"then {n}")))
         assert [recorder.until_end(n)[1]["finish_reason"] for n in range(4)] == ["length"] * 4
     assert engine.step_sizes[0] == (4 if window_s else 1)
 
 
 def test_a_full_batch_does_not_wait_for_the_burst_window(engine):
-    with running(engine, max_batch=2, burst_window_s=60.0) as scheduler:
+    with running(engine, max_batch=2, burst_window_s=60.0) as engine_loop:
         recorder = Recorder()
         for n in range(2):
-            scheduler.submit(recorder.job(ask(n)))
+            engine_loop.submit(recorder.job(ask(n)))
         assert [recorder.until_end(n, timeout_s=20)[1]["finish_reason"] for n in range(2)] == ["length"] * 2
     assert engine.step_sizes[0] == 2
 
 
 def test_a_full_queue_is_refused(engine):
-    scheduler = Scheduler(engine, max_queue=2)  # not started: nothing leaves the queue
+    engine_loop = EngineLoop(engine, max_queue=2)  # not started: nothing leaves the queue
     recorder = Recorder()
-    scheduler.submit(recorder.job(ask(1)))
-    scheduler.submit(recorder.job(ask(2)))
+    engine_loop.submit(recorder.job(ask(1)))
+    engine_loop.submit(recorder.job(ask(2)))
     with pytest.raises(QueueFull):
-        scheduler.submit(recorder.job(ask(3)))
-    assert scheduler.queue_depth == 2
+        engine_loop.submit(recorder.job(ask(3)))
+    assert engine_loop.queue_depth == 2
 
 
 def test_asks_beyond_max_batch_wait_and_join_as_others_leave(engine):
-    with running(engine, max_batch=2) as scheduler:
+    with running(engine, max_batch=2) as engine_loop:
         recorder = Recorder()
         for n in range(5):
-            scheduler.submit(recorder.job(ask(n, prompt=f"p{n}", max_tokens=3 + 2 * n)))
+            engine_loop.submit(recorder.job(ask(n, prompt=f"p{n}", max_tokens=3 + 2 * n)))
         assert [recorder.until_end(n)[1]["finish_reason"] for n in range(5)] == ["length"] * 5
         assert max(engine.step_sizes) == 2
 
 
 def test_cancel_frees_the_slot_at_the_next_step_with_the_text_so_far(engine):
     engine.step_delay_s = 0.002
-    with running(engine, max_batch=1) as scheduler:
+    with running(engine, max_batch=1) as engine_loop:
         recorder = Recorder()
         job = recorder.job(ask("c", max_tokens=10_000))
-        scheduler.submit(job)
-        scheduler.submit(recorder.job(ask("next", max_tokens=3)))
+        engine_loop.submit(job)
+        engine_loop.submit(recorder.job(ask("next", max_tokens=3)))
         assert recorder.events.get(timeout=10)["event"] == "token"
-        assert scheduler.withdraw(job, STOP_CANCELLED) is False  # running: the worker ends it
+        assert engine_loop.withdraw(job, STOP_CANCELLED) is False  # running: the worker ends it
         tokens, done = recorder.until_end("c")
         assert done["finish_reason"] == "cancelled"
         assert len(tokens) + 1 <= done["usage"]["generated_tokens"] < 10_000  # + the one read above
@@ -192,44 +198,44 @@ def test_cancel_frees_the_slot_at_the_next_step_with_the_text_so_far(engine):
 
 def test_a_disconnected_job_ends_silently_and_frees_its_slot(engine):
     engine.step_delay_s = 0.002
-    with running(engine, max_batch=1) as scheduler:
+    with running(engine, max_batch=1) as engine_loop:
         recorder = Recorder()
         gone = recorder.job(ask("gone", max_tokens=10_000))
-        scheduler.submit(gone)
+        engine_loop.submit(gone)
         recorder.events.get(timeout=10)
-        scheduler.withdraw(gone, STOP_DISCONNECTED)
-        scheduler.submit(recorder.job(ask("next")))
+        engine_loop.withdraw(gone, STOP_DISCONNECTED)
+        engine_loop.submit(recorder.job(ask("next")))
         _, done = recorder.until_end("next", timeout_s=10)
         assert done["event"] == "done"
         remaining = [recorder.events.get_nowait() for _ in range(recorder.events.qsize())]
         assert all(event["id"] != "gone" or event["event"] == "token" for event in remaining)
-        assert scheduler.requests_running == 0
+        assert engine_loop.requests_running == 0
 
 
 def test_a_waiting_job_can_be_withdrawn(engine):
-    scheduler = Scheduler(engine, max_queue=2)
+    engine_loop = EngineLoop(engine, max_queue=2)
     job = Recorder().job(ask(1))
-    scheduler.submit(job)
-    assert scheduler.withdraw(job, STOP_CANCELLED) is True
-    assert scheduler.queue_depth == 0
+    engine_loop.submit(job)
+    assert engine_loop.withdraw(job, STOP_CANCELLED) is True
+    assert engine_loop.queue_depth == 0
 
 
-def test_bad_asks_end_only_themselves(scheduler):
+def test_bad_asks_end_only_themselves(engine_loop):
     recorder = Recorder()
-    scheduler.submit(recorder.job(ask("empty", prompt="")))
-    scheduler.submit(recorder.job(ask("chat", prompt="chat-without-template")))
-    scheduler.submit(recorder.job(ask("good")))
+    engine_loop.submit(recorder.job(ask("empty", prompt="")))
+    engine_loop.submit(recorder.job(ask("chat", prompt="chat-without-template")))
+    engine_loop.submit(recorder.job(ask("good")))
     assert recorder.until_end("empty")[1]["code"] == "invalid_params"
     assert recorder.until_end("chat")[1]["code"] == "invalid_params"
     assert recorder.until_end("good")[1]["event"] == "done"
 
 
 def test_an_expert_that_cannot_load_ends_the_requests_of_its_step_and_the_rest_go_on(engine):
-    with running(engine, max_batch=1) as scheduler:
+    with running(engine, max_batch=1) as engine_loop:
         recorder = Recorder()
-        scheduler.submit(recorder.job(ask("bad", prompt="!x")))
-        scheduler.submit(recorder.job(ask("hot", prompt="~x")))
-        scheduler.submit(recorder.job(ask("good")))
+        engine_loop.submit(recorder.job(ask("bad", prompt="!x")))
+        engine_loop.submit(recorder.job(ask("hot", prompt="~x")))
+        engine_loop.submit(recorder.job(ask("good")))
         assert recorder.until_end("bad")[1]["code"] == "engine"
         error = recorder.until_end("hot")[1]
         assert (error["event"], error["code"]) == ("error", "thermal") and "86 °C" in error["message"]
@@ -239,11 +245,11 @@ def test_an_expert_that_cannot_load_ends_the_requests_of_its_step_and_the_rest_g
 def test_a_request_that_can_never_fit_the_kv_budget_is_refused_and_one_that_can_waits(engine, pack):
     need = FaultyEngine(pack).start_generation([1, 2, 3], ask(0, prompt="abc", max_tokens=40).params)[1].state.nbytes
     engine.step_delay_s = 0.002
-    with running(engine, kv_budget_bytes=int(1.5 * need)) as scheduler:  # room for one such request at a time
+    with running(engine, kv_budget_bytes=int(1.5 * need)) as engine_loop:  # room for one such request at a time
         recorder = Recorder()
-        scheduler.submit(recorder.job(ask("huge", max_tokens=4000)))
-        scheduler.submit(recorder.job(ask("first", max_tokens=40)))
-        scheduler.submit(recorder.job(ask("second", max_tokens=40)))
+        engine_loop.submit(recorder.job(ask("huge", max_tokens=4000)))
+        engine_loop.submit(recorder.job(ask("first", max_tokens=40)))
+        engine_loop.submit(recorder.job(ask("second", max_tokens=40)))
         error = recorder.until_end("huge")[1]
         assert error["code"] == "invalid_params" and "kv_cache_size" in error["message"]
         assert recorder.until_end("first")[1]["finish_reason"] == "length"
@@ -253,32 +259,32 @@ def test_a_request_that_can_never_fit_the_kv_budget_is_refused_and_one_that_can_
 
 def test_stop_ends_the_running_and_the_waiting_jobs(engine):
     engine.step_delay_s = 0.002
-    scheduler = started(engine, max_batch=1)
+    engine_loop = started(engine, max_batch=1)
     recorder = Recorder()
-    scheduler.submit(recorder.job(ask("running", max_tokens=10_000)))
+    engine_loop.submit(recorder.job(ask("running", max_tokens=10_000)))
     recorder.events.get(timeout=10)
     waiting = recorder.job(ask("waiting"))
-    scheduler.submit(waiting)
-    assert scheduler.stop() == [waiting]  # the caller ends the waiting ones
+    engine_loop.submit(waiting)
+    assert engine_loop.stop() == [waiting]  # the caller ends the waiting ones
     assert recorder.until_end("running")[1]["code"] == "shutdown"
-    assert scheduler.join(10)
-    with pytest.raises(SchedulerStopped):
-        scheduler.submit(recorder.job(ask("late")))
+    assert engine_loop.join(10)
+    with pytest.raises(IntakeClosed):
+        engine_loop.submit(recorder.job(ask("late")))
 
 
 def test_close_intake_drains_the_whole_batch(engine):
-    scheduler = started(engine, max_batch=3)
+    engine_loop = started(engine, max_batch=3)
     recorder = Recorder()
     for n in range(5):
-        scheduler.submit(recorder.job(ask(n, max_tokens=6)))
-    scheduler.close_intake()
+        engine_loop.submit(recorder.job(ask(n, max_tokens=6)))
+    engine_loop.close_intake()
     assert [recorder.until_end(n)[1]["finish_reason"] for n in range(5)] == ["length"] * 5
-    assert scheduler.join(10)
+    assert engine_loop.join(10)
 
 
-def test_logprobs_carry_the_alternatives_text(scheduler, engine):
+def test_logprobs_carry_the_alternatives_text(engine_loop, engine):
     recorder = Recorder()
-    scheduler.submit(recorder.job(ask("lp", max_tokens=2, logprobs=1)))
+    engine_loop.submit(recorder.job(ask("lp", max_tokens=2, logprobs=1)))
     tokens, _ = recorder.until_end("lp")
     token_id, text, logprob = tokens[0]["top_logprobs"][0]
     assert text == engine.tokenizer.decode([token_id]) and logprob == tokens[0]["logprob"]
@@ -286,18 +292,18 @@ def test_logprobs_carry_the_alternatives_text(scheduler, engine):
 
 def test_status_shows_each_running_request_and_the_batch(engine):
     engine.step_delay_s = 0.002
-    with running(engine, max_batch=4) as scheduler:
+    with running(engine, max_batch=4) as engine_loop:
         recorder = Recorder()
         for n in range(2):
-            scheduler.submit(recorder.job(ask(n, max_tokens=10_000)))
+            engine_loop.submit(recorder.job(ask(n, max_tokens=10_000)))
         deadline = time.monotonic() + 10
-        while scheduler.requests_running < 2 or any(r["tokens"] < 2 for r in scheduler.running_status()):
+        while engine_loop.requests_running < 2 or any(r["tokens"] < 2 for r in engine_loop.running_status()):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        requests = scheduler.running_status()
+        requests = engine_loop.running_status()
         assert {r["id"] for r in requests} == {0, 1} and {r["phase"] for r in requests} == {"decode"}
         assert all(r["peer"] == "a client" and r["tokens_per_s"] > 0 for r in requests)
-        batch, kv = scheduler.batch_status(), scheduler.kv_status()
+        batch, kv = engine_loop.batch_status(), engine_loop.kv_status()
         assert batch["max_batch"] == 4 and batch["size"] == 2 and batch["steps"] > 0
         assert 0 < batch["distinct_experts_per_layer_step"] <= batch["sequence_experts_per_layer_step"]
         assert kv["budget_bytes"] == BIG_BUDGET and kv["used_bytes"] > 0 and kv["sequences"] == 2

@@ -1,4 +1,8 @@
-"""The scheduler: a bounded queue of asks and ONE engine thread that runs them as a batch.
+"""The engine loop: ONE engine thread that runs the asks as a batch, and the bounded queue that feeds it.
+
+The engine thread takes asks from the head of the queue into the batch, steps the batch, and hands each
+ask's tokens and its end back to its connection as typed events (colibrid/wire/events.py); the
+connection turns them into frames. It decides little: asks join in order of arrival, as room allows.
 
 Every admitted ask is a sequence of the engine's Batch: each step advances all of them
 together (a decode token each, and prompt chunks of those still prefilling), so a routed
@@ -8,14 +12,14 @@ otherwise they wait in the queue, in order, and beyond max_queue a new ask gets 
 a client is better served by an error it can retry than by a wait it cannot see the end of.
 
 The engine is not thread-safe and a step is CPU- and disk-bound, so it runs on its own
-thread, never on the event loop: the loop keeps reading, writing and answering `status` while
-the batch decodes. The loop and the worker share only
+thread, never on the event loop: the event loop keeps reading, writing and answering `status`
+while the batch decodes. The event loop and the worker share only
 
-  - the queue (a deque under a Condition): the loop submits and withdraws, the worker takes;
-  - Job.stop_reason, which the loop sets (cancel, disconnect, shutdown) and the worker reads
+  - the queue (a deque under a Condition): the event loop submits and withdraws, the worker takes;
+  - Job.stop_reason, which the event loop sets (cancel, disconnect, shutdown) and the worker reads
     at each step boundary, where it takes the sequence out of the batch - so a dead client
     frees its slot and its KV within one step;
-  - Job.emit, through which the worker hands each event back; the server makes it
+  - Job.emit, through which the worker hands each event back; the connection makes it
     loop.call_soon_threadsafe, so the worker never waits for a client, however slow.
 
 Stopping has two steps, so that SIGTERM can drain: close_intake() refuses new asks but lets the
@@ -34,21 +38,21 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Union
 
 from colibrid.engine.batch import BatchSequence, SequenceFailed, StepFailed
 from colibrid.engine.text.chat_template import ChatTemplateError
 from colibrid.engine.experts.cache import ExpertLoadingPaused
 from colibrid.engine.experts.source import ExpertDamagedError, ExpertLoadError
-from colibrid.engine.generate import GenerationDone
-from colibrid.wire.protocol import (
-    Ask, cancelled_before_start_event, done_event, error_event, shutdown_event, token_event, token_routing,
-)
+from colibrid.engine.generate import GenerationDone, GenerationEvent
+from colibrid.wire.events import DoneEvent, ErrorEvent, TokenEvent, TokenRouting, Usage
+from colibrid.wire.requests import Ask
 from colibrid.daemon.routing_stream import RoutingStream, token_rows
 
 log = logging.getLogger(__name__)
 
-Event = dict[str, Any]
+# What the engine thread hands a job's connection: its tokens, then one done or error.
+AskEvent = Union[TokenEvent, DoneEvent, ErrorEvent]
 
 # An idle engine that gets an ask waits this long (from the ask's arrival) for others before
 # its first step, unless max_batch asks are already there: asks that come together (xargs -P8,
@@ -65,19 +69,19 @@ STOP_SHUTDOWN = "shutdown"  # the daemon is stopping: the job ends with a `shutd
 
 
 class QueueFull(Exception):
-    pass
+    """max_queue asks already wait."""
 
 
-class SchedulerStopped(Exception):
-    pass
+class IntakeClosed(Exception):
+    """The loop takes no new asks: the daemon is draining or stopping."""
 
 
 @dataclass(eq=False)
 class Job:
-    """One ask on its way through the scheduler."""
+    """One ask on its way through the engine loop."""
 
     ask: Ask
-    emit: Callable[[Event], None]  # thread-safe: hands one event back to the connection
+    emit: Callable[[AskEvent], None]  # thread-safe: hands one event back to the connection
     stop_reason: str | None = None
     submitted_s: float = field(default_factory=time.monotonic)
     origin: str = "a client"  # who asked, for the log: "connection 3 (uid 1000 (alice) gid 1000 pid 42)"
@@ -87,16 +91,29 @@ class Job:
     sequence: BatchSequence | None = None  # while it runs
 
 
-def shutdown_error(job: Job) -> Event:
-    return shutdown_event(job.ask.id)
+def shutdown_error(job: Job) -> ErrorEvent:
+    return ErrorEvent(job.ask.id, "shutdown", "colibrid is stopping; the request was not completed")
 
 
-def cancelled_done(job: Job) -> Event:
-    """The `done` of a job cancelled before it started."""
-    return cancelled_before_start_event(job.ask.id)
+def cancelled_done(job: Job) -> DoneEvent:
+    """The `done` of a job cancelled while it still waited in the queue: nothing was generated."""
+    return DoneEvent(job.ask.id, "cancelled", "", Usage())
 
 
-class Scheduler:
+def done_event(job: Job, done: GenerationDone, sequence: BatchSequence) -> DoneEvent:
+    """The `done` ending a job: the engine's GenerationDone (finish_reason, text and counts) and
+    the expert cache's hits and misses in the steps the job's sequence took part in."""
+    return DoneEvent(job.ask.id, done.finish_reason, done.text, Usage(
+        prompt_tokens=done.prompt_tokens, cached_prompt_tokens=done.cached_prompt_tokens,
+        generated_tokens=done.generated_tokens, time_to_first_token_ms=done.time_to_first_token_s * 1000.0,
+        decode_tokens_per_s=done.decode_tokens_per_s, expert_cache_hits=sequence.expert_hits,
+        expert_cache_misses=sequence.expert_misses))
+
+
+class EngineLoop:
+    """The engine thread and its queue of asks. The event loop submits, withdraws and reads
+    counters (the "called from the event loop" methods); everything else runs on the thread."""
+
     def __init__(self, engine, max_queue: int, max_batch: int = 8, prefill_chunk: int = 512,
                  kv_budget_bytes: int = 1 << 30, prefix_cache_bytes: int = 0,
                  burst_window_s: float = BURST_WINDOW_S) -> None:
@@ -111,11 +128,11 @@ class Scheduler:
         self.tokens_generated = 0  # tokens streamed since start, for the recent tokens/s in STATUS=
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._running: list[Job] = []  # replaced, never changed in place: the loop may read it any time
+        self._running: list[Job] = []  # replaced, never changed in place: the event loop may read it any time
         self._between_steps: collections.deque[Callable[[], None]] = collections.deque()
         self._intake_closed = False  # no new asks; the worker exits once nothing runs or waits
         self._stopped = False  # the worker exits after its current step
-        self._last_progress_s = time.monotonic()  # written by the worker, read by the loop: one float
+        self._last_progress_s = time.monotonic()  # written by the worker, read by the event loop: one float
         self._thread = threading.Thread(target=self._work, name="colibrid-engine", daemon=True)
 
     # -- called from the event loop -------------------------------------------------------
@@ -156,7 +173,7 @@ class Scheduler:
     def submit(self, job: Job) -> None:
         with self._cond:
             if self._stopped or self._intake_closed:
-                raise SchedulerStopped()
+                raise IntakeClosed()
             if len(self._waiting) >= self.max_queue:
                 raise QueueFull()
             self._waiting.append(job)
@@ -259,7 +276,7 @@ class Scheduler:
             if not self.batch.has_room(session.state.nbytes):
                 return  # it waits for a sequence to end and free its KV; the order is kept
             if not self._take_from_queue(job):
-                continue  # withdrawn meanwhile: the loop has ended it
+                continue  # withdrawn meanwhile: the event loop has ended it
             job.sequence = self.batch.admit(job, generation, session, job.prefix_scope)
             with self._cond:
                 self._running = self._running + [job]
@@ -274,7 +291,7 @@ class Scheduler:
                 return True
             return False
 
-    def _prepare(self, job: Job) -> Event | None:
+    def _prepare(self, job: Job) -> ErrorEvent | None:
         """Tokenizes the ask and builds its generation and state (sets job.prepared); the
         error event that ends it instead, if any."""
         ask = job.ask
@@ -286,12 +303,12 @@ class Scheduler:
             self.batch.check_fits_alone(session.state.nbytes)
         except ChatTemplateError as exc:  # the pack's template went over its budget: the model's fault
             log.warning("request %r from %s: %s", ask.id, job.origin, exc)
-            return error_event(ask.id, "engine", str(exc))
+            return ErrorEvent(ask.id, "engine", str(exc))
         except ValueError as exc:  # an empty or too long prompt, a chat without a template, too much KV
-            return error_event(ask.id, "invalid_params", str(exc))
+            return ErrorEvent(ask.id, "invalid_params", str(exc))
         except Exception:  # the worker must survive any one request
             log.exception("request %r from %s could not start", ask.id, job.origin)
-            return error_event(ask.id, "engine", "internal error; see the daemon log")
+            return ErrorEvent(ask.id, "engine", "internal error; see the daemon log")
         job.prepared = (generation, session)
         return None
 
@@ -308,7 +325,7 @@ class Scheduler:
         for index, (sequence, outcomes) in enumerate(results):  # in the step's order: sequence `index` of it
             debug = routing is not None and sequence.key.ask.debug_routing and token_rows(routing, index)
             self._deliver(sequence.key, sequence, outcomes,
-                          token_routing(self.batch.steps, routing.layers, *debug) if debug else None)
+                          TokenRouting(self.batch.steps, routing.layers, *debug) if debug else None)
 
     def _fail(self, sequences: list[BatchSequence], cause: BaseException | None) -> None:
         """A step failed: its sequences had their states partly advanced, so they all end with
@@ -327,20 +344,29 @@ class Scheduler:
             job = sequence.key
             if level is not None:
                 log.log(level, "request %r from %s: %s", job.ask.id, job.origin, message)
-            self._finish(job, error_event(job.ask.id, code, message, damage))
+            self._finish(job, ErrorEvent(job.ask.id, code, message, damage))
 
-    def _deliver(self, job: Job, sequence: BatchSequence, outcomes: list, routing: dict | None = None) -> None:
+    def _deliver(self, job: Job, sequence: BatchSequence, outcomes: list,
+                 routing: TokenRouting | None = None) -> None:
         for outcome in outcomes:
             if isinstance(outcome, SequenceFailed):
                 log.error("request %r from %s: %s", job.ask.id, job.origin, outcome.message)
-                self._finish(job, error_event(job.ask.id, outcome.code, outcome.message, outcome.damage))
+                self._finish(job, ErrorEvent(job.ask.id, outcome.code, outcome.message, outcome.damage))
             elif isinstance(outcome, GenerationDone):
-                self._finish(job, done_event(job.ask.id, outcome, sequence.expert_hits, sequence.expert_misses))
+                self._finish(job, done_event(job, outcome, sequence))
             elif job.stop_reason is None:  # a stopped job gets nothing more; _retire_stopped ends it
                 self.tokens_generated += 1
-                token_text = self.engine.tokenizer.decode if job.ask.params.logprobs is not None else None
-                job.emit(token_event(job.ask.id, outcome, None if token_text is None else
-                                     (lambda token_id: token_text([token_id])), routing))
+                job.emit(self._token_event(job, outcome, routing))
+
+    def _token_event(self, job: Job, token: GenerationEvent, routing: TokenRouting | None) -> TokenEvent:
+        """A sampled token (the engine's GenerationEvent) as its `token` event. With logprobs
+        asked for, its logprob and its alternatives as [id, text, logprob]: the texts are decoded
+        here, on the engine thread, which owns the tokenizer."""
+        if job.ask.params.logprobs is None:
+            return TokenEvent(job.ask.id, [token.token_id], token.text, routing=routing)
+        alternatives = [[token_id, self.engine.tokenizer.decode([token_id]), logprob]
+                        for token_id, logprob in (token.top_logprobs or [])]
+        return TokenEvent(job.ask.id, [token.token_id], token.text, token.logprob, alternatives, routing)
 
     def _retire_stopped(self) -> None:
         """Takes the cancelled, disconnected and shut-down sequences out of the batch."""
@@ -350,36 +376,35 @@ class Scheduler:
             sequence = self.batch.remove(job)
             log.debug("request %r from %s stopped (%s)", job.ask.id, job.origin, job.stop_reason)
             if job.stop_reason == STOP_CANCELLED and sequence is not None:
-                self._finish(job, done_event(job.ask.id, sequence.generation.done("cancelled"),
-                                             sequence.expert_hits, sequence.expert_misses))
+                self._finish(job, done_event(job, sequence.generation.done("cancelled"), sequence))
             elif job.stop_reason == STOP_SHUTDOWN:
                 self._finish(job, shutdown_error(job))
             else:
                 self._finish(job, None)  # disconnected: nobody to tell
 
-    def _finish(self, job: Job, last_event: Event | None) -> None:
+    def _finish(self, job: Job, last_event: DoneEvent | ErrorEvent | None) -> None:
         # The job stops counting as running before its last event leaves, so a client that
         # asks for `status` right after `done` never sees its own request still running.
         with self._cond:
             if job in self._running:
                 self._running = [other for other in self._running if other is not job]
             self._last_progress_s = time.monotonic()
-            if last_event is not None and last_event["event"] == "done":
+            if isinstance(last_event, DoneEvent):
                 self.requests_served += 1
         if last_event is not None:
             job.emit(last_event)
         self._log_finished(job, last_event)
 
     @staticmethod
-    def _log_finished(job: Job, last_event: Event | None) -> None:
+    def _log_finished(job: Job, last_event: DoneEvent | ErrorEvent | None) -> None:
         """One info line per request the engine took: who asked, how much, how fast, how it ended."""
-        if last_event is not None and last_event["event"] == "done":
-            usage = last_event["usage"]
-            ending = last_event["finish_reason"]
-            prompt_tokens, generated_tokens = usage["prompt_tokens"], usage["generated_tokens"]
-            tokens_per_s = usage["decode_tokens_per_s"]
+        if isinstance(last_event, DoneEvent):
+            usage = last_event.usage
+            ending = last_event.finish_reason
+            prompt_tokens, generated_tokens = usage.prompt_tokens, usage.generated_tokens
+            tokens_per_s = usage.decode_tokens_per_s
         else:  # an error, or a client that went away: what it had produced until then
-            ending = f"error {last_event['code']}" if last_event is not None else str(job.stop_reason)
+            ending = f"error {last_event.code}" if last_event is not None else str(job.stop_reason)
             generation = job.sequence.generation if job.sequence is not None else None
             prompt_tokens = generation.prompt_tokens if generation is not None else 0
             generated_tokens = generation.generated_tokens if generation is not None else 0

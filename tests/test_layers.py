@@ -1,7 +1,7 @@
 """The import graph of the product code: a directory is a layer, and imports only point down.
 
     tools · gateway · colibrictl                     entry points
-    daemon                                           lifecycle, server, scheduler, config
+    daemon                                           lifecycle, server, connections, engine loop, config
     engine · system · settings                       the model at work; what the daemon asks of the machine;
                                                      how a program reads its config
     models · pack · thermal · blockdev               descriptions and formats

@@ -1,8 +1,8 @@
 """The step plan: which sequences of a batch take part in the next step, and with which tokens.
 
-This is the scheduler's contract with the model step (engine/batch.py). ``plan_step`` looks at
-the running sequences in arrival order and returns a StepPlan, one PlannedRows per sequence in
-the step, in that order:
+This is the contract between the batch (engine/batch.py) and the model step it runs.
+``plan_step`` looks at the running sequences in arrival order and returns a StepPlan, one
+PlannedRows per sequence in the step, in that order:
 
 - Every decoding sequence (one that has sampled a token) is in every step, with one token: the
   last one it sampled. A step never leaves a decoding sequence without its next token.

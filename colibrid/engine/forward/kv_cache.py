@@ -11,8 +11,8 @@ and held in the sequence's SequenceState, one per layer: the sequence owns them,
 only read and write them during a step, so many sequences can share one model.
 
 Every cache is allocated whole when the sequence starts, for the most tokens it may hold, so
-``nbytes`` is known before the first step: the scheduler admits a sequence only when that fits
-in the KV budget, and a cache never grows (or copies itself) under a running batch. The
+``nbytes`` is known before the first step: the batch admits a sequence (Batch.has_room) only
+when that fits in the KV budget, and a cache never grows (or copies itself) under a running batch. The
 buffers come from np.empty: the kernel backs a page with memory only when a token is first
 written to it, so a short chat in a long context costs its tokens, not the context.
 

@@ -118,6 +118,7 @@ def build_shaped_pack(out: Path, num_layers: int, num_experts: int, top_k: int, 
                       force: bool = True) -> Path:
     """Writes an OLMoE-architecture pack of this shape; returns its path."""
     from colibrid.models.config import ModelConfig
+    from colibrid.models.optional_tensors import OPTIONAL_TENSORS
     from colibrid.pack.writer import PackWriter
 
     out = Path(out)
@@ -130,7 +131,9 @@ def build_shaped_pack(out: Path, num_layers: int, num_experts: int, top_k: int, 
         subprocess.run([sys.executable, "-m", "colibrid.tools.demo", str(template), "--force"], check=True,
                        capture_output=True, cwd=ROOT)
         manifest = json.loads((template / "manifest.json").read_text())
-        model = dict(manifest["model"])
+        # The model section also states the optional tensors (flags, not ModelConfig fields): the
+        # random pack written here has none of them.
+        model = {key: value for key, value in manifest["model"].items() if key not in OPTIONAL_TENSORS}
         model.update(vocab_size=vocab, hidden_size=hidden, num_layers=num_layers, num_heads=heads, num_kv_heads=kv_heads,
                      head_dim=head_dim, num_experts=num_experts, num_experts_per_tok=top_k, expert_ffn=ffn,
                      sliding_window=[None] * num_layers, moe_layers=[True] * num_layers)

@@ -66,6 +66,12 @@ class MemoryBudget:
         return self.cgroup is not None and self.cgroup.headroom_bytes < self.mem_available_bytes
 
     @property
+    def limit_ignores_hugetlb(self) -> bool:
+        """A cgroup memory limit applies that does not count hugetlb pages: a hugetlb cache
+        would live outside it, so hugepages = "auto" does not raise vm.nr_hugepages under it."""
+        return self.cgroup is not None and not self.cgroup.counts_hugetlb
+
+    @property
     def available_bytes(self) -> int:
         return self.cgroup.headroom_bytes if self.limited_by_cgroup else self.mem_available_bytes
 

@@ -1,9 +1,11 @@
 """colibrid.system.memory: percentages are of the memory budget (MemAvailable, or the room under the
 cgroup limit when smaller), and the hugepage record that lets the next colibrid give back the
-pages of one that was killed. vm.nr_hugepages and /proc/meminfo are fake files here."""
+pages of one that was killed; and the expert cache's MachineMemory over them.
+vm.nr_hugepages and /proc/meminfo are fake files here."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from colibrid.system import memory
+from colibrid.system.cache_memory import MachineMemory
 from colibrid.system.cgroup_memory import CgroupLimit
 from colibrid.system.memory import HugepageRecord, MemoryBudget, parse_size, reserve_hugepages, return_orphaned_hugepages
 
@@ -47,6 +50,12 @@ def test_a_cgroup_limit_above_mem_available_leaves_mem_available():
 def test_status_says_how_hugetlb_pages_count():
     assert "not charged to the cgroup v1 memory limit" in MemoryBudget(1, _limit(2, 0)).hugetlb_treatment()
     assert "charged to the cgroup memory limit" in MemoryBudget(1, _limit(2, 0, counts_hugetlb=True)).hugetlb_treatment()
+
+
+def test_a_limit_that_does_not_count_hugetlb_pages_is_named_for_the_cache():
+    assert MemoryBudget(1, _limit(2, 0)).limit_ignores_hugetlb
+    assert not MemoryBudget(1, _limit(2, 0, counts_hugetlb=True)).limit_ignores_hugetlb
+    assert not MemoryBudget(1, None).limit_ignores_hugetlb
 
 
 def test_a_percentage_is_of_the_budget_when_none_is_given(tmp_path, monkeypatch):
@@ -206,3 +215,49 @@ def test_looking_for_orphans_creates_nothing(tmp_path, monkeypatch):
     FakeHugepages(tmp_path, monkeypatch, total=4, free=4)
     assert return_orphaned_hugepages(HugepageRecord(tmp_path / "run" / "colibri" / "hugepages.json")) == 0
     assert not (tmp_path / "run").exists()
+
+
+# ---- the expert cache's memory: MachineMemory ---------------------------------------------------
+
+
+def test_the_machine_memory_measures_the_budget_at_every_cache_build_unless_given_one(tmp_path, monkeypatch):
+    (tmp_path / "meminfo").write_text("MemAvailable: 8388608 kB\n")
+    monkeypatch.setattr(memory, "MEMINFO", tmp_path / "meminfo")
+    monkeypatch.setattr(memory.cgroup_memory, "memory_limit", lambda root=None: None)
+    machine = MachineMemory(None)
+    assert machine.budget() == MemoryBudget(8192 * MiB, None)
+    (tmp_path / "meminfo").write_text("MemAvailable: 4194304 kB\n")
+    assert machine.budget().available_bytes == 4096 * MiB  # measured again: a resize sees memory as it is
+    given = MemoryBudget(1024 * MiB, _limit(4096 * MiB, 0))
+    assert MachineMemory(None, given).budget() is given
+
+
+def test_the_machine_memory_raises_the_pool_and_writes_it_down_in_its_record(tmp_path, monkeypatch):
+    pages = FakeHugepages(tmp_path, monkeypatch, total=4, free=4)
+    record_path = tmp_path / "run" / "hugepages.json"
+    grant = MachineMemory(record_path).reserve_hugepages(10 * 2 * MiB, raise_pool=True)
+    assert (grant.available, grant.pages_added, pages.total) == (True, 6, 10)
+    assert [entry["pages"] for entry in _record_of(record_path)] == [6]
+    grant.release()
+    assert pages.total == 4 and not record_path.exists()
+    target = MachineMemory(None).reserve_hugepages(2 * 2 * MiB, raise_pool=True, target_total=12)
+    assert (target.pages_added, pages.total) == (8, 12)  # hugepages = 12: the pool to at least 12
+    target.release()
+    assert pages.total == 4
+
+
+def test_the_machine_memory_raises_nothing_when_not_asked_to(tmp_path, monkeypatch):
+    pages = FakeHugepages(tmp_path, monkeypatch, total=4, free=2)
+    grant = MachineMemory(tmp_path / "hugepages.json").reserve_hugepages(10 * 2 * MiB, raise_pool=False)
+    assert (grant.available, grant.pages_added, pages.total) == (False, 0, 4)
+    assert grant.message == "10 hugetlb pages needed, 2 free (vm.nr_hugepages = 4)"
+    assert not (tmp_path / "hugepages.json").exists()
+
+
+def test_only_root_may_raise_the_pool_and_the_memlock_hint_is_the_daemon_s(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert MachineMemory(None).may_raise_hugepages is False
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert MachineMemory(None).may_raise_hugepages is True
+    assert MachineMemory(None).memlock_fix_hint(1 << 30, errno.EPERM) == memory.memlock_fix_hint(1 << 30, errno.EPERM)
+    assert "LimitMEMLOCK" in MachineMemory(None).memlock_fix_hint(1 << 30, errno.EPERM)

@@ -184,7 +184,7 @@ def build_shaped_pack(out: Path, num_layers: int, num_experts: int, top_k: int, 
 
 def measure_disk(pack_path: Path, queue_depth: int = 16, seconds: float = 4.0, seed: int = 1) -> dict:
     """O_DIRECT read bandwidth of random whole expert records at ``queue_depth``."""
-    from colibrid.engine.experts.cache import expert_slot_bytes
+    from colibrid.engine.experts.slab import expert_slot_bytes
     from colibrid.pack.reader import Pack
 
     pack = Pack.open(pack_path)
@@ -246,6 +246,7 @@ class DecodeRun:
         from colibrid.engine.experts.cache import CachedExpertSource
         from colibrid.engine.routing_override import RoutingOverride
         from colibrid.pack.reader import Pack
+        from colibrid.system.cache_memory import MachineMemory
 
         kind, lookahead_top = prefetch_mode(prefetch)
         if kind == "oracle" and replay is None:
@@ -253,7 +254,8 @@ class DecodeRun:
         self.prefetch, self.oracle, self.policy, self.feed, self.replay = prefetch, kind == "oracle", policy, feed, replay
         self.pack = Pack.open(pack_path)
         self.source = CachedExpertSource(self.pack, cache_bytes, policy=policy, io_queue_depth=queue_depth,
-                                         hugepages=hugepages, lock_memory="try", prefetch=kind != "off")
+                                         hugepages=hugepages, lock_memory="try", prefetch=kind != "off",
+                                         memory=MachineMemory())  # the daemon's: hugepages as it gets them
         try:
             # With prefetch on, each MoE layer predicts the next one's experts (replaying: the trace's guesses,
             # when the recording predictor would have made them)

@@ -433,7 +433,7 @@ class StepBytes:
 
     @classmethod
     def of(cls, pack_path: Path) -> "StepBytes":
-        from colibrid.engine.experts.cache import expert_slot_bytes
+        from colibrid.engine.experts.slab import expert_slot_bytes
         from colibrid.pack.reader import Pack
 
         pack = Pack.open(pack_path)
@@ -537,7 +537,7 @@ def colibri_cache_bytes(pack: Path, memory: Memory, sequences: int, tokens: int,
     weights, the process allowance and the sequences' KV caches, as the daemon's memory budget
     counts them. A string says why the limit leaves too little: less than one layer's experts,
     which one prompt (or one batch step) may need at once."""
-    from colibrid.engine.experts.cache import expert_slot_bytes
+    from colibrid.engine.experts.slab import expert_slot_bytes
     from colibrid.sizes import format_bytes
     from colibrid.pack.reader import Pack
 

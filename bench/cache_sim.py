@@ -469,7 +469,7 @@ def run_policy(trace: Trace, spec: str, slots: int, per_token: bool = False, sec
 def native_replay(pack_path: Path, steps: list[LayerStep], slots: int, policy: str) -> dict:
     """The real cache's counters on the same layer steps (each one acquire: none exceeds the slots)."""
     from bench_aepc import replay_trace
-    from colibrid.engine.experts.cache import expert_slot_bytes
+    from colibrid.engine.experts.slab import expert_slot_bytes
     from colibrid.pack.reader import Pack
 
     slot_bytes = expert_slot_bytes(Pack.open(pack_path).manifest)

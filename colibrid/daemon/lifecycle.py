@@ -36,6 +36,7 @@ from colibrid.daemon.config import KEYS, ConfigError, DaemonConfig, load_config
 from colibrid.daemon.listener import Listener, ListenerError, check_free, open_listeners
 from colibrid.system.logsetup import configure_logging, set_level
 from colibrid.sizes import format_bytes
+from colibrid.system.cache_memory import MachineMemory
 from colibrid.system.memory import HugepageRecord, measure_budget, parse_size, return_orphaned_hugepages
 from colibrid.wire.errors import ProtocolViolation
 from colibrid.wire.events import Event, HelloEvent, event_from_wire
@@ -235,13 +236,15 @@ class Daemon:
             raise StartupError(f"cannot pin threads: {exc}") from None
 
     def _cache_settings(self):
-        """The expert cache as the config describes it; its loader threads run on the I/O CPUs."""
+        """The expert cache as the config describes it, on this machine's memory (its budget
+        measured at each build, hugepages raised as root and written down in hugepage_record);
+        its loader threads run on the I/O CPUs."""
         from colibrid.engine.experts.cache import ExpertCacheSettings  # imported here: it loads libcolibri
 
         c = self.config
         return ExpertCacheSettings(cache_size=c.cache_size, policy=c.cache_policy, io_queue_depth=c.io_queue_depth,
                                    prefetch=c.prefetch == "lookahead", hugepages=c.hugepages,
-                                   lock_memory=c.lock_memory, hugepage_record=c.hugepage_record,
+                                   lock_memory=c.lock_memory, memory=MachineMemory(c.hugepage_record),
                                    loader_cpus=self._cpus.io if self._cpus is not None else None)
 
     def _load_engine(self):

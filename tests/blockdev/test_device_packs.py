@@ -42,7 +42,7 @@ def _greedy(pack_path: Path, cache: bool) -> list[int]:
     from colibrid.engine.experts.cache import ExpertCacheSettings
     from colibrid.pack import Pack
 
-    settings = ExpertCacheSettings(cache_size="4M", hugepages="off", lock_memory="off", hugepage_record=None)
+    settings = ExpertCacheSettings(cache_size="4M", hugepages="off", lock_memory="off")
     engine = Engine(Pack.open(pack_path), cache=settings if cache else None)
     try:
         session, ids = engine.new_session(), engine.tokenizer.encode(PROMPT_TEXT, add_special_tokens=True)

@@ -34,7 +34,7 @@ def _settings(pack_path, slots: int, **changes):
     from colibrid.engine.experts.cache import ExpertCacheSettings
 
     return ExpertCacheSettings(cache_size=slots * _slot_bytes(pack_path), hugepages="off", lock_memory="off",
-                               hugepage_record=None, **changes)
+                               **changes)
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def test_a_rebuild_that_cannot_be_had_keeps_the_current_cache(engine, reference,
 def _settings_of_size(cache_bytes: int):
     from colibrid.engine.experts.cache import ExpertCacheSettings
 
-    return ExpertCacheSettings(cache_size=cache_bytes, hugepages="off", lock_memory="off", hugepage_record=None)
+    return ExpertCacheSettings(cache_size=cache_bytes, hugepages="off", lock_memory="off")
 
 
 def test_the_loader_s_limits_reach_every_cache_the_engine_builds_later(engine, demo_pack):

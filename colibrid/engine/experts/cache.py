@@ -14,57 +14,49 @@ released), one call unpins at the end. The weights are read-only numpy views int
 Same model, any placement: the bytes a view shows are exactly the record's bytes (checked),
 so outputs are bit-identical to PreadExpertSource for every cache size.
 
+What backs the slab (its size, hugetlb pages, the lock, every fallback) is slab.py, asking the
+machine through the CacheMemory handed in (backing.py); the counters status shows are
+cache_stats.py.
+
 Shape letters: S slots, L layers, E experts per layer, N experts in one request.
 """
 
 from __future__ import annotations
 
-import errno
 import functools
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 
 from colibrid import native
+from colibrid.engine.experts.backing import CacheMemory, StatedMemory
+from colibrid.engine.experts.cache_stats import PredictionTally, cache_stats
+from colibrid.engine.experts.slab import (BACKING_NAMES, LOCK_MODES, ExpertCacheError, HugepagePlan, check_budget,
+                                          count_slots, errno_name, expert_slot_bytes, map_slab, plan_hugepages)
 from colibrid.engine.experts.source import (AcquiredExperts, ExpertChecksumError, ExpertDamagedError, ExpertLoadError,
                                      ExpertLoadingPaused, ExpertSource, LoadingPause, damaged_record_of)
-from colibrid.sizes import format_bytes, size_in_bytes
-from colibrid.system.memory import (DEFAULT_HUGEPAGE_RECORD, HugepageRecord, HugepageReservation, MemoryBudget,
-                                    measure_budget, memlock_fix_hint, reserve_hugepages)
+from colibrid.sizes import format_bytes
 from colibrid.pack.manifest import PackError
 from colibrid.pack.reader import ExpertWeights, Pack
 
 log = logging.getLogger(__name__)
 
-PAGE_BYTES = 4096
-
-
-def expert_slot_bytes(manifest) -> int:
-    """One cache slot: the pack's largest expert record, in whole pages (the reads are O_DIRECT)."""
-    return -(-max(r.length for r in manifest.expert_records) // PAGE_BYTES) * PAGE_BYTES
 POLICIES = {"lru": native.CachePolicy.LRU, "lfru": native.CachePolicy.LFRU, "lfu-decay": native.CachePolicy.DECAYED_LFU,
             "next-use": native.CachePolicy.NEXT_USE}
 # lfu-decay's half-life, in decode tokens: the best of a sweep on both trained models' routing
 # traces (docs/performance-log.md); the cache counts it in requested experts (layers x top-k a token).
 DECAY_HALF_LIFE_TOKENS = 16
-LOCK_MODES = {"off": native.AepcMode.OFF, "try": native.AepcMode.TRY, "required": native.AepcMode.REQUIRED}
-BACKING_NAMES = {native.SlabBacking.PAGES: "pages", native.SlabBacking.THP: "thp", native.SlabBacking.HUGETLB: "hugetlb"}
-
-
-class ExpertCacheError(Exception):
-    """The expert cache cannot be set up as configured; the message says how to fix it."""
 
 
 @dataclass(frozen=True)
 class ExpertCacheSettings:
     """How the engine builds its expert cache: the daemon's config keys of the same names
-    (cache_size, cache_policy, io_queue_depth, prefetch, hugepages, lock_memory,
-    hugepage_record). See CachedExpertSource for what each value means."""
+    (cache_size, cache_policy, io_queue_depth, prefetch, hugepages, lock_memory), and what
+    the machine gives it. See CachedExpertSource for what each value means."""
 
     cache_size: int | str = "50%"
     policy: str = "next-use"
@@ -72,36 +64,12 @@ class ExpertCacheSettings:
     prefetch: bool = False
     hugepages: str | int = "auto"
     lock_memory: str = "try"
-    hugepage_record: Path | None = DEFAULT_HUGEPAGE_RECORD
+    # The machine's memory (budget, hugetlb pages, memlock hint); None: StatedMemory(), which
+    # measures nothing and raises no hugetlb pages. The daemon hands in the system's.
+    memory: CacheMemory | None = None
     # The CPUs of the cache's loader threads, which inherit the mask of the thread that makes
     # the cache (the engine's, on the compute CPUs); None: that thread's CPUs.
     loader_cpus: frozenset[int] | None = None
-
-
-@dataclass
-class _Prediction:
-    """Prefetch prediction quality of one layer: predicted vs. actually requested experts."""
-
-    predicted: int = 0  # experts named by prefetch()
-    requested: int = 0  # experts requested by acquire() after a prediction
-    correct: int = 0  # requested experts that were predicted
-    last: set = field(default_factory=set)
-
-
-def _errno_name(e: int) -> str | None:
-    return errno.errorcode.get(e, str(e)) if e else None
-
-
-def _percentile_ms(hist: np.ndarray, q: float) -> float | None:
-    """Upper edge (ms) of the histogram bucket holding the q-quantile; None if empty."""
-    total = int(hist.sum())
-    if total == 0:
-        return None
-    rank = q * total
-    b = int(np.searchsorted(np.cumsum(hist), rank, side="left"))
-    b = min(b, len(hist) - 1)
-    upper_us = native.latency_bucket_lower_us(b + 1) if b + 1 < len(hist) else native.latency_bucket_lower_us(b) * 2
-    return round(max(upper_us, 1.0) / 1000.0, 3)
 
 
 class _PinnedExperts(AcquiredExperts):
@@ -147,27 +115,29 @@ def decay_half_life_requests(config, table: np.ndarray) -> int:
 class CachedExpertSource(ExpertSource):
     """An ExpertSource whose experts live in a bounded slab cache.
 
-    cache_bytes      int or a size string ("6G", "40%" of the memory budget: MemAvailable, or
-                     the headroom under the cgroup memory limit when smaller); rounded down
-                     to whole slots, at least one slot, at most one slot per expert.
+    cache_bytes      int or a size string ("6G", "40%" of the memory budget ``memory`` gives:
+                     for the daemon MemAvailable, or the headroom under the cgroup memory
+                     limit when smaller); rounded down to whole slots, at least one slot, at
+                     most one slot per expert.
     policy           "next-use" (the expert whose next request is expected farthest ahead, from
                      its layer's place in the pass over the layers and its decayed per-token
                      rate, half-life 16 tokens), "lfu-decay" (frequency with exponential decay,
                      half-life DECAY_HALF_LIFE_TOKENS decode tokens, the least recent on ties),
                      "lfru" (per-layer quotas, least-frequently-used within a layer) or "lru".
     io_queue_depth   reads in flight at most (changeable: set_io_queue_depth).
-    hugepages        "auto": hugetlb 2 MiB pages, raising vm.nr_hugepages when privileged (and
-                     giving them back on close) and not under a cgroup memory limit (which
-                     would not count them), else transparent hugepages, else pages;
+    hugepages        "auto": hugetlb 2 MiB pages, raising vm.nr_hugepages when ``memory`` may
+                     (and giving them back on close) and not under a cgroup memory limit
+                     (which would not count them), else transparent hugepages, else pages;
                      "thp": transparent hugepages, else pages; "off": ordinary pages;
                      an int N: raise vm.nr_hugepages to at least N and require hugetlb pages.
     lock_memory      "required" (fail with a fix-it message), "try" (log and go on), "off".
     prefetch         whether prefetch() starts reads (changeable: set_prefetch).
     direct           "try" (O_DIRECT; buffered only if the file system refuses it),
                      "required", "off".
-    budget           the MemoryBudget percentages are of; measured now when not given.
-    hugepage_record  the file where pages added to vm.nr_hugepages are written down, so the
-                     next start gives them back if this process dies first; None: nowhere.
+    memory           the machine's memory (a CacheMemory): the budget a percentage is of,
+                     hugetlb pages, how to lift a memlock limit. None: StatedMemory(), no
+                     budget and no hugetlb pages, nothing on the machine changed. The daemon
+                     hands in colibrid.system.cache_memory.MachineMemory.
 
     set_loading_paused(LoadingPause) stops every read (the thermal watch does, at the drive's
     critical temperature or when the drive is gone): a step that needs a read raises
@@ -176,8 +146,7 @@ class CachedExpertSource(ExpertSource):
 
     def __init__(self, pack: Pack, cache_bytes: int | str, policy: str = "next-use", io_queue_depth: int = 16,
                  hugepages: str | int = "auto", lock_memory: str = "try", prefetch: bool = True,
-                 direct: str = "try", max_io_queue_depth: int = 32, budget: MemoryBudget | None = None,
-                 hugepage_record: Path | None = DEFAULT_HUGEPAGE_RECORD) -> None:
+                 direct: str = "try", max_io_queue_depth: int = 32, memory: CacheMemory | None = None) -> None:
         self.pack = pack
         self.path = pack.experts_path
         self.hugepages_mode = hugepages
@@ -193,22 +162,15 @@ class CachedExpertSource(ExpertSource):
         if not records:
             raise ExpertCacheError(f"pack {pack.path} has no routed experts: nothing to cache")
         self.slot_bytes = expert_slot_bytes(manifest)
-        self.budget = budget if budget is not None else measure_budget()
+        self.memory = memory if memory is not None else StatedMemory()
+        self.budget = self.memory.budget()
         self.cache_size_setting = cache_bytes
-        self.cache_bytes_requested = size_in_bytes(cache_bytes, "cache_size", self.budget.available_bytes)
-        n_slots = self.cache_bytes_requested // self.slot_bytes
-        if n_slots < 1:
-            raise ExpertCacheError(
-                f"cache_size {format_bytes(self.cache_bytes_requested)} is smaller than one expert record "
-                f"({format_bytes(self.slot_bytes)}): raise cache_size to at least {self.slot_bytes} bytes")
-        if n_slots > len(records):
-            log.info("cache_size holds %d slots, the pack has %d experts: using %d", n_slots, len(records), len(records))
-            n_slots = len(records)
-        self.n_slots = int(n_slots)
+        self.n_slots = count_slots(cache_bytes, self.slot_bytes, len(records), self.budget)
         self._n_records = len(records)
         self._holds_every_expert = False  # once every record is resident (it stays so: nothing is evicted)
         self.notes: list[str] = []  # every fallback taken, for status
-        self._check_budget(cache_bytes)
+        region_bytes = self.n_slots * self.slot_bytes
+        check_budget(cache_bytes, region_bytes, self.budget, self.notes)
 
         # (L, E) index of records for C; length 0 marks dense layers and missing experts.
         table = np.zeros((config.num_layers, max(config.num_experts, 1)), dtype=native.EXPERT_RECORD_DTYPE)
@@ -219,11 +181,11 @@ class CachedExpertSource(ExpertSource):
         # Where the loader reads: a region on a raw device starts after its superblock.
         table["offset"] += pack.experts.base_offset
 
-        self._hugepage_record = HugepageRecord(hugepage_record) if hugepage_record is not None else None
-        self._hugepages = self._plan_hugepages(hugepages)
+        self._hugepages: HugepagePlan = plan_hugepages(hugepages, region_bytes, self.memory, self.budget, self.notes)
         self._slab = self._loader = self._cache = None
         try:
-            self._slab = self._make_slab(lock_memory)
+            self._slab = map_slab(self.slot_bytes, self.n_slots, self._hugepages, hugepages, lock_memory, self.memory,
+                                  self.notes)
             self._loader = self._make_loader(io_queue_depth, max_io_queue_depth, direct)
             # Concurrent layer steps (several sessions) wait for each other's slots.
             self._cache = native.ExpertCacheCore(self._slab, self._loader, table, POLICIES[policy], wait_for_pins=True,
@@ -237,7 +199,7 @@ class CachedExpertSource(ExpertSource):
         self._slot_views: list[ExpertWeights | None] = [None] * self.n_slots  # _slot_weights
         self._region = self._slab.data.view()
         self._region.flags.writeable = False  # experts are read-only to the model
-        self._predictions = [_Prediction() for _ in range(config.num_layers)]
+        self._predictions = PredictionTally(config.num_layers)
         self.lock_memory = lock_memory
         log.info("expert cache: %d slots of %s (%s), %s", self.n_slots, format_bytes(self.slot_bytes),
                  format_bytes(self.n_slots * self.slot_bytes), self._backing_summary())
@@ -248,7 +210,7 @@ class CachedExpertSource(ExpertSource):
         build = functools.partial(cls, pack, settings.cache_size, policy=settings.policy,
                                   io_queue_depth=settings.io_queue_depth, hugepages=settings.hugepages,
                                   lock_memory=settings.lock_memory, prefetch=settings.prefetch,
-                                  hugepage_record=settings.hugepage_record)
+                                  memory=settings.memory)
         if settings.loader_cpus is None:
             return build()
         cpus_before = os.sched_getaffinity(0)  # this thread's (Linux applies the mask per thread)
@@ -259,83 +221,6 @@ class CachedExpertSource(ExpertSource):
             os.sched_setaffinity(0, cpus_before)
 
     # ---- setup -------------------------------------------------------------------------
-
-    def _check_budget(self, cache_bytes: int | str) -> None:
-        """Says which memory a percentage was of, and warns when the cache alone is bigger
-        than the memory there is: the kernel would take it back with the OOM killer."""
-        region = self.n_slots * self.slot_bytes
-        log.info("cache_size = %s: %s of the %s", cache_bytes, format_bytes(region), self.budget.describe())
-        if region > self.budget.available_bytes:
-            note = (f"cache_size = {cache_bytes} ({format_bytes(region)}) is above the memory available "
-                    f"({format_bytes(self.budget.available_bytes)}, {self.budget.basis}): "
-                    "colibrid may be OOM-killed; lower cache_size or use a percentage")
-            log.warning("%s", note)
-            self.notes.append(note)
-
-    def _plan_hugepages(self, hugepages: str | int) -> tuple[native.AepcMode, native.AepcMode, HugepageReservation | None]:
-        """(hugetlb mode, thp mode, reservation) for the slab."""
-        region = self.n_slots * self.slot_bytes
-        if hugepages == "off":
-            return native.AepcMode.OFF, native.AepcMode.OFF, None
-        if hugepages == "thp":
-            return native.AepcMode.OFF, native.AepcMode.TRY, None
-        if hugepages == "auto":
-            # Under a cgroup memory limit, raising the pool would take memory from outside the
-            # limit, which does not count hugetlb pages: only pages already free are used.
-            under_limit = self.budget.cgroup is not None and not self.budget.cgroup.counts_hugetlb
-            may_raise = os.geteuid() == 0 and not under_limit
-            res = reserve_hugepages(region, raise_pool=may_raise, record=self._hugepage_record)
-            if not res.available:
-                why = res.message
-                if under_limit and os.geteuid() == 0:
-                    why += ("; not raised under a cgroup memory limit, which would not count them "
-                            "(hugepages = N raises it anyway)")
-                note = f"hugetlb pages not used: {why}; falling back to transparent hugepages"
-                log.warning("%s", note)
-                self.notes.append(note)
-                res.release()
-                return native.AepcMode.OFF, native.AepcMode.TRY, None
-            return native.AepcMode.TRY, native.AepcMode.TRY, res
-        if isinstance(hugepages, int) and not isinstance(hugepages, bool) and hugepages >= 0:
-            res = reserve_hugepages(region, raise_pool=True, target_total=hugepages, record=self._hugepage_record)
-            if not res.available:
-                res.release()
-                raise ExpertCacheError(f"hugepages = {hugepages}: {res.message}")
-            return native.AepcMode.REQUIRED, native.AepcMode.OFF, res
-        raise ExpertCacheError(f"hugepages {hugepages!r} is unknown; use \"auto\", \"thp\", \"off\" or a page count")
-
-    def _make_slab(self, lock_memory: str) -> native.Slab:
-        hugetlb, thp, _ = self._hugepages
-        region = self.n_slots * self.slot_bytes
-        try:
-            slab = native.Slab(self.slot_bytes, self.n_slots, hugetlb=hugetlb, thp=thp, lock=LOCK_MODES[lock_memory])
-        except native.SystemResourceError as exc:
-            info = exc.info or {}
-            if info.get("lock_errno"):
-                raise ExpertCacheError(f"lock_memory = \"required\": {memlock_fix_hint(region, info['lock_errno'])}") from None
-            if info.get("hugetlb_errno"):
-                raise ExpertCacheError(
-                    f"hugepages = {self.hugepages_mode}: mmap of {format_bytes(region)} of hugetlb pages failed "
-                    f"({os.strerror(info['hugetlb_errno'])}): raise vm.nr_hugepages (`sysctl vm.nr_hugepages=N`) "
-                    "or set hugepages = \"auto\"") from None
-            raise ExpertCacheError(f"expert cache of {format_bytes(region)}: {exc}") from None
-        except native.OutOfMemoryError as exc:
-            raise ExpertCacheError(f"cannot map {format_bytes(region)} for the expert cache: {exc}; "
-                                   "lower cache_size") from None
-        info = slab.info()
-        if info["hugetlb_errno"]:
-            note = f"MAP_HUGETLB failed ({_errno_name(info['hugetlb_errno'])}): using {BACKING_NAMES[info['backing']]}"
-            log.warning("%s", note)
-            self.notes.append(note)
-        if info["thp_errno"]:
-            note = f"madvise(MADV_HUGEPAGE) failed ({_errno_name(info['thp_errno'])}): ordinary pages"
-            log.warning("%s", note)
-            self.notes.append(note)
-        if lock_memory == "try" and not info["locked"]:
-            note = f"expert cache not locked in memory: {memlock_fix_hint(region, info['lock_errno'])}"
-            log.warning("%s", note)
-            self.notes.append(note)
-        return slab
 
     def _make_loader(self, depth: int, max_depth: int, direct: str) -> native.Loader:
         if not 1 <= depth <= max_depth:
@@ -393,7 +278,7 @@ class CachedExpertSource(ExpertSource):
         waits for that one expert (so cached experts compute while the misses load).
         A lookup raises ExpertChecksumError / ExpertLoadError naming the expert that failed."""
         ids = [int(e) for e in experts]
-        self._note_requested(layer, ids)
+        self._predictions.note_requested(layer, ids)
         with self._pinned(layer, ids, wait=False) as slots:
             yield _PinnedExperts(self, layer, ids, slots)
 
@@ -484,18 +369,10 @@ class CachedExpertSource(ExpertSource):
         pinning them; returns reads started (0 when prefetch is off). Never blocks on I/O."""
         damaged = self.pack.damage.in_layer(layer)  # never read again: it would fail again
         ids = [int(e) for e in dict.fromkeys(int(e) for e in experts) if e not in damaged]
-        pred = self._predictions[layer]
-        pred.last = set(ids)
-        pred.predicted += len(ids)
+        self._predictions.note_predicted(layer, ids)
         if not self.prefetch_enabled or self.loading_pause is not None or not ids:
             return 0
         return self._cache.prefetch(layer, ids)
-
-    def _note_requested(self, layer: int, ids: list[int]) -> None:
-        pred = self._predictions[layer]
-        if pred.last:
-            pred.requested += len(ids)
-            pred.correct += len(pred.last.intersection(ids))
 
     # ---- run-time settings --------------------------------------------------------------
 
@@ -530,20 +407,20 @@ class CachedExpertSource(ExpertSource):
     def backing_info(self) -> dict:
         """What the machine gave the cache: backing, lock, O_DIRECT, and every fallback."""
         slab, loader = self._slab.info(), self._loader.info()
-        reservation = self._hugepages[2]
+        reservation = self._hugepages.grant
         return {
             "slots": self.n_slots,
             "slot_bytes": self.slot_bytes,
             "region_bytes": slab["region_bytes"],
             "backing": BACKING_NAMES[native.SlabBacking(slab["backing"])],
             "locked": bool(slab["locked"]),
-            "lock_errno": _errno_name(slab["lock_errno"]),
-            "hugetlb_errno": _errno_name(slab["hugetlb_errno"]),
-            "thp_errno": _errno_name(slab["thp_errno"]),
+            "lock_errno": errno_name(slab["lock_errno"]),
+            "hugetlb_errno": errno_name(slab["hugetlb_errno"]),
+            "thp_errno": errno_name(slab["thp_errno"]),
             "hugepages_added": reservation.pages_added if reservation else 0,
             "hugepages_message": reservation.message if reservation else None,
             "direct": bool(loader["direct"]),
-            "direct_errno": _errno_name(loader["direct_errno"]),
+            "direct_errno": errno_name(loader["direct_errno"]),
             "io_queue_depth": loader["queue_depth"],
             "max_io_queue_depth": loader["max_queue_depth"],
             "prefetch": self.prefetch_enabled,
@@ -561,29 +438,7 @@ class CachedExpertSource(ExpertSource):
     def stats(self) -> dict:
         """Per-layer and total counters: hits, misses, bytes read, evictions, read latency
         percentiles (ms), prefetch issued/useful and prediction precision/recall."""
-        layers = []
-        total: dict = {}
-        hist_total = np.zeros(native.LATENCY_BUCKETS, dtype=np.int64)
-        for layer in range(self._cache.n_layers):
-            if not self._lengths[layer].any():
-                continue
-            st = self._cache.layer_stats(layer)
-            hist = np.asarray(st.pop("latency_us"), dtype=np.int64)
-            hist_total += hist
-            pred = self._predictions[layer]
-            st.update(layer=layer, **self._derived(st, hist, pred.predicted, pred.requested, pred.correct))
-            layers.append(st)
-            for k, v in st.items():
-                if isinstance(v, int) and k != "layer":
-                    total[k] = total.get(k, 0) + v
-        predicted = sum(p.predicted for p in self._predictions)
-        requested = sum(p.requested for p in self._predictions)
-        correct = sum(p.correct for p in self._predictions)
-        total.update(self._derived(total, hist_total, predicted, requested, correct))
-        loader = self._loader.info()
-        resident, pinned = self._cache.count()
-        return {"layers": layers, "total": total, "resident": resident, "pinned": pinned,
-                "loader": {k: loader[k] for k in ("reads", "bytes_read", "failures", "busy_ns", "queue_depth")}}
+        return cache_stats(self._cache, self._loader, self._moe_layers(), self._predictions)
 
     def hits_and_misses(self) -> tuple[int, int]:
         counters = self.layer_counters().values()
@@ -605,25 +460,15 @@ class CachedExpertSource(ExpertSource):
 
     def layer_counters(self) -> dict[int, tuple[int, int]]:
         """(hits, misses) since start of each layer with experts; an in-flight hit counts as a hit."""
-        return {layer: self._cache.layer_hits_and_misses(layer)
-                for layer in range(self._cache.n_layers) if self._lengths[layer].any()}
+        return {layer: self._cache.layer_hits_and_misses(layer) for layer in self._moe_layers()}
 
-    @staticmethod
-    def _derived(st: dict, hist: np.ndarray, predicted: int, requested: int, correct: int) -> dict:
-        requests = st.get("hits", 0) + st.get("inflight_hits", 0) + st.get("misses", 0)
-        return {
-            "requests": requests,
-            "hit_rate": (st.get("hits", 0) + st.get("inflight_hits", 0)) / requests if requests else None,
-            "read_ms_p50": _percentile_ms(hist, 0.50),
-            "read_ms_p90": _percentile_ms(hist, 0.90),
-            "read_ms_p99": _percentile_ms(hist, 0.99),
-            "prediction_precision": correct / predicted if predicted else None,
-            "prediction_recall": correct / requested if requested else None,
-        }
+    def _moe_layers(self) -> list[int]:
+        """The layers with expert records (dense layers have none)."""
+        return [layer for layer in range(self._cache.n_layers) if self._lengths[layer].any()]
 
     def reset_stats(self) -> None:
         self._cache.reset_stats()
-        self._predictions = [_Prediction() for _ in self._predictions]
+        self._predictions.reset()
 
     def contains(self, layer: int, expert: int) -> bool:
         return self._cache.contains(layer, expert)
@@ -645,8 +490,8 @@ class CachedExpertSource(ExpertSource):
         """Lowers vm.nr_hugepages by the pages this cache added; safe while the slab is still
         mapped (the kernel frees those pages when it is unmapped, at close or at exit)."""
         plan = self.__dict__.get("_hugepages")
-        if plan and plan[2] is not None:
-            plan[2].release()
+        if plan is not None and plan.grant is not None:
+            plan.grant.release()
 
     def __enter__(self) -> "CachedExpertSource":
         return self

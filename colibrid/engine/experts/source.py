@@ -2,7 +2,7 @@
 
 Model code asks for a layer step's experts and receives their three projections; where the
 bytes come from - a plain read (PreadExpertSource, here) or the AEPC slab cache
-(CachedExpertSource, expert_cache.py) - is the source's business only. Every record is
+(CachedExpertSource, cache.py) - is the source's business only. Every record is
 checked against its CRC-32C before use.
 
 ExpertSource declares every member its callers use - the MoE block (acquire, prefetch,

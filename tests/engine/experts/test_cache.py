@@ -565,13 +565,15 @@ _LOCK_SCRIPT = textwrap.dedent("""
     import sys
     from colibrid.engine.experts.cache import CachedExpertSource, ExpertCacheError
     from colibrid.pack.reader import Pack
+    from colibrid.system.cache_memory import MachineMemory
     pack = Pack.open(sys.argv[1])
-    source = CachedExpertSource(pack, "1M", hugepages="off", lock_memory="try")
+    memory = MachineMemory(hugepage_record=None)  # the daemon's: its fix-it hint names the service unit
+    source = CachedExpertSource(pack, "1M", hugepages="off", lock_memory="try", memory=memory)
     info = source.backing_info()
     print("try:", info["locked"], info["lock_errno"], len(info["notes"]))
     source.close()
     try:
-        CachedExpertSource(pack, "1M", hugepages="off", lock_memory="required")
+        CachedExpertSource(pack, "1M", hugepages="off", lock_memory="required", memory=memory)
     except ExpertCacheError as exc:
         print("required:", exc)
         sys.exit(3)
@@ -714,9 +716,11 @@ def test_generation_completes_in_a_memory_cgroup_smaller_than_the_pack(big_pack,
 def test_hugepages_auto_raises_the_pool_and_gives_it_back(pack_path, reference, tmp_path):
     from colibrid.system.memory import meminfo
 
+    from colibrid.system.cache_memory import MachineMemory
+
     before = int(open("/proc/sys/vm/nr_hugepages").read())
     engine, source = _cached_engine(pack_path, cache_bytes="2M", hugepages="auto",
-                                    hugepage_record=tmp_path / "hugepages.json")
+                                    memory=MachineMemory(tmp_path / "hugepages.json"))
     try:
         info = source.backing_info()
         if info["backing"] != "hugetlb":  # the kernel could not find free 2 MiB pages
@@ -742,6 +746,13 @@ def _budget(mem_available_bytes: int, cgroup_room_bytes: int | None):
     return MemoryBudget(mem_available_bytes, limit)
 
 
+def _measured(budget, hugepage_record=None):
+    """The daemon's CacheMemory, its budget ``budget`` (None: measured) instead of this machine's."""
+    from colibrid.system.cache_memory import MachineMemory
+
+    return MachineMemory(hugepage_record, budget)
+
+
 @pytest.mark.parametrize("mem_available_slots, cgroup_room_slots, expected_slots", [
     (20, None, 10),  # no limit: half of MemAvailable (the pack has 16 experts)
     (20, 10, 5),  # a limit with less room than MemAvailable: half of that room
@@ -754,7 +765,7 @@ def test_a_percentage_is_of_mem_available_or_the_room_under_the_cgroup_limit(pac
 
     slot = _slot_bytes(pack_path)
     budget = _budget(mem_available_slots * slot, None if cgroup_room_slots is None else cgroup_room_slots * slot)
-    with CachedExpertSource(Pack.open(pack_path), "50%", hugepages="off", budget=budget) as source:
+    with CachedExpertSource(Pack.open(pack_path), "50%", hugepages="off", memory=_measured(budget)) as source:
         assert source.n_slots == expected_slots
         status = source.budget_status()
     assert status["available_bytes"] == 2 * expected_slots * slot
@@ -768,7 +779,8 @@ def test_a_cache_size_above_the_budget_is_a_visible_warning(pack_path):
     from colibrid.pack.reader import Pack
 
     slot = _slot_bytes(pack_path)
-    with CachedExpertSource(Pack.open(pack_path), 4 * slot, hugepages="off", budget=_budget(1 << 30, 2 * slot)) as source:
+    with CachedExpertSource(Pack.open(pack_path), 4 * slot, hugepages="off",
+                            memory=_measured(_budget(1 << 30, 2 * slot))) as source:
         assert source.n_slots == 4
         (note,) = [n for n in source.backing_info()["notes"] if "above the memory available" in n]
     assert "cgroup v1 /colibri-test" in note and "OOM" in note
@@ -787,8 +799,8 @@ def test_hugepages_auto_never_raises_the_pool_under_a_cgroup_limit(big_pack, tmp
         pytest.skip("enough free hugetlb pages for the whole pack: nothing would be raised anyway")
     before = int(open("/proc/sys/vm/nr_hugepages").read())
     budget = _budget(8 << 30, 4 * region)  # room for the whole pack under the limit
-    with CachedExpertSource(pack, "50%", hugepages="auto", budget=budget,
-                            hugepage_record=tmp_path / "hugepages.json") as source:
+    with CachedExpertSource(pack, "50%", hugepages="auto",
+                            memory=_measured(budget, tmp_path / "hugepages.json")) as source:
         assert int(open("/proc/sys/vm/nr_hugepages").read()) == before
         info = source.backing_info()
     assert info["backing"] != "hugetlb" and info["hugepages_added"] == 0
@@ -804,6 +816,7 @@ def test_a_cache_that_fails_after_raising_the_pool_gives_it_back(pack_path, tmp_
     before = int(open("/proc/sys/vm/nr_hugepages").read())
     record = tmp_path / "hugepages.json"
     with pytest.raises(ExpertCacheError, match="io_queue_depth"):  # the loader is made after the pool is raised
-        CachedExpertSource(Pack.open(pack_path), "2M", hugepages=before + 2, io_queue_depth=99, hugepage_record=record)
+        CachedExpertSource(Pack.open(pack_path), "2M", hugepages=before + 2, io_queue_depth=99,
+                           memory=_measured(None, record))
     assert int(open("/proc/sys/vm/nr_hugepages").read()) == before
     assert not record.exists()

@@ -117,7 +117,7 @@ def build_shaped_pack(out: Path, num_layers: int, num_experts: int, top_k: int, 
                       heads: int, kv_heads: int, quant: str = "q8_0", dense_quant: str = "q8_0", seed: int = 0,
                       force: bool = True) -> Path:
     """Writes an OLMoE-architecture pack of this shape; returns its path."""
-    from colibrid.models.config import ModelConfig
+    from colibrid.models.model_config import ModelConfig
     from colibrid.models.optional_tensors import OPTIONAL_TENSORS
     from colibrid.pack.writer import PackWriter
 

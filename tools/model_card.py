@@ -149,7 +149,7 @@ def completion_parse_rate(checkpoint: Path) -> dict:
 
 def parameter_counts(checkpoint: Path) -> tuple[int, int]:
     from colibrid.models import architecture_for
-    from colibrid.models.config import parameter_counts as counts
+    from colibrid.models.model_config import parameter_counts as counts
 
     hf = json.loads((checkpoint / "config.json").read_text())
     arch = architecture_for(hf)

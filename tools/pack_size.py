@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from colibrid.tools.convert.quant_spec import parse_quant  # noqa: E402
 from colibrid.tools.convert.wrapped import text_model_config  # noqa: E402
 from colibrid.models import ARCHITECTURES, architecture_for  # noqa: E402
-from colibrid.models.config import ModelConfig, parameter_counts  # noqa: E402
+from colibrid.models.model_config import ModelConfig, parameter_counts  # noqa: E402
 from colibrid.pack.layout import (  # noqa: E402
     expected_dense_shape,
     expected_expert_shapes,

@@ -18,7 +18,7 @@ from colibrid.engine.generate import Generation, GenerationDone, GenerationEvent
 from colibrid.engine.forward.model import Model
 from colibrid.engine.sampling import SamplingParams, model_sampling_defaults
 from colibrid.engine.text.tokenizer import Tokenizer
-from colibrid.models.config import parameter_counts
+from colibrid.models.model_config import parameter_counts
 from colibrid.pack.reader import Pack
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from colibrid.models.config import ModelConfig, RopeConfig
+from colibrid.models.model_config import ModelConfig, RopeConfig
 from colibrid.models.optional_tensors import check_names
 from colibrid.models.tensor_ref import TensorRef
 

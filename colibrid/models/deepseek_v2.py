@@ -13,7 +13,7 @@ import math
 from typing import Any
 
 from colibrid.models.base import Architecture, UnsupportedConfig, common_fields, require
-from colibrid.models.config import MlaConfig, ModelConfig, RopeConfig
+from colibrid.models.model_config import MlaConfig, ModelConfig, RopeConfig
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 

@@ -26,7 +26,7 @@ import math
 from typing import Any
 
 from colibrid.models.base import FusedExpertsArchitecture, UnsupportedConfig, common_fields, require
-from colibrid.models.config import ModelConfig, RopeConfig
+from colibrid.models.model_config import ModelConfig, RopeConfig
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 ACTIVATION = "gelu_pytorch_tanh"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from colibrid.models.base import Architecture, attention_bias_tensors, common_fields, require
-from colibrid.models.config import ModelConfig
+from colibrid.models.model_config import ModelConfig
 
 # transformers' Glm4MoeConfig fills partial_rotary_factor in when config.json has none
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5

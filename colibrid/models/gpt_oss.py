@@ -19,7 +19,7 @@ from typing import Any
 
 from colibrid.models.tensor_ref import TensorRef
 from colibrid.models.base import Architecture, ExpertTensorNames, UnsupportedConfig, common_fields, num_experts, require
-from colibrid.models.config import ModelConfig
+from colibrid.models.model_config import ModelConfig
 
 # transformers' GptOssConfig defaults, which the published config.json leaves out
 DEFAULT_SWIGLU_ALPHA = 1.702

@@ -22,7 +22,7 @@ from typing import Any
 
 from colibrid.models.base import (FusedExpertsArchitecture, UnsupportedConfig, attention_bias_tensors, common_fields,
                                   num_experts, require)
-from colibrid.models.config import ModelConfig
+from colibrid.models.model_config import ModelConfig
 
 DEFAULT_THETA = 500000.0  # transformers' Llama4TextConfig.default_theta
 DEFAULT_NO_ROPE_LAYER_INTERVAL = 4  # transformers' default: every 4th layer is a NoPE layer

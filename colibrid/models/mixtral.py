@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from colibrid.models.base import Architecture, common_fields, num_experts
-from colibrid.models.config import ModelConfig
+from colibrid.models.model_config import ModelConfig
 
 
 class Mixtral(Architecture):

@@ -25,7 +25,7 @@ from typing import Any
 
 from colibrid.models.tensor_ref import TensorRef
 from colibrid.models.base import FusedExpertsArchitecture, UnsupportedConfig, common_fields, num_experts, require
-from colibrid.models.config import DeltaNetConfig, ModelConfig
+from colibrid.models.model_config import DeltaNetConfig, ModelConfig
 
 # transformers' Qwen3_5MoeTextConfig / Qwen3NextConfig defaults, for keys config.json leaves out
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from colibrid.models.base import Architecture, attention_bias_tensors, common_fields, qwen_moe_fields
-from colibrid.models.config import ModelConfig
+from colibrid.models.model_config import ModelConfig
 
 
 class Qwen3Moe(Architecture):

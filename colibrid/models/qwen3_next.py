@@ -16,7 +16,7 @@ from typing import Any
 
 from colibrid.models.tensor_ref import TensorRef
 from colibrid.models.base import num_experts, require, sparse_layer_flags
-from colibrid.models.config import ModelConfig
+from colibrid.models.model_config import ModelConfig
 from colibrid.models.qwen3_5_moe import Qwen35Moe
 
 

@@ -10,7 +10,7 @@ have chosen (docs/format.md, "Tensor names in dense" and "Element types").
 from __future__ import annotations
 
 from colibrid.models.base import Architecture
-from colibrid.models.config import ModelConfig
+from colibrid.models.model_config import ModelConfig
 from colibrid.models.optional_tensors import OPTIONAL_TENSORS
 from colibrid.native import TensorType
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from colibrid.models.config import ModelConfig
+from colibrid.models.model_config import ModelConfig
 from colibrid.models.optional_tensors import OPTIONAL_TENSORS, optional_tensors_in
 from colibrid.native import TensorType
 from colibrid.pack.durable import write_file_atomically

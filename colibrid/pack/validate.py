@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from colibrid.models.config import LAYER_MIXERS, ModelConfig
+from colibrid.models.model_config import LAYER_MIXERS, ModelConfig
 from colibrid.native import TensorType
 from colibrid.pack.layout import (
     dense_tensor_names,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from colibrid.models import UnsupportedConfig, architecture_for
-from colibrid.models.config import parameter_counts
+from colibrid.models.model_config import parameter_counts
 from tests.tiny_checkpoints import CheckpointSpec, assert_same_model, load_reference, random_prompt
 
 SLIDING, FULL = "sliding_attention", "full_attention"

@@ -16,7 +16,7 @@ import pytest
 
 from colibrid.tools.convert.wrapped import text_model_config
 from colibrid.models import ARCHITECTURES, UnsupportedConfig, architecture_for
-from colibrid.models.config import parameter_counts
+from colibrid.models.model_config import parameter_counts
 from tests.pack.conftest import assert_refused_after
 from tests.tiny_checkpoints import (GREEDY_TOKENS, CheckpointSpec, assert_same_model, load_reference, random_prompt,
                                     reference_greedy)

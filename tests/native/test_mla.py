@@ -92,7 +92,7 @@ def reference(w: dict, x: np.ndarray, cos, sin, interleaved: bool, scale: float)
 
 def _tables(T, seed=3):
     from colibrid.engine.forward.rope import Rotary
-    from colibrid.models.config import RopeConfig
+    from colibrid.models.model_config import RopeConfig
 
     return Rotary(RopeConfig(theta=10000.0), R).cos_sin(np.arange(T))
 

@@ -30,7 +30,7 @@ from colibrid import native
 from colibrid.engine.forward.ops import linear, rms_norm, silu
 from colibrid.engine.forward.sequence_state import LayerPrefix, LayerState
 from colibrid.engine.forward.token_mixer import TokenMixer
-from colibrid.models.config import DeltaNetConfig, ModelConfig
+from colibrid.models.model_config import DeltaNetConfig, ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
 log = logging.getLogger(__name__)

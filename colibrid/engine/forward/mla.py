@@ -18,7 +18,7 @@ from colibrid import native
 from colibrid.engine.forward.kv_cache import LatentCache
 from colibrid.engine.forward.ops import linear, rms_norm
 from colibrid.engine.forward.token_mixer import TokenMixer
-from colibrid.models.config import ModelConfig
+from colibrid.models.model_config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from colibrid.engine.experts.source import ExpertChecksumError, ExpertDamagedErr
 from colibrid.engine.forward.ops import linear, rms_norm, silu, swiglu_mlp
 from colibrid.engine.routing_capture import RoutingCapture
 from colibrid.engine.routing_override import RoutingOverride
-from colibrid.models.config import ModelConfig
+from colibrid.models.model_config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from colibrid import native
 from colibrid.engine.forward.ops import linear, rms_norm
-from colibrid.models.config import ModelConfig
+from colibrid.models.model_config import ModelConfig
 from colibrid.pack.tensor import PackedTensor
 
 

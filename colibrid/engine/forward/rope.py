@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from colibrid.models.config import RopeConfig
+from colibrid.models.model_config import RopeConfig
 
 
 def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:

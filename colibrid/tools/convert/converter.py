@@ -29,7 +29,7 @@ from colibrid.tools.convert.safetensors import Checkpoint, CheckpointError, Tens
 from colibrid.tools.convert.tiktoken_tokenizer import TIKTOKEN_FILE, TiktokenError, convert_tiktoken
 from colibrid.tools.convert.wrapped import TEXT_MODEL_PREFIXES, text_model_config
 from colibrid.models import ARCHITECTURES, Architecture, UnsupportedArchitecture, UnsupportedConfig, architecture_for
-from colibrid.models.config import ModelConfig
+from colibrid.models.model_config import ModelConfig
 from colibrid.blockdev.safety import DeviceRefused, WritableDevice, WriteOptions, open_for_writing
 from colibrid.blockdev.superblock import SUPERBLOCK_BLOCK_BYTES
 from colibrid.pack.layout import (expected_dense_shape, expected_expert_shapes, expert_part_names, expert_part_type,

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from colibrid import native  # noqa: E402
 from colibrid.engine.forward.deltanet import CHUNK, DeltaNet, DeltaNetState, chunked_delta_rule, recurrent_delta_rule  # noqa: E402
-from colibrid.models.config import DeltaNetConfig, ModelConfig, RopeConfig  # noqa: E402
+from colibrid.models.model_config import DeltaNetConfig, ModelConfig, RopeConfig  # noqa: E402
 from colibrid.pack.tensor import PackedTensor  # noqa: E402
 
 D, HK, HV, DK, DV, KC = 64, 2, 4, 16, 8, 4

@@ -42,7 +42,7 @@ from typing import Union
 
 from colibrid.engine.batch import BatchSequence, SequenceFailed, StepFailed
 from colibrid.engine.text.chat_template import ChatTemplateError
-from colibrid.engine.experts.cache import ExpertLoadingPaused
+from colibrid.engine.experts.source import ExpertLoadingPaused
 from colibrid.engine.experts.source import ExpertDamagedError, ExpertLoadError
 from colibrid.engine.generate import GenerationDone, GenerationEvent
 from colibrid.wire.events import DoneEvent, ErrorEvent, TokenEvent, TokenRouting, Usage

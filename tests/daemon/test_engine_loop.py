@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from colibrid.engine.engine import Engine
-from colibrid.engine.experts.cache import ExpertLoadingPaused
+from colibrid.engine.experts.source import ExpertLoadingPaused
 from colibrid.engine.experts.source import ExpertLoadError
 from colibrid.wire.events import DoneEvent, ErrorEvent, TokenEvent
 from colibrid.wire.requests import parse_request

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from colibrid.engine.experts.cache import ExpertLoadingPaused
+from colibrid.engine.experts.source import ExpertLoadingPaused
 from colibrid.thermal.smart_log import parse_smart_log
 from colibrid.thermal.watch import ThermalSettings, ThermalWatch
 from tests.thermal.fake_sysfs import file_dev

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
     ("colibrid", "colibrid"),
     ("colibrictl", "colibrictl"),
     ("colibri-convert", "colibrid.tools.convert.cli"),
+    ("colibri-perplexity", "colibrid.tools.perplexity"),
 ])
 def test_version_flag(program, module):
     result = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True,

@@ -38,14 +38,19 @@ def test_the_text_is_the_files_each_ended_by_eos(tmp_path):
     assert text.startswith(next(iter(files.values())))
 
 
-@pytest.mark.skipif(json.loads((REPO / "models/colibri-olmoe-stdlib/training.json").read_text())["corpus"]
-                    ["python_version"] != platform.python_version(), reason="trained on another Python's sources")
-def test_on_the_python_it_was_trained_on_the_tokens_are_the_model_card_s(tmp_path):
+MODELS = ["colibri-olmoe-stdlib", "colibri-olmoe64-stdlib"]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_on_the_python_it_was_trained_on_the_tokens_are_the_model_card_s(name, tmp_path):
     from colibrid.engine.text.tokenizer import Tokenizer
 
+    model = REPO / "models" / name
+    training = json.loads((model / "training.json").read_text())
+    if training["corpus"]["python_version"] != platform.python_version():
+        pytest.skip(f"{name} was trained on another Python's sources")
     out = tmp_path / "validation.txt"
-    evaluation_text.main([str(REPO / "models/colibri-olmoe-stdlib"), str(out)])
-    tokenizer = Tokenizer.from_dir(REPO / "models/colibri-olmoe-stdlib")
-    training = json.loads((REPO / "models/colibri-olmoe-stdlib/training.json").read_text())
+    evaluation_text.main([str(model), str(out)])
+    tokenizer = Tokenizer.from_dir(model)
     assert len(tokenizer.encode(out.read_text(encoding="utf-8"), add_special_tokens=False)) == \
         training["validation_tokens"]

@@ -176,3 +176,12 @@ def test_a_missing_pack_is_an_error(packs, tmp_path, capsys):
     assert main([str(tmp_path / "nothing"), str(packs["text"]), "--quiet"]) == 1
     assert "colibri-perplexity: error:" in capsys.readouterr().err
 
+
+
+def test_windows_longer_than_a_step_run_in_steps_with_the_same_numbers(packs):
+    engine = load(packs["f32"], max_context=CONTEXT)
+    ids = text_ids(engine, packs["text"].read_text())
+    whole = measure(engine, ids, CONTEXT, max_windows=WINDOWS)
+    engine.model.max_step_tokens = 5  # before any state is made: 32 tokens in 7 steps, the scored half from the 4th
+    stepped = measure(engine, ids, CONTEXT, max_windows=WINDOWS)
+    assert stepped["perplexity"] == pytest.approx(whole["perplexity"], rel=1e-6)

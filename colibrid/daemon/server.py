@@ -21,13 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from colibrid import __version__
 from colibrid.daemon.access import peer_credentials
 from colibrid.daemon.connection import Connection, ServerSettings
 from colibrid.daemon.engine_loop import EngineLoop, shutdown_error
 from colibrid.daemon.listener import Listener
+from colibrid.daemon.residency import ResidentSplit
 from colibrid.daemon.verify_request import PackVerification
 from colibrid.wire.errors import RequestId
 from colibrid.wire.events import ErrorEvent, HelloEvent, StatusEvent, SubscribedEvent
@@ -123,6 +122,7 @@ class Server:
                  thermal=None) -> None:
         self.engine = engine
         self.engine_loop = engine_loop
+        self._resident = ResidentSplit(engine, engine_loop)
         self.model = describe_model(engine, pack_path)
         # Replaced as a whole on reload; a connection reads it when it needs a value.
         self.settings = settings or ServerSettings()
@@ -290,8 +290,7 @@ class Server:
             "model": self.model["name"], "path": self.model["path"], "architecture": self.model["architecture"],
             "parameters_total": self.model["parameters_total"], "parameters_active": self.model["parameters_active"],
             "quantization": self.model["quantization"], "sampling_defaults": self.model["sampling_defaults"],
-            "memory": {"rss_bytes": psutil.Process().memory_info().rss,
-                       "dense_bytes": self.engine.pack.manifest.dense_size},
+            "memory": {"dense_bytes": self.engine.pack.manifest.dense_size, **self._resident.split()},
             "pack_notes": list(self.engine.pack.notes),  # e.g. an old pack without dense checksums
             "pack_damage": self.engine.pack.damage.status(),  # expert records found damaged
             "verify": self.verification.status(),

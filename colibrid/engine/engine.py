@@ -111,6 +111,16 @@ class Engine:
         source was not built from settings."""
         return self._cache.budget_status() if self._cache is not None else None
 
+    def resident_buffers(self) -> dict:
+        """The big buffers whose resident bytes status measures: ``dense`` (dense.bin, read
+        into anonymous memory), ``expert_cache`` (the slab; None without a cache) and
+        ``expert_cache_hugetlb`` (its pages are hugetlb ones, which RSS does not count)."""
+        with self._experts_lock:  # never a cache a rebuild is closing
+            cache = self._cache
+            region = cache.region if cache is not None else None
+            hugetlb = cache is not None and cache.backing_info()["backing"] == "hugetlb"
+        return {"dense": self.pack.dense_buffer, "expert_cache": region, "expert_cache_hugetlb": hugetlb}
+
     def set_cache_policy(self, policy: str) -> None:
         """Eviction policy ("next-use", "lfu-decay", "lfru" or "lru"), from the next eviction on; any thread."""
         with self._experts_lock:  # never the cache a rebuild is closing

@@ -70,6 +70,11 @@ class Pack:
         for i, record in enumerate(manifest.expert_records):
             self._records[record.layer, record.expert] = i
 
+    @property
+    def dense_buffer(self) -> np.ndarray:
+        """All of dense.bin as one read-only uint8 buffer (what status measures as resident)."""
+        return self._dense
+
     @classmethod
     def open(cls, path: str | Path) -> "Pack":
         path = Path(path)

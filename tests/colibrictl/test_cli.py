@@ -425,7 +425,9 @@ STATUS = {
     "parameters_total": 6_920_000_000,
     "parameters_active": 1_280_000_000,
     "quantization": {"experts": "q4_0", "dense": "f16"},
-    "memory": {"rss_bytes": 1_610_612_736, "dense_bytes": 536_870_912},
+    "memory": {"rss_bytes": 1_610_612_736, "dense_bytes": 536_870_912, "dense_resident_bytes": 536_870_912,
+               "expert_cache_resident_bytes": 1_073_741_824, "expert_cache_in_rss": True, "kv_in_use_bytes": 0,
+               "prefix_cache_in_use_bytes": 0, "rest_bytes": 0},
     "cache": {"hits": 900, "misses": 100, "bytes_read": 3_221_225_472},
     "uptime_s": 3725,
     "requests_served": 12,
@@ -445,6 +447,8 @@ def test_status_is_an_aligned_table_with_units(fake_daemon, socket_path):
     lines = result.stdout.decode().splitlines()
     rows = {line.split("  ")[0].strip(): line for line in lines}
     assert rows["memory rss"].endswith("1.50 GiB")
+    assert rows["memory expert cache resident"].endswith("1.00 GiB")
+    assert rows["memory rest"].endswith("0 B")
     assert rows["cache bytes read"].endswith("3.00 GiB")
     assert rows["parameters total"].endswith("6.92 B")
     assert rows["uptime"].endswith("1h 02m 05s")

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
+
 from colibrid.pack.damage import DamageMarks
 from colibrid.daemon.connection import ClientLimits, ServerSettings
 from colibrid.daemon.server import Server
@@ -20,6 +22,7 @@ class FakeEngine:
         self.sampling_defaults = {}
         self.cache = {"kind": "aepc", "hits": 3, "misses": 1, "bytes_read": 4096, "slots": 8, "resident_slots": 4}
         self.budget = {"available_bytes": 1 << 30, "cache_size": "50%", "cache_bytes": 1 << 29}
+        self.dense = np.ones(123, dtype=np.uint8)
 
     def cache_status(self) -> dict:
         return dict(self.cache)
@@ -27,10 +30,13 @@ class FakeEngine:
     def memory_budget(self) -> dict:
         return dict(self.budget)
 
+    def resident_buffers(self) -> dict:
+        return {"dense": self.dense, "expert_cache": None, "expert_cache_hugetlb": False}
+
 
 def _engine_loop():
     return SimpleNamespace(tokens_generated=0, requests_served=0, requests_running=0, queue_depth=0, max_queue=16,
-                           running_status=lambda: [], batch_status=lambda: {}, kv_status=lambda: {},
+                           running_status=lambda: [], batch_status=lambda: {}, kv_status=lambda: {"used_bytes": 0},
                            prefix_cache_status=lambda: {})
 
 
@@ -42,6 +48,7 @@ def test_status_shows_what_the_constructor_and_the_engine_say():
     assert status["cache"] == engine.cache and status["memory_budget"] == engine.budget
     assert (status["cpus"], status["nice"], status["settings"]) == ({"compute": "0", "io": "1"}, 5, {"log_level": "info"})
     assert "thermal" not in status
+    assert status["memory"]["dense_resident_bytes"] == 123 and status["memory"]["expert_cache_resident_bytes"] == 0
     engine.cache["hits"] = 10  # asked again each time: a rebuilt cache shows at once
     assert server.status_event("s").fields["cache"]["hits"] == 10
     assert "cache 4/8 experts, 91% expert hits" in server.service_status(0.0)

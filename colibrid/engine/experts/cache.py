@@ -404,6 +404,11 @@ class CachedExpertSource(ExpertSource):
 
     # ---- status -------------------------------------------------------------------------
 
+    @property
+    def region(self) -> np.ndarray | None:
+        """The slab: all slots as one uint8 buffer (None once closed), for measuring residency."""
+        return self.__dict__.get("_region") if self._slab is not None else None
+
     def backing_info(self) -> dict:
         """What the machine gave the cache: backing, lock, O_DIRECT, and every fallback."""
         slab, loader = self._slab.info(), self._loader.info()

@@ -1,0 +1,28 @@
+"""resident_bytes measures pages in memory, not sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from colibrid.system.residency import process_rss_bytes, resident_bytes
+
+MIB = 1 << 20
+
+
+def test_an_untouched_buffer_is_not_resident_and_a_written_one_is():
+    buffer = np.empty(64 * MIB, dtype=np.uint8)  # large enough that malloc maps it apart
+    assert resident_bytes(buffer) < MIB
+    buffer[: 16 * MIB] = 1
+    assert 16 * MIB <= resident_bytes(buffer) < 17 * MIB
+    buffer[:] = 1
+    assert resident_bytes(buffer) == buffer.nbytes
+
+
+def test_a_view_counts_only_its_own_bytes():
+    buffer = np.ones(8 * MIB, dtype=np.uint8)
+    assert resident_bytes(buffer[100 : 100 + 5000]) == 5000
+    assert resident_bytes(buffer[:0]) == 0 and resident_bytes(None) == 0
+
+
+def test_rss_is_the_kernels_figure():
+    assert process_rss_bytes() > 10 * MIB

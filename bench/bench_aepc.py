@@ -82,7 +82,7 @@ from colibrid import native  # noqa: E402
 from colibrid.sizes import format_bytes  # noqa: E402
 from colibrid.system.memory import parse_size  # noqa: E402
 from memory_cgroup import (  # noqa: E402
-    PROCESS_ALLOWANCE_BYTES, drop_from_page_cache, evict_from_page_cache, run_in_memory_cgroup,
+    drop_from_page_cache, evict_from_page_cache, run_in_memory_cgroup,
 )
 
 OLMOE_SHAPE = dict(num_layers=16, num_experts=64, top_k=8, hidden=2048, ffn=1024, vocab=50304, heads=16, kv_heads=16)
@@ -185,13 +185,16 @@ def build_shaped_pack(out: Path, num_layers: int, num_experts: int, top_k: int, 
 def measure_disk(pack_path: Path, queue_depth: int = 16, seconds: float = 4.0, seed: int = 1) -> dict:
     """O_DIRECT read bandwidth of random whole expert records at ``queue_depth``."""
     from colibrid.engine.experts.slab import expert_slot_bytes
-    from colibrid.pack.reader import Pack
+    from colibrid.pack.experts_region import experts_region
+    from colibrid.pack.manifest import Manifest
 
-    pack = Pack.open(pack_path)
-    records = pack.manifest.expert_records
-    slot = expert_slot_bytes(pack.manifest)
+    # The manifest only: Pack.open would read all of dense.bin into memory, for nothing here.
+    manifest = Manifest.read(Path(pack_path))
+    records = manifest.expert_records
+    slot = expert_slot_bytes(manifest)
     slab = native.Slab(slot, queue_depth * 2, hugetlb=native.AepcMode.OFF, lock=native.AepcMode.OFF)
-    loader = native.Loader(pack.experts_path, queue_depth=queue_depth, max_queue_depth=max(32, queue_depth))
+    loader = native.Loader(experts_region(Path(pack_path), manifest).path, queue_depth=queue_depth,
+                           max_queue_depth=max(32, queue_depth))
     rng = np.random.default_rng(seed)
     total, start = 0, time.perf_counter()
     try:
@@ -275,12 +278,19 @@ class DecodeRun:
         except BaseException:
             self.source.close()
             raise
+        self.noncache_after_load_bytes = self.noncache_resident_bytes()  # before the cache fills
         self.rng = np.random.default_rng(seed)
         self.vocab = self.engine.config.vocab_size
         self.token = int(self.rng.integers(0, self.vocab))
         self.steps_run = 0
         self.tokens = 0
         self.elapsed = 0.0
+
+    def noncache_resident_bytes(self) -> int:
+        """This process' resident bytes less what of the expert cache's slab is resident."""
+        from colibrid.system.residency import process_rss_bytes, resident_bytes
+
+        return process_rss_bytes() - max(resident_bytes(self.source.region), 0)
 
     def _step(self) -> None:
         if self.override is not None:  # the trace's next decode step, cycling
@@ -350,6 +360,8 @@ class DecodeRun:
             "prefetch_issued": total["prefetch_issued"], "prefetch_useful": total["prefetch_useful"],
             "prediction_precision": total["prediction_precision"], "prediction_recall": total["prediction_recall"],
             "backing": source.backing_info()["backing"], "direct": source.backing_info()["direct"],
+            "noncache_after_load_bytes": self.noncache_after_load_bytes,
+            "noncache_after_decode_bytes": self.noncache_resident_bytes(),
         }
 
     def close(self) -> None:
@@ -435,13 +447,18 @@ def _rss_peak_bytes() -> int:
 
 
 def cmd_run(args) -> int:
-    from colibrid.pack.reader import Pack
+    from types import SimpleNamespace
+
+    from colibrid.pack.manifest import Manifest
 
     if args.threads:
         native.configure_default_pool(n_threads=args.threads)
-    pack = Pack.open(args.pack)
-    expert_bytes = sum(r.length for r in pack.manifest.expert_records)
-    print(f"pack {args.pack}: experts {format_bytes(expert_bytes)}, dense {format_bytes(pack.manifest.dense_size)}")
+    # The manifest only: a Pack.open here held a second copy of dense.bin (each DecodeRun
+    # opens its own) for the whole run: 489 MiB of the 547 MiB over dense + cache the issue saw.
+    manifest = Manifest.read(Path(args.pack))
+    pack = SimpleNamespace(manifest=manifest)  # what _routing_trace reads
+    expert_bytes = sum(r.length for r in manifest.expert_records)
+    print(f"pack {args.pack}: experts {format_bytes(expert_bytes)}, dense {format_bytes(manifest.dense_size)}")
     prefetches = args.prefetch.split(",")
     try:
         kinds = {prefetch_mode(p)[0] for p in prefetches}
@@ -471,7 +488,10 @@ def cmd_run(args) -> int:
                       f"{row['mb_read_per_token']:7.1f} MB/tok ({row['records_read_per_token']:.2f} records)  read {row['read_gb_per_s']:.2f} GB/s "
                       f"({row['read_vs_disk']:.0%} of disk, busy {row['disk_busy_fraction']:.0%})  "
                       f"p50 {row['read_ms_p50']} ms  precision {row['prediction_precision']}", flush=True)
-    result = {"disk": disk, "runs": rows, "peak_rss_bytes": _rss_peak_bytes()}
+    peak = _rss_peak_bytes()
+    # The cache is locked (all resident) when it can be; one cache at a time unless --alternate.
+    caches = sum(row["cache_bytes"] for row in rows) if args.alternate else max(row["cache_bytes"] for row in rows)
+    result = {"disk": disk, "runs": rows, "peak_rss_bytes": peak, "noncache_peak_bytes": peak - caches}
     if replay is not None:
         result["routing_trace"] = {"path": str(args.routing_trace), "decode_steps": int(replay.experts.shape[0]),
                                    "trace_layers": replay.layers, "guesses": replay.header.get("guesses")}
@@ -684,25 +704,60 @@ def llama_decode_in_cgroup(gguf: Path, limit: int, tokens: int, threads: int, ex
     return {**run, "tok_per_s": float(test["avg_ts"]), "stdout": None}
 
 
-def colibri_decode_in_cgroup(pack_path: Path, limit: int, tokens: int, warmup: int, queue_depth: int,
-                             policy: str, threads: int, prefetch: str) -> dict:
-    from colibrid.pack.reader import Pack
+def _run_argv(pack_path: Path, cache_bytes: int, tokens: int, warmup: int, queue_depth: int, policy: str,
+              threads: int, prefetch: str, out: Path) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "run", str(pack_path), "--cache-bytes", str(cache_bytes),
+            "--policies", policy, "--prefetch", prefetch, "--tokens", str(tokens), "--warmup", str(warmup),
+            "--queue-depth", str(queue_depth), "--threads", str(threads), "--json", str(out),
+            # hugetlb pages are not charged to a v1 memory cgroup: the cache must be, to be fair
+            "--hugepages", "off"]
 
-    pack = Pack.open(pack_path)
-    cache_bytes = limit - pack.manifest.dense_size - PROCESS_ALLOWANCE_BYTES
+
+def colibri_sizing(pack_path: Path, limit: int, tokens: int, warmup: int, queue_depth: int, threads: int) -> dict:
+    """Colibri's cache for ``limit`` (versus_memory.py): the process' non-cache resident bytes
+    measured by a probe run with one layer's worth of slots, outside the cgroup; or
+    LimitTooSmall, saying why."""
+    from colibrid.engine.experts.slab import expert_slot_bytes
+    from colibrid.pack.manifest import Manifest
+    from versus_memory import kv_cache_bytes, versus_cache_bytes
+
+    manifest = Manifest.read(Path(pack_path))
+    config = manifest.model
+    slot, min_slots = expert_slot_bytes(manifest), config.num_experts_per_tok
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "probe.json"
+        argv = _run_argv(pack_path, min_slots * slot, 2, 1, queue_depth, "lru", threads, "off", out)
+        probe = subprocess.run(argv, stdout=subprocess.DEVNULL)
+        if probe.returncode != 0:
+            raise SystemExit(f"the Colibri probe run (measuring its non-cache memory) failed with exit code "
+                             f"{probe.returncode}")
+        measured = json.loads(out.read_text())
+    noncache = measured["noncache_peak_bytes"]
+    kv = kv_cache_bytes(config.num_layers, config.num_kv_heads, config.head_dim, tokens + warmup + 16)
+    cache = versus_cache_bytes(limit, noncache, kv, slot, min_slots)
+    print(f"colibri sizing: the process needs {format_bytes(noncache)} besides its cache (measured by a probe run: "
+          f"dense {format_bytes(manifest.dense_size)} + rest {format_bytes(noncache - manifest.dense_size)}), KV "
+          f"{format_bytes(kv)}; expert cache {format_bytes(cache)}", flush=True)
+    return {"noncache_bytes": noncache, "kv_bytes": kv, "cache_bytes": cache, "dense_bytes": manifest.dense_size}
+
+
+def colibri_decode_in_cgroup(pack_path: Path, limit: int, sizing: dict, tokens: int, warmup: int, queue_depth: int,
+                             policy: str, threads: int, prefetch: str) -> dict:
+    from versus_memory import oom_message
+
     drop_from_page_cache(pack_path)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
-        argv = [sys.executable, str(Path(__file__).resolve()), "run", str(pack_path), "--cache-bytes", str(cache_bytes),
-                "--policies", policy, "--prefetch", prefetch, "--tokens", str(tokens), "--warmup", str(warmup),
-                "--queue-depth", str(queue_depth), "--threads", str(threads), "--json", str(out),
-                # hugetlb pages are not charged to a v1 memory cgroup: the cache must be, to be fair
-                "--hugepages", "off"]
+        argv = _run_argv(pack_path, sizing["cache_bytes"], tokens, warmup, queue_depth, policy, threads, prefetch, out)
         run = run_in_memory_cgroup(limit, argv)
+        if run["code"] == -9:
+            raise SystemExit(oom_message(limit, sizing["dense_bytes"], sizing["noncache_bytes"], sizing["kv_bytes"],
+                                         sizing["cache_bytes"], run))
         if run["code"] != 0:
-            raise RuntimeError(f"the Colibri run failed with exit code {run['code']}")
-        (row,) = json.loads(out.read_text())["runs"]
-    return {**run, **row}
+            raise SystemExit(f"the Colibri run failed with exit code {run['code']}")
+        measured = json.loads(out.read_text())
+        (row,) = measured["runs"]
+    return {**run, **row, "noncache_peak_bytes": measured["noncache_peak_bytes"]}
 
 
 def cmd_versus(args) -> int:
@@ -710,9 +765,10 @@ def cmd_versus(args) -> int:
     limit = parse_size(args.limit) if args.limit else int(size * args.limit_fraction)
     print(f"pack {format_bytes(size)}; memory limit {format_bytes(limit)} ({limit / size:.0%} of the pack); "
           f"{args.threads} threads", flush=True)
+    sizing = colibri_sizing(args.pack, limit, args.tokens, args.warmup, args.queue_depth, args.threads)  # or refuses
     llama = llama_decode_in_cgroup(args.gguf, limit, args.llama_tokens, args.threads, args.llama_args.split())
     print(f"llama.cpp (mmap): {llama['tok_per_s']:.2f} tok/s", flush=True)
-    colibri = colibri_decode_in_cgroup(args.pack, limit, args.tokens, args.warmup, args.queue_depth, args.policy,
+    colibri = colibri_decode_in_cgroup(args.pack, limit, sizing, args.tokens, args.warmup, args.queue_depth, args.policy,
                                        args.threads, args.prefetch)
     print(f"colibri ({format_bytes(colibri['cache_bytes'])} expert cache, {args.policy}, prefetch {args.prefetch}): "
           f"{colibri['tok_per_s']:.2f} tok/s, hit {colibri['hit_rate']:.1%}, "
@@ -721,7 +777,7 @@ def cmd_versus(args) -> int:
         print(f"ratio colibri / llama.cpp: {colibri['tok_per_s'] / llama['tok_per_s']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"limit_bytes": limit, "pack_bytes": size, "llama": llama,
-                                               "colibri": colibri}, indent=1))
+                                               "colibri": colibri, "colibri_sizing": sizing}, indent=1))
     return 0
 
 

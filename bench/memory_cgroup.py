@@ -12,9 +12,10 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 # What a Colibri process needs besides its dense weights, the expert cache (and, for the
 # daemon, its sequences' KV caches): the interpreter, numpy, tokenizers, libcolibri, logits.
-# Measured peak RSS of the process without the two is ~250 MB; the rest is headroom so the
-# cgroup never has to reclaim the pages Colibri uses (it reclaims llama.cpp's, which is the
-# point of the comparison).
+# An assumption, used by bench_serving.py only: bench_aepc.py versus measures it instead
+# (bench/versus_memory.py; about 56 MiB besides dense on the OLMoE-shaped pack). The headroom
+# keeps the cgroup from reclaiming the pages Colibri uses (it reclaims llama.cpp's, which is
+# the point of the comparison).
 PROCESS_ALLOWANCE_BYTES = 512 << 20
 
 

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import time
 
-from colibrid.system.residency import process_rss_bytes, resident_bytes
+from colibrid.native.residency import resident_bytes
+from colibrid.system.residency import process_rss_bytes
 
 KEEP_S = 1.0  # how long one measurement of the big buffers is reused
 
 
 class ResidentSplit:
+    """The split of one daemon's resident memory, its big buffers measured at most once a
+    ``keep_s``."""
+
     def __init__(self, engine, engine_loop, keep_s: float = KEEP_S) -> None:
         self.engine, self.engine_loop, self.keep_s = engine, engine_loop, keep_s
         self._measured_s = -float("inf")

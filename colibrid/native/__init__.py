@@ -1,4 +1,5 @@
-"""The bridge to libcolibri: the only package that imports ctypes.
+"""The bridge to libcolibri: the only package that loads it (and, but for the thermal watch's
+NVMe ioctl structure, the only one that imports ctypes).
 
 It loads the C library, declares every function's signature, turns non-zero status codes
 into typed exceptions (``ColibriError`` and its subclasses), and offers numpy-friendly
@@ -13,10 +14,11 @@ raises instead of crashing the process. Callers use it as one namespace
   pool          the worker pool
   compute       quantize, convert, get_rows, matmul, MoE experts and routers, norms, rope,
                 attention
-  layers        the fused layer steps (attention, latent attention, Gated DeltaNet)
+  layer_steps   the fused layer steps (attention, latent attention, Gated DeltaNet)
   checksum      CRC-32C
-  expert_cache  the AEPC: slab pool, loader, expert cache
+  aepc          the AEPC: slab pool, loader, expert cache
   io_priority   a thread's I/O priority (ioprio)
+  residency     how much of a buffer is in memory (mincore, from the C library)
 """
 
 # Every public name of every module is re-exported (no __all__ lists to keep in step: a
@@ -31,5 +33,6 @@ from colibrid.native.layer_steps import *  # noqa: F401,F403
 from colibrid.native.checksum import *  # noqa: F401,F403
 from colibrid.native.aepc import *  # noqa: F401,F403
 from colibrid.native.io_priority import *  # noqa: F401,F403
+from colibrid.native.residency import *  # noqa: F401,F403
 from colibrid.native.library import _lib  # noqa: F401
 from colibrid.native.pool import _PoolParams  # noqa: F401

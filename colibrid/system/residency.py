@@ -1,17 +1,9 @@
-"""How much of this process is resident, measured rather than assumed.
-
-    resident_bytes(array)    the bytes of ``array``'s pages that are in memory now (mincore,
-                             colibrid.native.residency)
-    process_rss_bytes()      this process' resident set (VmRSS), in bytes
-"""
+"""How much of this process is resident, as the kernel counts it (VmRSS). What of one buffer
+is resident is colibrid.native.resident_bytes (mincore)."""
 
 from __future__ import annotations
 
 import os
-
-from colibrid.native.residency import resident_bytes
-
-__all__ = ["process_rss_bytes", "resident_bytes"]
 
 
 def process_rss_bytes() -> int:

@@ -288,7 +288,8 @@ class DecodeRun:
 
     def noncache_resident_bytes(self) -> int:
         """This process' resident bytes less what of the expert cache's slab is resident."""
-        from colibrid.system.residency import process_rss_bytes, resident_bytes
+        from colibrid.native import resident_bytes
+        from colibrid.system.residency import process_rss_bytes
 
         return process_rss_bytes() - max(resident_bytes(self.source.region), 0)
 

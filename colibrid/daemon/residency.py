@@ -1,6 +1,6 @@
 """Status' split of the daemon's resident memory (``memory`` in the status event).
 
-    ResidentSplit(engine, engine_loop).split()  ->  the keys below, merged into ``memory``
+    ResidentSplit(engine).split(kv, prefix)  ->  the keys below, merged into ``memory``
 
     rss_bytes                     the daemon's resident set (VmRSS)
     dense_resident_bytes          pages of dense.bin's buffer in memory (mincore; normally all)
@@ -33,8 +33,8 @@ class ResidentSplit:
     """The split of one daemon's resident memory, its big buffers measured at most once a
     ``keep_s``."""
 
-    def __init__(self, engine, engine_loop, keep_s: float = KEEP_S) -> None:
-        self.engine, self.engine_loop, self.keep_s = engine, engine_loop, keep_s
+    def __init__(self, engine, keep_s: float = KEEP_S) -> None:
+        self.engine, self.keep_s = engine, keep_s
         self._measured_s = -float("inf")
         self._buffers = {"dense": 0, "expert_cache": 0, "expert_cache_in_rss": True}
 
@@ -48,11 +48,12 @@ class ResidentSplit:
             self._measured_s = now
         return self._buffers
 
-    def split(self) -> dict:
+    def split(self, kv_in_use_bytes: int, prefix_cache_in_use_bytes: int) -> dict:
+        """The split, given the KV and prefix-cache bytes in use: the status reports those
+        counters itself, so they are read once, for both."""
         rss = process_rss_bytes()
         buffers = self._measure_buffers()
-        kv = int(self.engine_loop.kv_status()["used_bytes"])
-        prefix = int(self.engine_loop.prefix_cache_status().get("used_bytes", 0))
+        kv, prefix = kv_in_use_bytes, prefix_cache_in_use_bytes
         in_rss = buffers["dense"] + (buffers["expert_cache"] if buffers["expert_cache_in_rss"] else 0) + kv + prefix
         return {"rss_bytes": rss, "dense_resident_bytes": buffers["dense"],
                 "expert_cache_resident_bytes": buffers["expert_cache"],

@@ -122,7 +122,7 @@ class Server:
                  thermal=None) -> None:
         self.engine = engine
         self.engine_loop = engine_loop
-        self._resident = ResidentSplit(engine, engine_loop)
+        self._resident = ResidentSplit(engine)
         self.model = describe_model(engine, pack_path)
         # Replaced as a whole on reload; a connection reads it when it needs a value.
         self.settings = settings or ServerSettings()
@@ -286,11 +286,14 @@ class Server:
     def status_event(self, request_id: RequestId) -> StatusEvent:
         cache = self.engine.cache_status()
         memory_budget = self.engine.memory_budget()
+        kv_cache, prefix_cache = self.engine_loop.kv_status(), self.engine_loop.prefix_cache_status()
+        resident = self._resident.split(kv_in_use_bytes=int(kv_cache["used_bytes"]),
+                                        prefix_cache_in_use_bytes=int(prefix_cache.get("used_bytes", 0)))
         return StatusEvent(request_id, {
             "model": self.model["name"], "path": self.model["path"], "architecture": self.model["architecture"],
             "parameters_total": self.model["parameters_total"], "parameters_active": self.model["parameters_active"],
             "quantization": self.model["quantization"], "sampling_defaults": self.model["sampling_defaults"],
-            "memory": {"dense_bytes": self.engine.pack.manifest.dense_size, **self._resident.split()},
+            "memory": {"dense_bytes": self.engine.pack.manifest.dense_size, **resident},
             "pack_notes": list(self.engine.pack.notes),  # e.g. an old pack without dense checksums
             "pack_damage": self.engine.pack.damage.status(),  # expert records found damaged
             "verify": self.verification.status(),
@@ -301,8 +304,8 @@ class Server:
             "requests_running": self.engine_loop.requests_running,
             "running": self.engine_loop.running_status(),
             "batch": self.engine_loop.batch_status(),
-            "kv_cache": self.engine_loop.kv_status(),
-            "prefix_cache": self.engine_loop.prefix_cache_status(),
+            "kv_cache": kv_cache,
+            "prefix_cache": prefix_cache,
             "queue_depth": self.engine_loop.queue_depth,
             "queue_limit": self.engine_loop.max_queue,
             "version": __version__,

@@ -28,6 +28,7 @@ from colibrictl import display
 from colibrid.wire.client import Connection
 from colibrid.wire.errors import ClientError, ProtocolViolation
 from colibrid.wire.events import RoutingEvent, SubscribedEvent
+from colibrid.wire.values import is_number
 from colibrictl.router_health import LayerHealth, RoutingWindow
 
 DEFAULT_INTERVAL_S = 1.0
@@ -109,9 +110,9 @@ class Snapshot:
             before_cache = before.get("cache") if isinstance(before.get("cache"), dict) else {}
             elapsed_s = now_s - before_s
             snapshot.interval_s = elapsed_s
-            if elapsed_s > 0 and _is_number(cache.get("bytes_read")) and _is_number(before_cache.get("bytes_read")):
+            if elapsed_s > 0 and is_number(cache.get("bytes_read")) and is_number(before_cache.get("bytes_read")):
                 snapshot.read_bytes_per_s = max(0.0, (cache["bytes_read"] - before_cache["bytes_read"]) / elapsed_s)
-            if elapsed_s > 0 and _is_number(cache.get("read_busy_s")) and _is_number(before_cache.get("read_busy_s")):
+            if elapsed_s > 0 and is_number(cache.get("read_busy_s")) and is_number(before_cache.get("read_busy_s")):
                 snapshot.read_busy_fraction = min(1.0, max(0.0, (cache["read_busy_s"] - before_cache["read_busy_s"])
                                                            / elapsed_s))
         snapshot.layers = window.layers()
@@ -140,10 +141,6 @@ class Snapshot:
             "layers": [layer.as_json() for layer in self.layers],
             "warnings": self.warnings,
         }
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,10 +191,10 @@ def render_lines(snapshot: Snapshot, width: int, height: int | None = None,
                   f"{cache.get('resident_slots', '-')}/{cache.get('slots', '-')} slots", None))
     state = thermal.get("state", "off")
     temperature = thermal.get("temperature_c")
-    thermal_line = f"thermal {state}" + (f" at {temperature:g} °C" if _is_number(temperature) else "")
+    thermal_line = f"thermal {state}" + (f" at {temperature:g} °C" if is_number(temperature) else "")
     if thermal.get("reason"):
         thermal_line += f": {thermal['reason']}"
-    elif _is_number(thermal.get("throttle_c")):
+    elif is_number(thermal.get("throttle_c")):
         thermal_line += f" (throttle at {thermal['throttle_c']:g} °C)"
     lines.append((thermal_line, "warn" if state in ("throttled", "critical", "device_missing") else None))
     for warning in snapshot.warnings:

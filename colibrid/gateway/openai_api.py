@@ -20,6 +20,7 @@ from typing import Any
 
 from colibrid.wire.events import DoneEvent, TokenEvent
 from colibrid.wire.requests import AskFields
+from colibrid.wire.values import is_number
 
 # OpenAI caps top_logprobs at 20 and stop at 4 sequences; colibrid takes the same 20.
 MAX_TOP_LOGPROBS = 20
@@ -66,10 +67,6 @@ class GenerationRequest:
 # --------------------------------------------------------------------------------------------
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _optional(body: dict[str, Any], name: str, check, expected: str) -> Any:
     value = body.get(name)
     if value is not None and not check(value):
@@ -85,10 +82,10 @@ def _sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
         if not (isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens >= 1):
             raise invalid("'max_tokens' must be an integer of at least 1", "max_tokens")
         ask["max_tokens"] = max_tokens
-    temperature = _optional(body, "temperature", lambda v: _is_number(v) and 0 <= v <= 2, "a number from 0 to 2")
+    temperature = _optional(body, "temperature", lambda v: is_number(v) and 0 <= v <= 2, "a number from 0 to 2")
     if temperature is not None:
         ask["temperature"] = float(temperature)
-    top_p = _optional(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]")
+    top_p = _optional(body, "top_p", lambda v: is_number(v) and 0 < v <= 1, "a number in (0, 1]")
     if top_p is not None:
         ask["top_p"] = float(top_p)
     seed = _optional(body, "seed", lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")

@@ -19,18 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
 from colibrid.wire.errors import ProtocolViolation, RequestId
+from colibrid.wire.values import is_int, is_number
 
 # --------------------------------------------------------------------------------------------
 # Reading a map: each field checked once, what is left kept
 # --------------------------------------------------------------------------------------------
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _is_str(value: Any) -> bool:
@@ -51,12 +44,12 @@ def _list_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 def _is_alternative(value: Any) -> bool:
     """One of a token's top_logprobs: [token_id, text, logprob]."""
-    return (isinstance(value, list) and len(value) == 3 and _is_int(value[0]) and _is_str(value[1])
-            and _is_number(value[2]))
+    return (isinstance(value, list) and len(value) == 3 and is_int(value[0]) and _is_str(value[1])
+            and is_number(value[2]))
 
 
 def _is_request_id(value: Any) -> bool:
-    return value is None or isinstance(value, str) or _is_int(value)
+    return value is None or isinstance(value, str) or is_int(value)
 
 
 _MISSING = object()
@@ -113,10 +106,10 @@ class TokenRouting:
     @classmethod
     def from_wire(cls, message: Mapping[Any, Any]) -> "TokenRouting":
         read = _Reader(message, "a token event's routing")
-        return cls(read.required("step", _is_int, "an integer"),
-                   read.required("layers", _list_of(_is_int), "a list of integers"),
-                   read.required("experts", _list_of(_list_of(_is_int)), "a list of lists of integers"),
-                   read.required("weights", _list_of(_list_of(_is_number)), "a list of lists of numbers"))
+        return cls(read.required("step", is_int, "an integer"),
+                   read.required("layers", _list_of(is_int), "a list of integers"),
+                   read.required("experts", _list_of(_list_of(is_int)), "a list of lists of integers"),
+                   read.required("weights", _list_of(_list_of(is_number)), "a list of lists of numbers"))
 
 
 @dataclass(frozen=True)
@@ -142,7 +135,7 @@ class Usage:
     @classmethod
     def from_wire(cls, message: Mapping[Any, Any]) -> "Usage":
         read = _Reader(message, "a done event's usage")
-        counters = {name: read.optional(name, _is_number, "a number", default)
+        counters = {name: read.optional(name, is_number, "a number", default)
                     for name, default in (("prompt_tokens", 0), ("cached_prompt_tokens", 0), ("generated_tokens", 0),
                                           ("time_to_first_token_ms", 0.0), ("decode_tokens_per_s", 0.0),
                                           ("expert_cache_hits", 0), ("expert_cache_misses", 0))}
@@ -169,10 +162,10 @@ class RoutingLayer:
         if not _is_map(message):
             raise ProtocolViolation(f"the daemon sent a routing event whose layers hold {message!r:.80}")
         read = _Reader(message, "a routing event's layer")
-        layer = cls(read.required("layer", _is_int, "an integer"),
-                    read.required("experts", _list_of(_is_int), "a list of integers"),
-                    read.required("counts", _list_of(_is_int), "a list of integers"),
-                    read.optional("hits", _is_int, "an integer"), read.optional("misses", _is_int, "an integer"))
+        layer = cls(read.required("layer", is_int, "an integer"),
+                    read.required("experts", _list_of(is_int), "a list of integers"),
+                    read.required("counts", _list_of(is_int), "a list of integers"),
+                    read.optional("hits", is_int, "an integer"), read.optional("misses", is_int, "an integer"))
         if len(layer.experts) != len(layer.counts):
             raise ProtocolViolation(f"the daemon sent a routing event whose layer {layer.layer} has "
                                     f"{len(layer.experts)} experts and {len(layer.counts)} counts")
@@ -223,9 +216,9 @@ class HelloEvent(_Event):
 
     @classmethod
     def _read(cls, request_id: RequestId | None, read: _Reader) -> "HelloEvent":
-        return cls(request_id, read.required("protocol", _is_int, "an integer"),
+        return cls(request_id, read.required("protocol", is_int, "an integer"),
                    read.required("server", _is_str, "a string"), read.required("model", _is_str, "a string"),
-                   read.required("max_frame_bytes", _is_int, "an integer"), extra=read.extra())
+                   read.required("max_frame_bytes", is_int, "an integer"), extra=read.extra())
 
 
 @dataclass(frozen=True)
@@ -254,9 +247,9 @@ class TokenEvent(_Event):
 
     @classmethod
     def _read(cls, request_id: RequestId | None, read: _Reader) -> "TokenEvent":
-        token_ids = read.required("token_ids", _list_of(_is_int), "a list of integers")
+        token_ids = read.required("token_ids", _list_of(is_int), "a list of integers")
         text = read.required("text", _is_str, "a string")
-        logprob = read.optional("logprob", _is_number, "a number")
+        logprob = read.optional("logprob", is_number, "a number")
         top_logprobs = read.optional("top_logprobs", _list_of(_is_alternative), "a list of [id, text, logprob]")
         routing = read.optional("routing", _is_map, "a map")
         return cls(request_id, token_ids, text, logprob, top_logprobs,
@@ -365,9 +358,9 @@ class SubscribedEvent(_Event):
     @classmethod
     def _read(cls, request_id: RequestId | None, read: _Reader) -> "SubscribedEvent":
         return cls(request_id, read.required("stream", _is_str, "a string"),
-                   read.required("moe_layers", _list_of(_is_int), "a list of integers"),
-                   read.required("num_experts", _is_int, "an integer"),
-                   read.required("experts_per_token", _is_int, "an integer"), extra=read.extra())
+                   read.required("moe_layers", _list_of(is_int), "a list of integers"),
+                   read.required("num_experts", is_int, "an integer"),
+                   read.required("experts_per_token", is_int, "an integer"), extra=read.extra())
 
 
 @dataclass(frozen=True)
@@ -390,11 +383,11 @@ class RoutingEvent(_Event):
 
     @classmethod
     def _read(cls, request_id: RequestId | None, read: _Reader) -> "RoutingEvent":
-        step, step_ms = read.required("step", _is_int, "an integer"), read.required("step_ms", _is_number, "a number")
-        rows, sequences = read.required("rows", _is_int, "an integer"), read.required("sequences", _is_int, "an integer")
+        step, step_ms = read.required("step", is_int, "an integer"), read.required("step_ms", is_number, "a number")
+        rows, sequences = read.required("rows", is_int, "an integer"), read.required("sequences", is_int, "an integer")
         layers = [RoutingLayer.from_wire(layer) for layer in read.required("layers", _list_of(_is_map), "a list of maps")]
         return cls(request_id, step, step_ms, rows, sequences, layers,
-                   read.required("dropped", _is_int, "an integer"), extra=read.extra())
+                   read.required("dropped", is_int, "an integer"), extra=read.extra())
 
 
 @dataclass(frozen=True)
@@ -434,10 +427,10 @@ class VerifyProgressEvent(_Event):
 
     @classmethod
     def _read(cls, request_id: RequestId | None, read: _Reader) -> "VerifyProgressEvent":
-        return cls(request_id, read.required("bytes_done", _is_int, "an integer"),
-                   read.required("bytes_total", _is_int, "an integer"),
-                   read.required("elapsed_s", _is_number, "a number"), read.required("mb_per_s", _is_number, "a number"),
-                   read.optional("eta_s", _is_number, "a number"), read.required("file", _is_str, "a string"),
+        return cls(request_id, read.required("bytes_done", is_int, "an integer"),
+                   read.required("bytes_total", is_int, "an integer"),
+                   read.required("elapsed_s", is_number, "a number"), read.required("mb_per_s", is_number, "a number"),
+                   read.optional("eta_s", is_number, "a number"), read.required("file", _is_str, "a string"),
                    read.required("paused", _is_bool, "a boolean"), extra=read.extra())
 
 
@@ -464,7 +457,7 @@ class VerifyDamageEvent(_Event):
     @classmethod
     def _read(cls, request_id: RequestId | None, read: _Reader) -> "VerifyDamageEvent":
         file, message = read.required("file", _is_str, "a string"), read.required("message", _is_str, "a string")
-        where = {key: read.optional(key, _is_int, "an integer") for key in ("offset", "length", "layer", "expert")}
+        where = {key: read.optional(key, is_int, "an integer") for key in ("offset", "length", "layer", "expert")}
         return cls(request_id, file, message, **where, tensor=read.optional("tensor", _is_str, "a string"),
                    extra=read.extra())
 
@@ -495,10 +488,10 @@ class VerifiedEvent(_Event):
         return cls(request_id, read.required("pack", _is_str, "a string"), read.required("clean", _is_bool, "a boolean"),
                    read.required("cancelled", _is_bool, "a boolean"),
                    read.required("damage", _list_of(_is_map), "a list of maps"),
-                   read.required("damage_found", _is_int, "an integer"),
+                   read.required("damage_found", is_int, "an integer"),
                    read.required("notes", _list_of(_is_str), "a list of strings"),
-                   read.required("files", _is_map, "a map"), read.required("bytes_read", _is_int, "an integer"),
-                   read.required("seconds", _is_number, "a number"), extra=read.extra())
+                   read.required("files", _is_map, "a map"), read.required("bytes_read", is_int, "an integer"),
+                   read.required("seconds", is_number, "a number"), extra=read.extra())
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any, Union
 from colibrid.wire.errors import ProtocolError, RequestId
 from colibrid.wire.frames import PROTOCOL_VERSION
 from colibrid.wire.sampling_params import SamplingParams  # a plain value type: the protocol imports no engine
+from colibrid.wire.values import is_int, is_number
 
 # The longest string id a request may carry, in UTF-8 bytes. Every event of a request repeats
 # its id, so without a bound one 900 kB id in an ask becomes hundreds of MB of token events.
@@ -165,20 +166,12 @@ STREAMS = ("routing",)
 _MISSING = object()
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def is_request_id(value: Any) -> bool:
     """A string of at most MAX_ID_BYTES (UTF-8) or an integer (msgpack bounds it to 64 bits)."""
     if isinstance(value, str):
         # Characters first: a long string is refused without encoding it.
         return len(value) <= MAX_ID_BYTES and len(value.encode("utf-8", "surrogatepass")) <= MAX_ID_BYTES
-    return _is_int(value)
+    return is_int(value)
 
 
 def is_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH) -> bool:
@@ -254,15 +247,15 @@ _ASK_FIELD_TYPES = {
     "special_tokens": (lambda v: isinstance(v, bool), "a boolean"),
     "system": (lambda v: isinstance(v, str), "a string"),
     "raw": (lambda v: isinstance(v, bool), "a boolean"),
-    "max_tokens": (_is_int, "an integer"),
-    "temperature": (_is_number, "a number"),
-    "top_p": (_is_number, "a number"),
-    "min_p": (_is_number, "a number"),
-    "repetition_penalty": (_is_number, "a number"),
-    "top_k": (_is_int, "an integer"),
-    "seed": (_is_int, "an integer"),
+    "max_tokens": (is_int, "an integer"),
+    "temperature": (is_number, "a number"),
+    "top_p": (is_number, "a number"),
+    "min_p": (is_number, "a number"),
+    "repetition_penalty": (is_number, "a number"),
+    "top_k": (is_int, "an integer"),
+    "seed": (is_int, "an integer"),
     "stop": (_is_string_list, "a list of strings"),
-    "logprobs": (_is_int, "an integer"),
+    "logprobs": (is_int, "an integer"),
     "ignore_eos": (lambda v: isinstance(v, bool), "a boolean"),
     "debug_routing": (lambda v: isinstance(v, bool), "a boolean"),
 }
@@ -301,7 +294,7 @@ def parse_request(message: dict[str, Any], default_max_tokens: int,
 
 def _parse_hello(message: dict[str, Any], request_id: RequestId) -> Hello:
     protocol = message.get("protocol", _MISSING)
-    if not _is_int(protocol):
+    if not is_int(protocol):
         raise ProtocolError("bad_request", "hello needs `protocol`: an integer", request_id)
     if protocol != PROTOCOL_VERSION:
         raise ProtocolError("unsupported_protocol",
@@ -366,7 +359,7 @@ def _parse_verify(message: dict[str, Any], request_id: RequestId) -> Verify:
     for name, value in (("background", background), ("stop", stop)):
         if value is not None and not isinstance(value, bool):
             raise ProtocolError("bad_request", f"verify `{name}` must be a boolean", request_id)
-    if cap is not None and not _is_number(cap):
+    if cap is not None and not is_number(cap):
         raise ProtocolError("bad_request", "verify `max_mb_per_s` must be a number", request_id)
     if cap is not None and not 0 < cap <= MAX_VERIFY_MB_PER_S:
         raise ProtocolError("invalid_params", f"verify `max_mb_per_s` must be in (0, {MAX_VERIFY_MB_PER_S:g}]",

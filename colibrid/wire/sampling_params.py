@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from colibrid.wire.values import is_int, is_number
+
 # A temperature below this samples as greedy (argmax). Dividing logits by a tiny temperature
 # overflows (1e-310 is a denormal: every score becomes +-inf and softmax NaN, garbage tokens);
 # long before that, softmax(scores / T) puts all its mass on the best token anyway. vLLM uses
@@ -73,11 +75,11 @@ class SamplingParams:
 
 
 def _check_real(name: str, value: object, allowed: str, in_range) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and in_range(value)
+    ok = is_number(value) and math.isfinite(value) and in_range(value)
     if not ok:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 def _check_int(name: str, value: object, allowed: str, in_range) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and in_range(value)):
+    if not (is_int(value) and in_range(value)):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
